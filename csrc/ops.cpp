@@ -1,0 +1,39 @@
+// The op schemas of dynamicemb. Kernels register per dispatch key in their own
+// files (table/table_cpu.cpp, ...); fake kernels are registered in Python
+// (dynamicemb/_ops.py) so torch.compile and torch.export see shapes.
+//
+// Table state is a set of slot tensors (see table/table_rules.h): slot_keys
+// int64, slot_digests uint8, slot_scores int64, slot_timestamps int64 (only
+// for the (TIMESTAMP, LFU) strategy, else empty), slot_epochs int32 (which
+// insert call last held a slot), and table_buckets int64 [num_tables + 1].
+#include <torch/library.h>
+
+TORCH_LIBRARY(dynamicemb, m) {
+  m.def(
+      "table_lookup(Tensor slot_keys, Tensor slot_digests, Tensor table_buckets, Tensor keys, "
+      "Tensor? table_ids, int bucket_capacity) -> (Tensor indices, Tensor found)");
+  m.def(
+      "table_lookup_refresh(Tensor slot_keys, Tensor slot_digests, Tensor(a!) slot_scores, "
+      "Tensor(b!) slot_timestamps, Tensor table_buckets, Tensor keys, Tensor? table_ids, "
+      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score) "
+      "-> (Tensor indices, Tensor found)");
+  m.def(
+      "table_insert(Tensor(a!) slot_keys, Tensor(b!) slot_digests, Tensor(c!) slot_scores, "
+      "Tensor(d!) slot_timestamps, Tensor(e!) slot_epochs, Tensor table_buckets, "
+      "Tensor(f!) sizes, Tensor(g!) counters, Tensor keys, Tensor? table_ids, "
+      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score, int epoch) "
+      "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
+      "Tensor evicted_indices, Tensor evicted_scores)");
+  m.def(
+      "table_erase(Tensor slot_keys, Tensor(a!) slot_digests, Tensor table_buckets, "
+      "Tensor(b!) sizes, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
+  m.def(
+      "table_export_range(Tensor slot_keys, Tensor slot_digests, Tensor? filter_scores, "
+      "Tensor table_buckets, int begin, int end, int bucket_capacity, int threshold) "
+      "-> (Tensor keys, Tensor table_ids, Tensor indices)");
+  m.def(
+      "table_rehash(Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
+      "Tensor slot_timestamps, Tensor old_table_buckets, Tensor new_table_buckets, "
+      "int bucket_capacity) -> (Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
+      "Tensor slot_timestamps, Tensor old_indices, Tensor new_indices)");
+}

@@ -1,0 +1,206 @@
+// The rules of the scored hash table, shared by the CPU (table_cpu.cpp) and
+// CUDA (table_cuda.cu) backends so that both place, find, score and evict keys
+// identically. Everything here is a small host/device function over one
+// bucket; the bulk kernels only decide which keys run where.
+//
+// Layout: one physical table of buckets, each `bucket_capacity` slots. Logical
+// table t owns buckets [table_buckets[t], table_buckets[t+1]). A slot holds a
+// key (int64), a digest (uint8) and a score (int64). The digest doubles as the
+// slot state, so that every int64 is a legal key:
+//   kEmpty  (0)  never used. Inserts fill the lowest free slot, so the used
+//                slots of a bucket form a prefix: a scan stops at kEmpty.
+//   kErased (1)  a tombstone left by erase; reused before any live slot.
+//   2..255       live, the digest of the key's hash.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DE_HD __host__ __device__ __forceinline__
+#else
+#define DE_HD inline
+#endif
+
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+#include <emmintrin.h>
+#define DE_HAVE_SSE2 1
+#endif
+
+namespace dynamicemb {
+namespace table {
+
+constexpr uint8_t kEmpty = 0;
+constexpr uint8_t kErased = 1;
+constexpr uint8_t kFirstLiveDigest = 2;
+// Digests are compared 16 at a time (one SSE2 register; one CUDA tile).
+constexpr int kGroupSize = 16;
+
+// Values match dynamicemb.DynamicEmbScoreStrategy / ScoredHashTable in Python.
+enum ScoreStrategy : int64_t {
+  kTimestamp = 0,     // score = clock at the last access (LRU)
+  kStep = 1,          // score = caller's step at the last access
+  kCustomized = 2,    // score = value given with the key
+  kLfu = 3,           // score = number of accesses (incremented by a frequency)
+  kNoEviction = 4,    // never evicts; score = clock at the last access
+  kTimestampLfu = 5,  // evicts by access count, keeps the last access time too
+};
+
+// Per-key outcome of an insert, matching dynamicemb.InsertResult.
+enum InsertResult : int8_t {
+  kInserted = 0,  // stored in a free slot
+  kAssigned = 1,  // already present
+  kEvicted = 2,   // stored by evicting the bucket's lowest-scored slot
+  kFailed = 3,    // not stored: bucket full of held slots, or NO_EVICTION
+};
+
+// ---- hashing -------------------------------------------------------------
+
+// MurmurHash3's 64-bit finalizer.
+DE_HD uint64_t fmix64(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+DE_HD uint64_t key_hash(int64_t key) {
+  return fmix64(static_cast<uint64_t>(key));
+}
+
+DE_HD uint64_t mul_hi64(uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umul64hi(a, b);
+#else
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(a) * b) >> 64);
+#endif
+}
+
+// The bucket comes from the high bits of the hash (multiply-shift), while
+// routing over ranks uses hash % world (the low bits): the keys one rank owns
+// still spread over all of its buckets. Scaling the bucket count by k sends
+// an old bucket's keys to k new buckets only, so grow never overflows one.
+DE_HD int64_t bucket_in_table(uint64_t hash, int64_t num_buckets) {
+  return static_cast<int64_t>(mul_hi64(hash, static_cast<uint64_t>(num_buckets)));
+}
+
+// Bits 32..39: independent of both the bucket (top bits) and the rank (low).
+DE_HD uint8_t digest_of(uint64_t hash) {
+  uint8_t d = static_cast<uint8_t>(hash >> 32);
+  return d < kFirstLiveDigest ? static_cast<uint8_t>(d + kFirstLiveDigest) : d;
+}
+
+DE_HD bool is_live(uint8_t digest) { return digest >= kFirstLiveDigest; }
+
+// ---- scores ----------------------------------------------------------------
+
+DE_HD bool counts_accesses(int64_t s) { return s == kLfu || s == kTimestampLfu; }
+DE_HD bool keeps_timestamps(int64_t s) { return s == kTimestampLfu; }
+DE_HD bool may_evict(int64_t s) { return s != kNoEviction; }
+
+// The per-key score argument when the caller gives none: one access for the
+// counting strategies, the call's score otherwise.
+DE_HD int64_t default_key_score(int64_t s, int64_t call_score) {
+  return counts_accesses(s) ? 1 : call_score;
+}
+
+// `call_score` is the call's clock (TIMESTAMP, NO_EVICTION, the pair's time)
+// or step (STEP); `key_score` the key's own score (CUSTOMIZED) or frequency.
+DE_HD int64_t score_on_insert(int64_t s, int64_t call_score, int64_t key_score) {
+  return (counts_accesses(s) || s == kCustomized) ? key_score : call_score;
+}
+
+DE_HD int64_t score_on_access(int64_t s, int64_t old, int64_t call_score,
+                              int64_t key_score) {
+  if (counts_accesses(s)) {
+    const int64_t limit = INT64_MAX - (key_score > 0 ? key_score : 0);
+    return old > limit ? INT64_MAX : old + key_score;  // saturate
+  }
+  return s == kCustomized ? key_score : call_score;
+}
+
+// ---- slot scan ---------------------------------------------------------------
+
+// Bit i set where group[i] == want, for the 16 digests of a group.
+DE_HD uint32_t group_match(const uint8_t* group, uint8_t want) {
+#if defined(DE_HAVE_SSE2)
+  const __m128i g = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
+  return static_cast<uint32_t>(
+      _mm_movemask_epi8(_mm_cmpeq_epi8(g, _mm_set1_epi8(static_cast<char>(want)))));
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kGroupSize; ++i) m |= static_cast<uint32_t>(group[i] == want) << i;
+  return m;
+#endif
+}
+
+// Bit i set where group[i] is kEmpty or kErased (digest < 2).
+DE_HD uint32_t group_free(const uint8_t* group) {
+#if defined(DE_HAVE_SSE2)
+  const __m128i g = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
+  // digest < 2  <=>  max(digest, 1) == 1
+  const __m128i one = _mm_set1_epi8(1);
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(g, one), one)));
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kGroupSize; ++i) m |= static_cast<uint32_t>(group[i] < kFirstLiveDigest) << i;
+  return m;
+#endif
+}
+
+DE_HD int lowest_bit(uint32_t m) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(m) - 1;
+#else
+  return __builtin_ctz(m);
+#endif
+}
+
+// Finds `key` (digest `d`) among the live slots of one bucket; returns its slot
+// or -1. With `first_free`, also reports the lowest kEmpty/kErased slot (-1 when
+// the bucket is full): the slot an insert takes.
+template <bool kWantFree>
+DE_HD int find_in_bucket(const uint8_t* digests, const int64_t* keys, int capacity,
+                         uint8_t d, int64_t key, int* first_free) {
+  if (kWantFree) *first_free = -1;
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    uint32_t m = group_match(digests + g, d);
+    while (m) {
+      const int i = lowest_bit(m);
+      if (keys[g + i] == key) return g + i;
+      m &= m - 1;
+    }
+    const uint32_t empty = group_match(digests + g, kEmpty);
+    if (kWantFree && *first_free < 0) {
+      const uint32_t f = group_free(digests + g);
+      if (f) *first_free = g + lowest_bit(f);
+    }
+    if (empty) return -1;  // the used slots are a prefix: nothing further
+  }
+  return -1;
+}
+
+// The victim order: lower score first, then lower slot index.
+DE_HD bool better_victim(int64_t score, int slot, int64_t best_score, int best_slot) {
+  return best_slot < 0 || score < best_score || (score == best_score && slot < best_slot);
+}
+
+// The slot a new key evicts from a full bucket: the lowest score among slots
+// this call does not hold (epoch != call epoch), ties to the lowest index; -1
+// when every slot is held.
+DE_HD int pick_victim(const int64_t* scores, const int32_t* epochs, int capacity,
+                      int32_t call_epoch) {
+  int best = -1;
+  int64_t best_score = 0;
+  for (int i = 0; i < capacity; ++i) {
+    if (epochs[i] == call_epoch) continue;
+    if (better_victim(scores[i], i, best_score, best)) {
+      best = i;
+      best_score = scores[i];
+    }
+  }
+  return best;
+}
+
+}  // namespace table
+}  // namespace dynamicemb

@@ -1,0 +1,296 @@
+"""ScoredHashTable: (table id, int64 key) -> (row index, score), API.md §6.
+
+A thin Python view over slot tensors; every operation is one vectorised op of
+the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
+the row index it returns addresses a value storage kept by the caller.
+"""
+import time
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from dynamicemb._ops import ops
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult, strategy_code
+
+_S = DynamicEmbScoreStrategy
+_INT32_MAX = 2**31 - 1
+
+
+class EvictedKeys(NamedTuple):
+    """Rows displaced by an insert, in the input order of the keys that displaced them."""
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    indices: torch.Tensor  # the slot, now holding the new key
+    scores: torch.Tensor  # the displaced key's score
+
+
+class InsertOutput(NamedTuple):
+    indices: torch.Tensor  # slot of each key, -1 where it failed
+    results: torch.Tensor  # int8 InsertResult per key
+    evicted: EvictedKeys
+
+
+class ExportBatch(NamedTuple):
+    keys: torch.Tensor
+    table_ids: torch.Tensor
+    indices: torch.Tensor
+    scores: torch.Tensor
+
+
+Scores = Union[None, int, torch.Tensor]
+
+
+class ScoredHashTable:
+    """A bucketed hash table of int64 keys with per-slot scores.
+
+    One physical table serves ``num_tables`` logical tables, each with its own
+    capacity (a range of buckets). ``capacity`` is one int for every table or
+    a sequence of per-table capacities, each a multiple of ``bucket_capacity``.
+
+    Scores, by strategy (``scores`` argument of insert / lookup):
+      TIMESTAMP, NO_EVICTION: ``time.monotonic_ns()`` of the call (ignored).
+      STEP: the step (an int; default ``self.step``).
+      CUSTOMIZED: an int for all keys or an int64 tensor per key (required).
+      LFU and (TIMESTAMP, LFU): access count, incremented by ``scores`` (an int
+        or a per-key tensor; default 1). The pair also keeps the access time.
+    """
+
+    def __init__(
+        self,
+        capacity: Union[int, Sequence[int]],
+        bucket_capacity: int = 128,
+        score_strategy=DynamicEmbScoreStrategy.TIMESTAMP,
+        num_tables: int = 1,
+        device: Union[str, torch.device] = "cpu",
+        table_names: Optional[Sequence[str]] = None,
+    ):
+        if not isinstance(bucket_capacity, int) or bucket_capacity <= 0 or bucket_capacity % 16:
+            raise ValueError(f"bucket_capacity must be a positive multiple of 16, got {bucket_capacity!r}")
+        if num_tables < 1:
+            raise ValueError(f"num_tables must be >= 1, got {num_tables}")
+        caps = [capacity] * num_tables if isinstance(capacity, int) else list(capacity)
+        if len(caps) != num_tables:
+            raise ValueError(f"capacity has {len(caps)} entries for {num_tables} tables")
+        self.table_names = list(table_names) if table_names is not None else [str(t) for t in range(num_tables)]
+        if len(self.table_names) != num_tables:
+            raise ValueError(f"table_names has {len(self.table_names)} entries for {num_tables} tables")
+        for t, c in enumerate(caps):
+            self._check_capacity(t, c, bucket_capacity)
+        self.device = torch.device(device)
+        self.bucket_capacity = bucket_capacity
+        self.num_tables = num_tables
+        self.strategy = strategy_code(score_strategy)
+        self.step = 0  # the STEP strategy's default score
+        self._epoch = 0
+        self._table_buckets = self._bucket_offsets([c // bucket_capacity for c in caps])
+        self._alloc_slots(sum(caps))
+        self.sizes = torch.zeros(num_tables, dtype=torch.int64, device=self.device)
+        # Per table: inserted (new keys stored), evicted, failed.
+        self.counters = torch.zeros(num_tables, 3, dtype=torch.int64, device=self.device)
+
+    # ---- layout --------------------------------------------------------------------
+
+    def _check_capacity(self, t: int, c: int, bucket_capacity: int) -> None:
+        if not isinstance(c, int) or c <= 0 or c % bucket_capacity:
+            raise ValueError(
+                f"table {self.table_names[t]!r}: capacity {c!r} must be a positive multiple "
+                f"of bucket_capacity ({bucket_capacity})"
+            )
+
+    def _bucket_offsets(self, buckets: List[int]) -> torch.Tensor:
+        # Kernels read the layout on the host (CPU) or the device (CUDA).
+        offsets = torch.tensor([0] + buckets, dtype=torch.int64).cumsum(0)
+        return offsets.to(self.device)
+
+    def _alloc_slots(self, num_slots: int) -> None:
+        z = dict(device=self.device)
+        self.slot_keys = torch.zeros(num_slots, dtype=torch.int64, **z)
+        self.slot_digests = torch.zeros(num_slots, dtype=torch.uint8, **z)  # all kEmpty
+        self.slot_scores = torch.zeros(num_slots, dtype=torch.int64, **z)
+        n_ts = num_slots if self.strategy == TIMESTAMP_LFU else 0
+        self.slot_timestamps = torch.zeros(n_ts, dtype=torch.int64, **z)
+        self.slot_epochs = torch.zeros(num_slots, dtype=torch.int32, **z)
+
+    @property
+    def table_buckets(self) -> torch.Tensor:
+        """int64 [num_tables + 1]: table t owns buckets [tb[t], tb[t+1])."""
+        return self._table_buckets
+
+    def table_slot_range(self, table_id: int) -> Tuple[int, int]:
+        tb = self._table_buckets.tolist()
+        return tb[table_id] * self.bucket_capacity, tb[table_id + 1] * self.bucket_capacity
+
+    # ---- inputs --------------------------------------------------------------------
+
+    def _keys(self, keys: torch.Tensor) -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor):
+            raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+        if keys.dtype.is_floating_point or keys.dtype.is_complex or keys.dtype == torch.bool:
+            raise TypeError(f"keys must be an integer tensor (int64), got {keys.dtype}")
+        if keys.dim() != 1:
+            raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
+        if keys.device != self.device:
+            raise ValueError(f"keys are on {keys.device}, the table is on {self.device}")
+        return keys.to(torch.int64).contiguous()
+
+    def _per_key(self, value, n: int, what: str) -> Optional[torch.Tensor]:
+        """None, or an int64 tensor of n entries, from an int or a tensor."""
+        if value is None:
+            return None
+        if isinstance(value, int):
+            return torch.full((n,), value, dtype=torch.int64, device=self.device)
+        if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
+            raise TypeError(f"{what} must be an int or an integer tensor, got {value!r:.80}")
+        if value.dim() != 1 or value.numel() != n:
+            raise ValueError(f"{what} must be 1-D with one entry per key ({n}), got shape {tuple(value.shape)}")
+        return value.to(device=self.device, dtype=torch.int64).contiguous()
+
+    def _table_ids(self, table_ids, n: int) -> Optional[torch.Tensor]:
+        if table_ids is None:
+            if self.num_tables > 1:
+                raise ValueError(f"table_ids are required: the table holds {self.num_tables} logical tables")
+            return None
+        if isinstance(table_ids, int) and not 0 <= table_ids < self.num_tables:
+            raise ValueError(f"table id {table_ids} is out of range [0, {self.num_tables})")
+        return self._per_key(table_ids, n, "table_ids")
+
+    def _scores(self, scores: Scores, n: int) -> Tuple[int, Optional[torch.Tensor]]:
+        """(call score, per-key scores) for the kernels, per the strategy."""
+        s = self.strategy
+        if s in (_S.TIMESTAMP, _S.NO_EVICTION):
+            return time.monotonic_ns(), None
+        if s == _S.STEP:
+            if isinstance(scores, torch.Tensor):
+                raise TypeError("STEP scores take one step number (an int) per call")
+            return (self.step if scores is None else int(scores)), None
+        if s == _S.CUSTOMIZED:
+            if scores is None:
+                raise ValueError("the CUSTOMIZED score strategy needs scores (an int or a tensor per key)")
+            if isinstance(scores, int):
+                return scores, None
+            return 0, self._per_key(scores, n, "scores")
+        # LFU, (TIMESTAMP, LFU): frequencies; the call score is the clock.
+        return time.monotonic_ns(), self._per_key(scores, n, "scores")
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        if self._epoch > _INT32_MAX:  # wrap: forget which call held which slot
+            self.slot_epochs.zero_()
+            self._epoch = 1
+        return self._epoch
+
+    # ---- operations ----------------------------------------------------------------
+
+    def lookup(self, keys: torch.Tensor, table_ids=None, update_score: bool = False,
+               scores: Scores = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(indices, found): the slot of each key, -1 where missing. With
+        ``update_score`` the found keys' scores are refreshed as on access."""
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        if not update_score:
+            return ops.table_lookup(self.slot_keys, self.slot_digests, self._table_buckets, keys, tids,
+                                    self.bucket_capacity)
+        call, per_key = self._scores(scores, keys.numel())
+        return ops.table_lookup_refresh(self.slot_keys, self.slot_digests, self.slot_scores,
+                                        self.slot_timestamps, self._table_buckets, keys, tids, per_key,
+                                        self.strategy, self.bucket_capacity, call)
+
+    def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None) -> InsertOutput:
+        """Finds or stores every key (see API.md §6 for the exact rules)."""
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        call, per_key = self._scores(scores, keys.numel())
+        idx, res, ek, et, ei, es = ops.table_insert(
+            self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self.slot_epochs,
+            self._table_buckets, self.sizes, self.counters, keys, tids, per_key, self.strategy,
+            self.bucket_capacity, call, self._next_epoch())
+        return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
+
+    def erase(self, keys: torch.Tensor, table_ids=None) -> torch.Tensor:
+        """Removes the keys; returns a bool mask of the keys that were present."""
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        return ops.table_erase(self.slot_keys, self.slot_digests, self._table_buckets, self.sizes, keys,
+                               tids, self.bucket_capacity)
+
+    def export(self, threshold: Optional[int] = None, batch_size: int = 1 << 16,
+               table_id: Optional[int] = None) -> Iterator[ExportBatch]:
+        """Yields the live entries in slot order, in batches of at most
+        ``batch_size`` slots scanned; with ``threshold``, only entries whose
+        score is >= threshold (for (TIMESTAMP, LFU): whose access time is)."""
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        begin, end = (0, self.slot_keys.numel()) if table_id is None else self.table_slot_range(table_id)
+        filt = None
+        if threshold is not None:
+            filt = self.slot_timestamps if self.strategy == TIMESTAMP_LFU else self.slot_scores
+        for b in range(begin, end, batch_size):
+            keys, tids, idx = ops.table_export_range(self.slot_keys, self.slot_digests, filt,
+                                                     self._table_buckets, b, min(end, b + batch_size),
+                                                     self.bucket_capacity, 0 if threshold is None else threshold)
+            if keys.numel():
+                yield ExportBatch(keys, tids, idx, self.slot_scores[idx])
+
+    def grow(self, new_capacity: Union[int, Sequence[int]], table_id: Optional[int] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rebuilds the table with larger capacities, keeping every entry and
+        score. ``new_capacity`` is for ``table_id``, or for every table (an
+        int or per-table list); each must be a multiple of the current one.
+        Returns (old_indices, new_indices) of every entry, so that the caller
+        can move its rows."""
+        caps = self.capacities()
+        if table_id is not None:
+            caps[table_id] = new_capacity
+        elif isinstance(new_capacity, int):
+            caps = [new_capacity] * self.num_tables
+        else:
+            caps = list(new_capacity)
+        old = self.capacities()
+        for t, (c, o) in enumerate(zip(caps, old)):
+            self._check_capacity(t, c, self.bucket_capacity)
+            if c < o or c % o:
+                raise ValueError(f"table {self.table_names[t]!r}: new capacity {c} must be a multiple of "
+                                 f"the current capacity {o}")
+        new_tb = self._bucket_offsets([c // self.bucket_capacity for c in caps])
+        keys, digests, scores, ts, old_idx, new_idx = ops.table_rehash(
+            self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
+            new_tb, self.bucket_capacity)
+        self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
+        self.slot_epochs = torch.zeros(keys.numel(), dtype=torch.int32, device=self.device)
+        self._table_buckets = new_tb
+        return old_idx, new_idx
+
+    # ---- accounting ----------------------------------------------------------------
+
+    def size(self, table_id: Optional[int] = None) -> int:
+        """Live keys of one table, or of all tables."""
+        return int(self.sizes.sum() if table_id is None else self.sizes[table_id])
+
+    def capacities(self) -> List[int]:
+        return [int(b) * self.bucket_capacity for b in self._table_buckets.diff().tolist()]
+
+    def capacity(self, table_id: Optional[int] = None) -> int:
+        caps = self.capacities()
+        return sum(caps) if table_id is None else caps[table_id]
+
+    def load_factor(self, table_id: Optional[int] = None) -> float:
+        return self.size(table_id) / self.capacity(table_id)
+
+    def get_counters(self, table_id: Optional[int] = None) -> dict:
+        """{"inserted", "evicted", "failed"} since the last reset, of one table or all."""
+        c = self.counters.sum(0) if table_id is None else self.counters[table_id]
+        return dict(zip(("inserted", "evicted", "failed"), c.tolist()))
+
+    def reset_counters(self) -> None:
+        self.counters.zero_()
+
+    def scores_of(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.slot_scores[indices]
+
+    def timestamps_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """Access times of (TIMESTAMP, LFU) tables; for other strategies the
+        score already is the access time or step."""
+        if self.strategy != TIMESTAMP_LFU:
+            raise ValueError("timestamps are kept only by the (TIMESTAMP, LFU) strategy")
+        return self.slot_timestamps[indices]

@@ -1,0 +1,53 @@
+"""Builds dynamicemb and its extension dynamicemb._C from csrc/.
+
+CPU kernels are always built; the CUDA kernels (csrc/**/*.cu) too when torch
+is a CUDA build and nvcc is found. Build in place for development:
+
+    python setup.py build_ext --inplace
+"""
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "**", pattern), recursive=True))
+
+
+def _extension():
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if os.environ.get("DYNAMICEMB_NO_CUDA") == "1":
+        with_cuda = False
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    common = dict(
+        name="dynamicemb._C",
+        include_dirs=[os.path.join(HERE, "csrc")],
+        py_limited_api=False,
+    )
+    if not with_cuda:
+        return cpp_extension.CppExtension(sources=_sources("*.cpp"), extra_compile_args={"cxx": cxx}, **common)
+    archs = os.environ.get("DYNAMICEMB_CUDA_ARCHS", "80;90").split(";")
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DDYNAMICEMB_WITH_CUDA"]
+    for a in archs:
+        nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    return cpp_extension.CUDAExtension(
+        sources=_sources("*.cpp") + _sources("*.cu"),
+        extra_compile_args={"cxx": cxx + ["-DDYNAMICEMB_WITH_CUDA"], "nvcc": nvcc},
+        **common,
+    )
+
+
+setup(
+    name="dynamicemb",
+    version="0.1.0",
+    description="Dynamic, hash-table-backed embedding tables for TorchRec",
+    packages=find_packages(include=["dynamicemb", "dynamicemb.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+)
