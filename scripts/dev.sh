@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Sets everything up (idempotent, fast when nothing changed), then runs:
+#   scripts/dev.sh example [args]   the main job (example.py, 2 CPU ranks)
+#   scripts/dev.sh test [pytest args]
+#   scripts/dev.sh bench NAME [args] benchmark/bench_NAME.py
+#   scripts/dev.sh python [args]    the environment's python
+# The environment is .venv beside this checkout (DYNAMICEMB_VENV overrides).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${DYNAMICEMB_VENV:-$ROOT/.venv}
+cd "$ROOT"
+
+# 1. A virtual environment with the pinned dependencies; a stamp named after
+#    the requirement files' hash skips this step when they did not change.
+deps_hash=$(cat requirements.txt requirements-torchrec.txt | sha256sum | cut -c1-16)
+if [ ! -f "$VENV/.deps-$deps_hash" ]; then
+  echo "[dev] installing dependencies into $VENV" >&2
+  [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements-torchrec.txt
+  rm -f "$VENV"/.deps-*
+  touch "$VENV/.deps-$deps_hash"
+fi
+PY="$VENV/bin/python"
+
+# 2. This checkout on the environment's path (an editable install by hand).
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$ROOT" > "$site/dynamicemb-dev.pth"
+
+# 3. The extension, built in place; ninja rebuilds only what changed.
+"$PY" setup.py -q build_ext --inplace > "$VENV/build.log" 2>&1 || {
+  cat "$VENV/build.log" >&2
+  exit 1
+}
+
+cmd=${1:-example}
+shift || true
+case "$cmd" in
+  example) exec "$PY" example.py "$@" ;;
+  test)
+    set +e
+    "$PY" -m pytest "$@"
+    rc=$?
+    [ $rc -eq 5 ] && { echo "[dev] no tests were collected" >&2; exit 1; }
+    exit $rc
+    ;;
+  bench) name=$1; shift; exec "$PY" "benchmark/bench_$name.py" "$@" ;;
+  python) exec "$PY" "$@" ;;
+  *) echo "usage: scripts/dev.sh {example|test|bench NAME|python} [args]" >&2; exit 2 ;;
+esac
