@@ -23,7 +23,7 @@ def _extension():
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if os.environ.get("DYNAMICEMB_NO_CUDA") == "1":
         with_cuda = False
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off", "-g0"]
     common = dict(
         name="dynamicemb._C",
         include_dirs=[os.path.join(HERE, "csrc")],
@@ -32,7 +32,7 @@ def _extension():
     if not with_cuda:
         return cpp_extension.CppExtension(sources=_sources("*.cpp"), extra_compile_args={"cxx": cxx}, **common)
     archs = os.environ.get("DYNAMICEMB_CUDA_ARCHS", "80;90").split(";")
-    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DDYNAMICEMB_WITH_CUDA"]
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-fmad=false", "-DDYNAMICEMB_WITH_CUDA"]
     for a in archs:
         nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     return cpp_extension.CUDAExtension(

@@ -36,4 +36,22 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor slot_timestamps, Tensor old_table_buckets, Tensor new_table_buckets, "
       "int bucket_capacity) -> (Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
       "Tensor slot_timestamps, Tensor old_indices, Tensor new_indices)");
+
+  // Embedding layer (csrc/embedding): bags in TBE layout (offsets [F * B + 1]),
+  // rows are table-local (-1: no row; the key reads its initial value).
+  m.def(
+      "emb_unique(Tensor indices, Tensor offsets, int[] feature_table, int num_tables) "
+      "-> (Tensor unique_keys, Tensor unique_table_ids, Tensor inverse, Tensor counts)");
+  m.def(
+      "emb_init_rows(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, int[] dims, "
+      "Tensor init_params, int seed) -> ()");
+  m.def(
+      "emb_forward(Tensor[] weights, Tensor rows, Tensor unique_keys, Tensor inverse, Tensor offsets, "
+      "int[] feature_table, int[] dims, Tensor? per_sample_weights, int pooling, Tensor init_params, "
+      "int seed, ScalarType output_dtype) -> Tensor");
+  m.def(
+      "emb_backward_update(Tensor grad_output, Tensor(a!)[] weights, Tensor rows, "
+      "Tensor unique_table_ids, Tensor inverse, Tensor offsets, int[] feature_table, int[] dims, "
+      "Tensor? per_sample_weights, int pooling, int optimizer, float lr, float eps, float beta1, "
+      "float beta2, float weight_decay, int step) -> ()");
 }

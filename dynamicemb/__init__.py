@@ -1,4 +1,14 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
+from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.optimizer import EmbOptimType
+from dynamicemb.options import (
+    DynamicEmbInitializerArgs,
+    DynamicEmbInitializerMode,
+    DynamicEmbTableOptions,
+    FrequencyAdmissionStrategy,
+    KVCounter,
+)
+from dynamicemb.storage import EmbeddingStorage, HashTableStorage
 from dynamicemb.table import EvictedKeys, ExportBatch, InsertOutput, ScoredHashTable
 from dynamicemb.types import (
     DynamicEmbCheckMode,
@@ -8,6 +18,15 @@ from dynamicemb.types import (
 )
 
 __all__ = [
+    "BatchedDynamicEmbeddingTables",
+    "DynamicEmbInitializerArgs",
+    "DynamicEmbInitializerMode",
+    "DynamicEmbTableOptions",
+    "EmbOptimType",
+    "EmbeddingStorage",
+    "FrequencyAdmissionStrategy",
+    "HashTableStorage",
+    "KVCounter",
     "DynamicEmbCheckMode",
     "DynamicEmbPoolingMode",
     "DynamicEmbScoreStrategy",

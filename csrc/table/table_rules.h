@@ -14,11 +14,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define DE_HD __host__ __device__ __forceinline__
-#else
-#define DE_HD inline
-#endif
+#include "common/hd.h"
 
 #if defined(__SSE2__) && !defined(__CUDA_ARCH__)
 #include <emmintrin.h>

@@ -1,0 +1,119 @@
+// Parallel building blocks of the CPU kernels: a stable partition of
+// positions into parts, order-preserving compaction, per-group tallies.
+// Results never depend on the thread count.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace dynamicemb {
+namespace cpu {
+
+// Chunks of about `grain` items, at most `per_thread` per thread.
+inline int64_t num_chunks(int64_t n, int64_t grain, int64_t per_thread = 4) {
+  return std::max<int64_t>(1, std::min<int64_t>(per_thread * at::get_num_threads(), n / grain));
+}
+
+// Positions 0..n-1 grouped by part(i) in [0, parts), input order kept within a
+// part (a parallel stable counting sort). With one part the order is the
+// identity and nothing is stored.
+class StablePartition {
+ public:
+  template <class PartFn>
+  StablePartition(int64_t n, int64_t parts, PartFn part) : n_(n), parts_(std::max<int64_t>(1, parts)) {
+    if (parts_ == 1) return;
+    const int64_t P = parts_;
+    const int64_t chunks = num_chunks(n, 8192);
+    const int64_t len = (n + chunks - 1) / chunks;
+    std::vector<int64_t> off(chunks * P, 0);
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) ++off[c * P + part(i)];
+    });
+    begin_.assign(P + 1, 0);
+    int64_t run = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      begin_[p] = run;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t cnt = off[c * P + p];
+        off[c * P + p] = run;
+        run += cnt;
+      }
+    }
+    begin_[P] = run;
+    order_.resize(n);
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) order_[off[c * P + part(i)]++] = i;
+    });
+  }
+
+  int64_t parts() const { return parts_; }
+  int64_t begin(int64_t p) const { return parts_ == 1 ? 0 : begin_[p]; }
+  int64_t end(int64_t p) const { return parts_ == 1 ? n_ : begin_[p + 1]; }
+  int64_t pos(int64_t j) const { return parts_ == 1 ? j : order_[j]; }
+
+  // fn(part) for every part, parts in parallel.
+  template <class Fn>
+  void for_each_part(Fn fn) const {
+    if (parts_ == 1) return fn(int64_t{0});
+    at::parallel_for(0, parts_, 1, [&](int64_t pb, int64_t pe) {
+      for (int64_t p = pb; p < pe; ++p) fn(p);
+    });
+  }
+
+ private:
+  int64_t n_, parts_;
+  std::vector<int64_t> begin_, order_;
+};
+
+// Order-preserving stream compaction: counts keep(i) per chunk, calls
+// alloc(total), then emit(i, out_pos) for each kept i in input order.
+template <class Keep, class Alloc, class Emit>
+int64_t compact(int64_t n, Keep keep, Alloc alloc, Emit emit) {
+  const int64_t chunks = num_chunks(n, 16384);
+  const int64_t len = std::max<int64_t>(1, (n + chunks - 1) / chunks);
+  std::vector<int64_t> start(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t k = 0;
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) k += keep(i);
+      start[c + 1] = k;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
+  alloc(start[chunks]);
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t o = start[c];
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i)
+        if (keep(i)) emit(i, o++);
+    }
+  });
+  return start[chunks];
+}
+
+// Counts per (group(i), cls(i)) with group in [0, G) and cls in [0, K)
+// (a negative cls is not counted): a G x K row-major vector.
+template <class Group, class Cls>
+std::vector<int64_t> tally(int64_t n, int64_t G, int K, Group group, Cls cls) {
+  const int64_t chunks = num_chunks(n, 16384, 1);
+  const int64_t len = std::max<int64_t>(1, (n + chunks - 1) / chunks);
+  std::vector<int64_t> acc(chunks * G * K, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c)
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) {
+        const int k = cls(i);
+        if (k >= 0) ++acc[(c * G + group(i)) * K + k];
+      }
+  });
+  std::vector<int64_t> out(G * K, 0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < G * K; ++j) out[j] += acc[c * G * K + j];
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace dynamicemb

@@ -1,0 +1,142 @@
+// Initial values of embedding rows: a pure function of (seed, table, key,
+// element), shared by the CPU and CUDA backends.
+//
+// Randomness is counter-based (Philox4x32-10 keyed by the seed, counter =
+// (key, table, block)), so a key's initial row does not depend on batch
+// order, rank or world size. The math uses only IEEE-exact operations (+, -,
+// *, /, sqrt, frexp/ldexp) in double precision, with our own log and cos, so
+// that both backends produce bit-identical rows (compile without FMA
+// contraction: -ffp-contract=off, nvcc -fmad=false).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common/hd.h"
+
+namespace dynamicemb {
+namespace init {
+
+// Values match dynamicemb.DynamicEmbInitializerMode.
+enum Mode : int64_t { kNormal = 0, kTruncatedNormal = 1, kUniform = 2, kConstant = 3, kDebug = 4 };
+
+// One table's initializer; mirrors DynamicEmbInitializerArgs (packed by the
+// Python side into a float64 row: mode, mean, std_dev, lower, upper, value).
+struct Args {
+  int64_t mode;
+  double mean, std_dev, lower, upper, value;
+};
+constexpr int kArgsWidth = 6;
+
+DE_HD Args args_from(const double* row) {
+  return Args{static_cast<int64_t>(row[0]), row[1], row[2], row[3], row[4], row[5]};
+}
+
+// ---- Philox4x32-10 -------------------------------------------------------------
+
+DE_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
+  const uint64_t p = static_cast<uint64_t>(a) * b;
+  *hi = static_cast<uint32_t>(p >> 32);
+  *lo = static_cast<uint32_t>(p);
+}
+
+// The 32-bit output `n` of the stream of (seed, table, key).
+DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
+  uint32_t c[4] = {static_cast<uint32_t>(key), static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32),
+                   static_cast<uint32_t>(table), static_cast<uint32_t>(n >> 2)};
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int r = 0; r < 10; ++r) {
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo32(0xD2511F53u, c[0], &hi0, &lo0);
+    mulhilo32(0xCD9E8D57u, c[2], &hi1, &lo1);
+    const uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c[n & 3];
+}
+
+// Uniform in the open interval (0, 1).
+DE_HD double uniform01(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
+  return (static_cast<double>(philox_u32(seed, table, key, n)) + 0.5) * (1.0 / 4294967296.0);
+}
+
+// ---- exact-operation math --------------------------------------------------------
+
+// ln(x) for x > 0: x = m * 2^e with m in [sqrt(1/2), sqrt(2)), then
+// ln(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172.
+DE_HD double ln(double x) {
+  int e;
+  double m = frexp(x, &e);  // m in [0.5, 1)
+  if (m < 0.70710678118654752440) {
+    m *= 2.0;
+    e -= 1;
+  }
+  const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+  double term = s, sum = 0.0;
+  for (int k = 1; k <= 31; k += 2) {
+    sum = sum + term / k;
+    term = term * s2;
+  }
+  return 2.0 * sum + e * 0.69314718055994530942;
+}
+
+// cos(2 pi t) for t in [0, 1].
+DE_HD double cos_turns(double t) {
+  double y = t - static_cast<double>(static_cast<int64_t>(t + 0.5));  // [-0.5, 0.5]
+  if (y < 0) y = -y;
+  double sign = 1.0;
+  if (y > 0.25) {  // cos(2 pi y) = -cos(2 pi (0.5 - y))
+    y = 0.5 - y;
+    sign = -1.0;
+  }
+  const double a = 6.28318530717958647693 * y, a2 = a * a;  // [0, pi/2]
+  double term = 1.0, sum = 0.0;
+  for (int k = 0; k < 13; ++k) {
+    sum = sum + term;
+    term = -term * a2 / ((2 * k + 1) * (2 * k + 2));
+  }
+  return sign * sum;
+}
+
+// Standard normal number `m` of the stream (Box-Muller on uniforms 2m, 2m+1).
+DE_HD double std_normal(uint64_t seed, int64_t table, int64_t key, uint64_t m) {
+  const double u1 = uniform01(seed, table, key, 2 * m), u2 = uniform01(seed, table, key, 2 * m + 1);
+  return sqrt(-2.0 * ln(u1)) * cos_turns(u2);
+}
+
+DE_HD int64_t floor_mod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return r < 0 ? r + b : r;
+}
+
+// ---- the initial value ----------------------------------------------------------------
+
+// Element j (of `dim`) of the initial row of `key` in `table`.
+DE_HD float value(const Args& a, uint64_t seed, int64_t table, int64_t key, int64_t j, int64_t dim) {
+  switch (a.mode) {
+    case kUniform:
+      return static_cast<float>(a.lower + (a.upper - a.lower) * uniform01(seed, table, key, j));
+    case kNormal:
+      return static_cast<float>(a.mean + a.std_dev * std_normal(seed, table, key, j));
+    case kTruncatedNormal: {
+      // Rejection: try j, j + dim, j + 2 dim, ... until within [lower, upper].
+      for (int r = 0; r < 64; ++r) {
+        const double x = a.mean + a.std_dev * std_normal(seed, table, key, j + r * dim);
+        if (x >= a.lower && x <= a.upper) return static_cast<float>(x);
+      }
+      return static_cast<float>(a.mean < a.lower ? a.lower : (a.mean > a.upper ? a.upper : a.mean));
+    }
+    case kDebug:  // readable in tests: key mod 100000 / 100, plus j / 10000
+      return static_cast<float>(floor_mod(key, 100000) * 0.01 + j * 0.0001);
+    case kConstant:
+    default:
+      return static_cast<float>(a.value);
+  }
+}
+
+}  // namespace init
+}  // namespace dynamicemb

@@ -1,0 +1,189 @@
+"""BatchedDynamicEmbeddingTables: the dynamic counterpart of FBGEMM's
+SplitTableBatchedEmbeddingBagsCodegen (TBE), which TorchRec's sharded lookups
+wrap.
+
+One module serves many tables and features with TBE-style inputs (indices,
+offsets [F * B + 1], feature -> table map). A training forward deduplicates
+keys per table, finds or inserts them in the storage (new keys get their
+initial value), gathers and pools; the backward reduces one gradient per
+unique key and applies the optimizer to the rows in place (fused: no dense
+gradient, no optimizer.step()). In eval mode keys are only looked up.
+"""
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from dynamicemb._ops import ops
+from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
+from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.storage import EmbeddingStorage, HashTableStorage
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode
+
+
+def pooling_code(pooling) -> int:
+    """DynamicEmbPoolingMode, or TorchRec's PoolingType / FBGEMM's PoolingMode by name."""
+    name = getattr(pooling, "name", pooling)
+    try:
+        return int(DynamicEmbPoolingMode[str(name).upper()])
+    except KeyError:
+        raise ValueError(f"unknown pooling mode {pooling!r}; use SUM, MEAN or NONE") from None
+
+
+class _LookupFunction(torch.autograd.Function):
+    """Forward: gather + pool. Backward: the fused optimizer update; no
+    gradient flows to any tensor input (the anchor only hooks autograd in)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights):
+        ctx.module = module
+        ctx.save_for_backward(rows, unique_table_ids, inverse, offsets, per_sample_weights)
+        return module._gather(rows, unique_keys, inverse, offsets, per_sample_weights, training=True)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows, unique_table_ids, inverse, offsets, psw = ctx.saved_tensors
+        ctx.module._apply_gradients(grad_output, rows, unique_table_ids, inverse, offsets, psw)
+        return (None,) * 8
+
+
+class BatchedDynamicEmbeddingTables(nn.Module):
+    """Dynamic embedding tables with a fused optimizer.
+
+    Args:
+        table_options: one DynamicEmbTableOptions per table (dim and
+            max_capacity required).
+        table_names: for stats and error messages.
+        feature_table_map: table of each feature (default: feature i -> table i).
+        pooling_mode: SUM, MEAN or NONE (one row per index; needs one dim).
+        optimizer: EmbOptimType EXACT_SGD, ADAM, EXACT_ADAGRAD or
+            EXACT_ROWWISE_ADAGRAD, with FBGEMM's hyper-parameter names.
+        output_dtype: dtype of the output (accumulation is float32).
+        seed: the initializers' seed; a key's initial row is a pure function
+            of (seed, table, key).
+        storage: an EmbeddingStorage to use instead of the default
+            HashTableStorage.
+    """
+
+    def __init__(self, table_options: Sequence[DynamicEmbTableOptions], table_names: Optional[Sequence[str]] = None,
+                 feature_table_map: Optional[Sequence[int]] = None, pooling_mode=DynamicEmbPoolingMode.SUM,
+                 optimizer=EmbOptimType.EXACT_SGD, learning_rate: float = 0.01, eps: float = 1.0e-8,
+                 beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
+                 output_dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
+                 storage: Optional[EmbeddingStorage] = None):
+        super().__init__()
+        if not table_options:
+            raise ValueError("BatchedDynamicEmbeddingTables needs at least one table")
+        self.table_names = list(table_names) if table_names is not None else [f"t{i}" for i in range(len(table_options))]
+        if len(self.table_names) != len(table_options):
+            raise ValueError(f"{len(self.table_names)} table names for {len(table_options)} tables")
+        for name, o in zip(self.table_names, table_options):
+            o.validate(name)
+        self.table_options = list(table_options)
+        self.num_tables = len(table_options)
+        self.dims = [o.dim for o in table_options]
+        self.feature_table_map = list(feature_table_map) if feature_table_map is not None else list(range(self.num_tables))
+        for f, t in enumerate(self.feature_table_map):
+            if not 0 <= t < self.num_tables:
+                raise ValueError(f"feature {f} maps to table {t}, outside [0, {self.num_tables})")
+        self.pooling = pooling_code(pooling_mode)
+        if self.pooling == DynamicEmbPoolingMode.NONE and len({self.dims[t] for t in self.feature_table_map}) > 1:
+            raise ValueError(f"pooling NONE needs one dim for all tables, got {self.dims}")
+        self.optimizer = optimizer_code(optimizer)
+        self.learning_rate, self.eps, self.beta1, self.beta2 = learning_rate, eps, beta1, beta2
+        self.weight_decay = weight_decay
+        self.output_dtype = output_dtype
+        self.seed = seed
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        dtypes = {o.embedding_dtype or torch.float32 for o in table_options}
+        if len(dtypes) > 1:
+            raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")
+        self.embedding_dtype = dtypes.pop()
+        widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
+        self.storage = storage or HashTableStorage(self.table_names, self.table_options, widths,
+                                                   self.embedding_dtype, self.device, seed)
+        self.step = 0  # training forwards so far (the STEP score)
+        self.optimizer_step = 0  # optimizer updates so far (Adam's bias correction)
+        self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        # Hooks the output into autograd so backward reaches the fused update.
+        self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _check_input(self, indices, offsets, per_sample_weights):
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{name} must be an int64 or int32 tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        indices = indices.to(torch.int64).contiguous()
+        offsets = offsets.to(torch.int64).contiguous()
+        if per_sample_weights is not None:
+            if per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices.numel():
+                raise ValueError(f"per_sample_weights must be 1-D with one weight per index ({indices.numel()}), "
+                                 f"got shape {tuple(per_sample_weights.shape)}")
+            per_sample_weights = per_sample_weights.to(torch.float32).contiguous()
+        return indices, offsets, per_sample_weights
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        indices, offsets, psw = self._check_input(indices, offsets, per_sample_weights)
+        ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
+        if not self.training:
+            rows = self.storage.find(ukeys, utids)
+            return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
+        self.step += 1
+        res = self.storage.find_or_insert(ukeys, utids, counts, self.step)
+        self._report_failures(res.failed)
+        return _LookupFunction.apply(self._anchor, self, res.rows, ukeys, utids, inverse, offsets, psw)
+
+    def _gather(self, rows, ukeys, inverse, offsets, psw, training: bool) -> torch.Tensor:
+        init = self.storage.init_params if training else self.storage.eval_init_params
+        return ops.emb_forward(self.storage.weights(), rows, ukeys, inverse, offsets, self.feature_table_map,
+                               self.dims, psw, self.pooling, init, self.seed, self.output_dtype)
+
+    def _report_failures(self, failed: torch.Tensor) -> None:
+        """Counts keys that could not be stored; raises or warns per safe_check_mode."""
+        if not bool(failed.any()):
+            return
+        self.failed += failed
+        msgs = []
+        for t in failed.nonzero().squeeze(1).tolist():
+            mode = self.table_options[t].safe_check_mode
+            msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {self.step} "
+                   f"(bucket full of keys held by this batch, or NO_EVICTION at max capacity); "
+                   f"they read their initial value")
+            if mode == DynamicEmbCheckMode.ERROR:
+                raise RuntimeError("dynamicemb: " + msg)
+            if mode == DynamicEmbCheckMode.WARNING:
+                msgs.append(msg)
+        if msgs:
+            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=3)
+
+    # ---- backward ---------------------------------------------------------------------------
+
+    def _apply_gradients(self, grad_output, rows, utids, inverse, offsets, psw) -> None:
+        if not all(o.training for o in self.table_options):
+            raise RuntimeError("dynamicemb: a table built with training=False has no optimizer state to update")
+        self.optimizer_step += 1
+        ops.emb_backward_update(grad_output.to(torch.float32).contiguous(), self.storage.weights(), rows, utids,
+                                inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
+                                self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
+                                self.weight_decay, self.optimizer_step)
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.learning_rate = lr
+
+    def set_score(self, score: int, table_id: Optional[int] = None) -> None:
+        """The CUSTOMIZED score given to keys accessed from now on."""
+        for t in range(self.num_tables) if table_id is None else [table_id]:
+            self.storage.custom_scores[t] = int(score)
+
+    def table_stats(self) -> dict:
+        """{table_name: {size, capacity, inserted, evicted, failed, admission_rejected}}."""
+        return {n: self.storage.stats(t) for t, n in enumerate(self.table_names)}

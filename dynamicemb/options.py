@@ -1,0 +1,116 @@
+"""Per-table options (API.md §1) and the admission types."""
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+
+
+class DynamicEmbInitializerMode(enum.IntEnum):
+    """Codes match init::Mode in csrc/embedding/init_rules.h."""
+
+    NORMAL = 0
+    TRUNCATED_NORMAL = 1
+    UNIFORM = 2
+    CONSTANT = 3
+    DEBUG = 4  # key mod 100000 / 100 + j / 10000: readable values for tests
+
+
+@dataclass
+class DynamicEmbInitializerArgs:
+    """How a new key's row is initialised. Unset UNIFORM bounds default to
+    ±sqrt(1 / num_embeddings); unset TRUNCATED_NORMAL bounds to mean ± 2 std_dev."""
+
+    mode: DynamicEmbInitializerMode = DynamicEmbInitializerMode.UNIFORM
+    mean: float = 0.0
+    std_dev: float = 1.0
+    lower: Optional[float] = None
+    upper: Optional[float] = None
+    value: float = 0.0
+
+    def packed(self, num_embeddings: Optional[int]) -> list:
+        """[mode, mean, std_dev, lower, upper, value] for the kernels (init::Args)."""
+        lower, upper = self.lower, self.upper
+        if self.mode == DynamicEmbInitializerMode.UNIFORM:
+            bound = math.sqrt(1.0 / num_embeddings) if num_embeddings else 0.0
+            lower = -bound if lower is None else lower
+            upper = bound if upper is None else upper
+        elif self.mode == DynamicEmbInitializerMode.TRUNCATED_NORMAL:
+            lower = self.mean - 2 * self.std_dev if lower is None else lower
+            upper = self.mean + 2 * self.std_dev if upper is None else upper
+        if lower is not None and upper is not None and lower > upper:
+            raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}")
+        return [float(int(self.mode)), self.mean, self.std_dev, lower or 0.0, upper or 0.0, self.value]
+
+
+@dataclass
+class FrequencyAdmissionStrategy:
+    """Store a new key only once it has been seen `threshold` times."""
+
+    threshold: int
+
+    def __post_init__(self):
+        if self.threshold < 1:
+            raise ValueError(f"admission threshold must be >= 1, got {self.threshold}")
+
+
+@dataclass
+class KVCounter:
+    """Counts sightings of keys not yet admitted, in a table of `capacity`
+    slots (the lowest counts are evicted when it is full)."""
+
+    capacity: int
+    bucket_capacity: int = 128
+
+
+@dataclass
+class DynamicEmbTableOptions:
+    dim: Optional[int] = None
+    embedding_dtype: Optional[torch.dtype] = None
+    index_type: torch.dtype = torch.int64
+    init_capacity: Optional[int] = None
+    max_capacity: Optional[int] = None
+    max_load_factor: float = 0.5
+    bucket_capacity: int = 128
+    score_strategy: object = DynamicEmbScoreStrategy.TIMESTAMP
+    initializer_args: DynamicEmbInitializerArgs = field(default_factory=DynamicEmbInitializerArgs)
+    eval_initializer_args: DynamicEmbInitializerArgs = field(
+        default_factory=lambda: DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.CONSTANT, value=0.0)
+    )
+    safe_check_mode: DynamicEmbCheckMode = DynamicEmbCheckMode.WARNING
+    global_hbm_for_values: int = 0
+    caching: bool = False
+    dist_type: str = "hash_roundrobin"
+    admit_strategy: Optional[FrequencyAdmissionStrategy] = None
+    admission_counter: Optional[KVCounter] = None
+    training: bool = True
+    # The table's global row count (TorchRec's num_embeddings), for the
+    # default initializer bounds; filled by the planner when None.
+    num_embeddings: Optional[int] = None
+
+    def validate(self, name: str) -> None:
+        """Raises ValueError naming the table for options that cannot work."""
+        def bad(msg):
+            raise ValueError(f"table {name!r}: {msg}")
+
+        if self.dim is None or self.dim <= 0:
+            bad(f"dim must be a positive int, got {self.dim!r}")
+        if self.index_type not in (torch.int64, torch.int32):
+            bad(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
+        if self.embedding_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            bad(f"embedding_dtype must be float32, float16 or bfloat16, got {self.embedding_dtype}")
+        if not isinstance(self.bucket_capacity, int) or self.bucket_capacity <= 0 or self.bucket_capacity % 16:
+            bad(f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity!r}")
+        if self.max_capacity is None or self.max_capacity <= 0:
+            bad(f"max_capacity must be a positive int, got {self.max_capacity!r}")
+        if self.init_capacity is not None and not 0 < self.init_capacity <= self.max_capacity:
+            bad(f"init_capacity {self.init_capacity} must be in (0, max_capacity={self.max_capacity}]")
+        if not 0 < self.max_load_factor <= 1:
+            bad(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
+        if self.dist_type not in ("hash_roundrobin", "roundrobin", "continuous"):
+            bad(f"unknown dist_type {self.dist_type!r}; use 'hash_roundrobin', 'roundrobin' or 'continuous'")
+        if (self.admit_strategy is None) != (self.admission_counter is None):
+            bad("admit_strategy and admission_counter must be given together")

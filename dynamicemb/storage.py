@@ -1,0 +1,272 @@
+"""Where the rows of a module's tables live.
+
+`EmbeddingStorage` is the interface the embedding module uses: it asks for the
+rows of unique keys (finding, inserting and initialising them), and its
+kernels read and update those rows in place through `weights()`. A row is
+[value (dim) | optimizer state], in the table's storage dtype.
+`HashTableStorage` keeps every row in one tier (host memory on CPU, device
+memory on CUDA); host-memory and cache tiers implement the same interface.
+"""
+import abc
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from dynamicemb._ops import ops
+from dynamicemb.admission import AdmissionCounter
+from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.table import ScoredHashTable
+from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
+
+_S = DynamicEmbScoreStrategy
+
+
+@dataclass
+class FindOrInsertResult:
+    rows: torch.Tensor  # table-local row per key, -1 when the key has no row
+    failed: torch.Tensor  # per table: keys that could not be stored in this call
+    rejected: torch.Tensor  # per table: keys refused by admission in this call
+
+
+class EmbeddingStorage(abc.ABC):
+    @abc.abstractmethod
+    def weights(self) -> List[torch.Tensor]:
+        """Per table, the [rows, dim + state] tensor the kernels address."""
+
+    @abc.abstractmethod
+    def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the keys (-1 where missing); inserts nothing, scores unchanged."""
+
+    @abc.abstractmethod
+    def find_or_insert(self, keys: torch.Tensor, table_ids: torch.Tensor, counts: torch.Tensor,
+                       step: int) -> FindOrInsertResult:
+        """Rows of distinct keys, storing the missing ones (admission and
+        capacity permitting) with their initial value and fresh optimizer
+        state; refreshes scores. `counts`: occurrences of each key (LFU)."""
+
+    @abc.abstractmethod
+    def export(self, table_id: int, batch_size: int = 1 << 16, threshold: Optional[int] = None
+               ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Batches of (keys, rows [n, dim + state], scores) of one table."""
+
+    @abc.abstractmethod
+    def stats(self, table_id: int) -> Dict[str, int]:
+        """size, capacity, inserted, evicted, failed, admission_rejected."""
+
+
+class HashTableStorage(EmbeddingStorage):
+    """Rows addressed by a ScoredHashTable slot: one physical hash table per
+    (score strategy, bucket capacity) group of tables (usually one for all)."""
+
+    def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
+                 dtype: torch.dtype, device: torch.device, seed: int):
+        self.names = list(names)
+        self.options = list(options)
+        self.dims = [o.dim for o in options]
+        self.num_tables = len(options)
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self.init_params = self._packed([o.initializer_args for o in options])
+        self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
+        init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
+        # Groups of tables sharing one physical hash table.
+        groups: Dict[tuple, List[int]] = {}
+        for t, o in enumerate(options):
+            groups.setdefault((strategy_code(o.score_strategy), o.bucket_capacity), []).append(t)
+        self.groups = []  # (ScoredHashTable, global table ids)
+        self.group_of = [None] * self.num_tables  # t -> (group index, table id in the group)
+        for gi, ((code, bc), tables) in enumerate(groups.items()):
+            strategy = (_S.TIMESTAMP, _S.LFU) if code == 5 else _S(code)
+            ht = ScoredHashTable([init_caps[t] for t in tables], bucket_capacity=bc, score_strategy=strategy,
+                                 num_tables=len(tables), device=device, table_names=[names[t] for t in tables])
+            self.groups.append((ht, tables))
+            for lt, t in enumerate(tables):
+                self.group_of[t] = (gi, lt)
+        self._weights = [torch.empty(init_caps[t], self.dims[t] + state_widths[t], dtype=dtype, device=device)
+                         for t in range(self.num_tables)]
+        self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
+        self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
+                          else None for n, o in zip(names, options)]
+        self.rejected = torch.zeros(self.num_tables, dtype=torch.int64)
+        self.custom_scores = [0] * self.num_tables  # CUSTOMIZED: the score set by set_score
+
+    # ---- layout ----------------------------------------------------------------------
+
+    def _packed(self, args) -> torch.Tensor:
+        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity) for a, o in zip(args, self.options)],
+                            dtype=torch.float64)
+
+    @staticmethod
+    def _capacities(o: DynamicEmbTableOptions) -> Tuple[int, int]:
+        """(initial, maximum) capacity in slots, rounded up to whole buckets and
+        so that the initial one doubles exactly into the maximum."""
+        bc = o.bucket_capacity
+        max_b = -(-o.max_capacity // bc)
+        init_b = -(-(o.init_capacity or o.max_capacity) // bc)
+        k = 0
+        while (max_b >> (k + 1)) >= init_b:
+            k += 1
+        max_b = -(-max_b // (1 << k)) << k
+        return (max_b >> k) * bc, max_b * bc
+
+    def _group_slot_begin(self, g: int) -> torch.Tensor:
+        ht, _ = self.groups[g]
+        return (ht.table_buckets[:-1] * ht.bucket_capacity).to(self.device)
+
+    def weights(self) -> List[torch.Tensor]:
+        return self._weights
+
+    def capacity(self, t: int) -> int:
+        g, lt = self.group_of[t]
+        return self.groups[g][0].capacity(lt)
+
+    def size(self, t: int) -> int:
+        g, lt = self.group_of[t]
+        return self.groups[g][0].size(lt)
+
+    # ---- lookups ----------------------------------------------------------------------
+
+    def _split(self, table_ids: torch.Tensor):
+        """Per group: (mask of its keys or None when it has them all, local table ids)."""
+        if len(self.groups) == 1:
+            tables = self.groups[0][1]
+            if tables == list(range(self.num_tables)):
+                yield 0, None, table_ids
+                return
+        local = torch.tensor([self.group_of[t][1] for t in range(self.num_tables)], device=self.device)
+        group = torch.tensor([self.group_of[t][0] for t in range(self.num_tables)], device=self.device)
+        gid = group[table_ids]
+        for g in range(len(self.groups)):
+            mask = gid == g
+            yield g, mask, local[table_ids[mask]]
+
+    def _rows(self, g: int, slots: torch.Tensor, local_tids: torch.Tensor) -> torch.Tensor:
+        return torch.where(slots >= 0, slots - self._slot_begin[g][local_tids], slots)
+
+    def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.full_like(keys, -1)
+        for g, mask, lt in self._split(table_ids):
+            ht = self.groups[g][0]
+            k = keys if mask is None else keys[mask]
+            slots, _ = ht.lookup(k, lt)
+            r = self._rows(g, slots, lt)
+            if mask is None:
+                rows = r
+            else:
+                rows[mask] = r
+        return rows
+
+    def _scores(self, g: int, local_tids: torch.Tensor, counts: torch.Tensor, step: int):
+        ht, tables = self.groups[g]
+        if ht.strategy == _S.STEP:
+            return step
+        if ht.strategy == _S.CUSTOMIZED:
+            per_table = torch.tensor([self.custom_scores[t] for t in tables], dtype=torch.int64, device=self.device)
+            return per_table[local_tids]
+        if ht.strategy in (_S.LFU, 5):
+            return counts
+        return None  # TIMESTAMP, NO_EVICTION: the table's clock
+
+    def find_or_insert(self, keys, table_ids, counts, step) -> FindOrInsertResult:
+        rows = torch.full_like(keys, -1)
+        failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        rejected = torch.zeros(self.num_tables, dtype=torch.int64)
+        for g, mask, lt in self._split(table_ids):
+            ht, tables = self.groups[g]
+            k = keys if mask is None else keys[mask]
+            c = counts if mask is None else counts[mask]
+            keep = self._admit(g, k, lt, c, rejected)
+            if keep is not None:
+                k, c, lt_ins = k[keep], c[keep], lt[keep]
+            else:
+                lt_ins = lt
+            self._grow_for(g, k, lt_ins)
+            out = ht.insert(k, lt_ins, scores=self._scores(g, lt_ins, c, step))
+            r = self._rows(g, out.indices, lt_ins)
+            new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
+            if bool(new.any()):
+                gt = torch.tensor(tables, device=self.device)[lt_ins[new]]
+                ops.emb_init_rows(self._weights, r[new], gt, k[new], self.dims, self.init_params, self.seed)
+            n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
+            failed[tables] += n_failed
+            if keep is not None:
+                full = torch.full((keep.numel(),), -1, dtype=r.dtype, device=r.device)
+                full[keep] = r
+                r = full
+            if mask is None:
+                rows = r
+            else:
+                rows[mask] = r
+        self.rejected += rejected
+        return FindOrInsertResult(rows, failed, rejected)
+
+    def _admit(self, g, keys, local_tids, counts, rejected) -> Optional[torch.Tensor]:
+        """Mask of the keys to insert, or None when no table of the group has admission."""
+        _, tables = self.groups[g]
+        if not any(self.admission[t] for t in tables):
+            return None
+        ht = self.groups[g][0]
+        _, found = ht.lookup(keys, local_tids)
+        keep = found.clone()
+        for lt, t in enumerate(tables):
+            sel = (local_tids == lt) & ~found
+            if self.admission[t] is None:
+                keep |= sel
+            elif bool(sel.any()):
+                admitted = self.admission[t].admit(keys[sel], counts[sel])
+                idx = sel.nonzero().squeeze(1)
+                keep[idx[admitted]] = True
+                rejected[t] += int((~admitted).sum())
+        return keep
+
+    # ---- growth ---------------------------------------------------------------------------
+
+    def _grow_for(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor) -> None:
+        """Doubles tables (up to their maximum) whose load factor would pass
+        max_load_factor if this call's new keys were stored."""
+        ht, tables = self.groups[g]
+        upper = torch.bincount(local_tids, minlength=len(tables)).tolist()
+        sizes, caps = ht.sizes.tolist(), ht.capacities()
+        lf = [self.options[t].max_load_factor for t in tables]
+        suspects = [lt for lt in range(len(tables))
+                    if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.max_caps[tables[lt]]]
+        if not suspects:
+            return
+        _, found = ht.lookup(keys, local_tids)
+        missing = torch.bincount(local_tids[~found], minlength=len(tables)).tolist()
+        new_caps = list(caps)
+        for lt in suspects:
+            while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.max_caps[tables[lt]]:
+                new_caps[lt] *= 2
+        if new_caps == caps:
+            return
+        old_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
+        old_idx, new_idx = ht.grow(new_caps)
+        new_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
+        for lt, t in enumerate(tables):
+            sel = (old_idx >= old_begin[lt]) & (old_idx < old_begin[lt + 1])
+            src, dst = old_idx[sel] - old_begin[lt], new_idx[sel] - new_begin[lt]
+            if new_caps[lt] == caps[lt] and torch.equal(src, dst):
+                continue  # rows did not move
+            w = self._weights[t]
+            moved = torch.empty(new_caps[lt], w.shape[1], dtype=w.dtype, device=w.device)
+            moved[dst] = w[src]
+            self._weights[t] = moved
+        self._slot_begin[g] = self._group_slot_begin(g)
+
+    # ---- export and accounting -----------------------------------------------------------------
+
+    def export(self, table_id, batch_size=1 << 16, threshold=None):
+        g, lt = self.group_of[table_id]
+        ht = self.groups[g][0]
+        begin = int(self._slot_begin[g][lt])
+        for b in ht.export(threshold=threshold, batch_size=batch_size, table_id=lt):
+            yield b.keys, self._weights[table_id][b.indices - begin], b.scores
+
+    def stats(self, table_id):
+        g, lt = self.group_of[table_id]
+        ht = self.groups[g][0]
+        return dict(size=ht.size(lt), capacity=ht.capacity(lt), **ht.get_counters(lt),
+                    admission_rejected=int(self.rejected[table_id]))
