@@ -63,6 +63,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         output_dtype: dtype of the output (accumulation is float32).
         seed: the initializers' seed; a key's initial row is a pure function
             of (seed, table, key).
+        init_streams: per table, the id of its initializer's random stream
+            (default: the table's index). Give a stable id (TorchRec's kernel
+            uses a hash of the table name) when the same table may sit at
+            another index elsewhere.
         storage: an EmbeddingStorage to use instead of the default
             HashTableStorage.
     """
@@ -72,7 +76,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                  optimizer=EmbOptimType.EXACT_SGD, learning_rate: float = 0.01, eps: float = 1.0e-8,
                  beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
                  output_dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
-                 storage: Optional[EmbeddingStorage] = None):
+                 init_streams: Optional[Sequence[int]] = None, storage: Optional[EmbeddingStorage] = None):
         super().__init__()
         if not table_options:
             raise ValueError("BatchedDynamicEmbeddingTables needs at least one table")
@@ -103,7 +107,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.embedding_dtype = dtypes.pop()
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
         self.storage = storage or HashTableStorage(self.table_names, self.table_options, widths,
-                                                   self.embedding_dtype, self.device, seed)
+                                                   self.embedding_dtype, self.device, seed, init_streams)
         self.step = 0  # training forwards so far (the STEP score)
         self.optimizer_step = 0  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)

@@ -31,8 +31,9 @@ class DynamicEmbInitializerArgs:
     upper: Optional[float] = None
     value: float = 0.0
 
-    def packed(self, num_embeddings: Optional[int]) -> list:
-        """[mode, mean, std_dev, lower, upper, value] for the kernels (init::Args)."""
+    def packed(self, num_embeddings: Optional[int], stream: int) -> list:
+        """[mode, mean, std_dev, lower, upper, value, stream] for the kernels
+        (init::Args); `stream` is the table's random stream id."""
         lower, upper = self.lower, self.upper
         if self.mode == DynamicEmbInitializerMode.UNIFORM:
             bound = math.sqrt(1.0 / num_embeddings) if num_embeddings else 0.0
@@ -43,7 +44,7 @@ class DynamicEmbInitializerArgs:
             upper = self.mean + 2 * self.std_dev if upper is None else upper
         if lower is not None and upper is not None and lower > upper:
             raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}")
-        return [float(int(self.mode)), self.mean, self.std_dev, lower or 0.0, upper or 0.0, self.value]
+        return [float(int(self.mode)), self.mean, self.std_dev, lower or 0.0, upper or 0.0, self.value, float(stream)]
 
 
 @dataclass

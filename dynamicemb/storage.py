@@ -54,13 +54,20 @@ class EmbeddingStorage(abc.ABC):
     def stats(self, table_id: int) -> Dict[str, int]:
         """size, capacity, inserted, evicted, failed, admission_rejected."""
 
+    def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
+                    optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
+        """Stores distinct `keys` of one table with the given values (and
+        optimizer state, zero when None), bypassing admission (checkpoint
+        loads, tests); returns their rows, -1 where a key could not be stored."""
+        raise NotImplementedError(f"{type(self).__name__} does not support insert_rows")
+
 
 class HashTableStorage(EmbeddingStorage):
     """Rows addressed by a ScoredHashTable slot: one physical hash table per
     (score strategy, bucket capacity) group of tables (usually one for all)."""
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
-                 dtype: torch.dtype, device: torch.device, seed: int):
+                 dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]] = None):
         self.names = list(names)
         self.options = list(options)
         self.dims = [o.dim for o in options]
@@ -68,6 +75,10 @@ class HashTableStorage(EmbeddingStorage):
         self.device = device
         self.dtype = dtype
         self.seed = seed
+        # Random stream of each table's initializer (default: its index).
+        self.streams = list(streams) if streams is not None else list(range(len(options)))
+        if len(self.streams) != len(options) or any(not 0 <= s < 2**31 for s in self.streams):
+            raise ValueError(f"init streams must be {len(options)} ints in [0, 2**31), got {streams}")
         self.init_params = self._packed([o.initializer_args for o in options])
         self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
         init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
@@ -95,8 +106,8 @@ class HashTableStorage(EmbeddingStorage):
     # ---- layout ----------------------------------------------------------------------
 
     def _packed(self, args) -> torch.Tensor:
-        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity) for a, o in zip(args, self.options)],
-                            dtype=torch.float64)
+        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity, s)
+                             for a, o, s in zip(args, self.options, self.streams)], dtype=torch.float64)
 
     @staticmethod
     def _capacities(o: DynamicEmbTableOptions) -> Tuple[int, int]:
@@ -255,6 +266,27 @@ class HashTableStorage(EmbeddingStorage):
             moved[dst] = w[src]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
+
+    def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
+        g, lt = self.group_of[table_id]
+        ht, _ = self.groups[g]
+        keys = keys.to(device=self.device, dtype=torch.int64).contiguous()
+        dim = self.dims[table_id]
+        if values.shape != (keys.numel(), dim):
+            raise ValueError(f"table {self.names[table_id]!r}: values must have shape ({keys.numel()}, {dim}), "
+                             f"got {tuple(values.shape)}")
+        lts = torch.full_like(keys, lt)
+        self._grow_for(g, keys, lts)
+        out = ht.insert(keys, lts, scores=self._scores(g, lts, torch.ones_like(keys), step))
+        rows = self._rows(g, out.indices, lts)
+        ok = rows >= 0
+        w = self._weights[table_id]
+        w[rows[ok], :dim] = values.to(device=w.device, dtype=w.dtype)[ok]
+        if optimizer_state is None:
+            w[rows[ok], dim:] = 0
+        else:
+            w[rows[ok], dim:] = optimizer_state.to(device=w.device, dtype=w.dtype).reshape(keys.numel(), -1)[ok]
+        return rows
 
     # ---- export and accounting -----------------------------------------------------------------
 

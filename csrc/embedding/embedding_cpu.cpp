@@ -201,8 +201,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 // ---- initial rows ----------------------------------------------------------------------
 
 template <class W>
-void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t t, int64_t key) {
-  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<W>(init::value(a, seed, t, key, d, dim));
+void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
+  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<W>(init::value(a, seed, key, d, dim));
   for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);  // fresh optimizer state
 }
 
@@ -226,7 +226,7 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
         if (r[i] < 0) continue;
         TORCH_CHECK(0 <= t[i] && t[i] < (int64_t)w.size() && r[i] < R.w[t[i]].size(0), "dynamicemb: row ", r[i],
                     " of table ", t[i], " is out of range");
-        init_row(w[t[i]] + r[i] * R.stride[t[i]], R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, t[i], k[i]);
+        init_row(w[t[i]] + r[i] * R.stride[t[i]], R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i]);
       }
     });
   });
@@ -247,7 +247,7 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
       const W* row = w[t] + r * R.stride[t];
       for (int64_t d = 0; d < D; ++d) acc[d] += scale * static_cast<float>(row[d]);
     } else {
-      for (int64_t d = 0; d < D; ++d) acc[d] += scale * init::value(args[t], seed, t, ukeys[u], d, D);
+      for (int64_t d = 0; d < D; ++d) acc[d] += scale * init::value(args[t], seed, ukeys[u], d, D);
     }
   };
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());

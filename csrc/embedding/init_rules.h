@@ -20,15 +20,20 @@ namespace init {
 enum Mode : int64_t { kNormal = 0, kTruncatedNormal = 1, kUniform = 2, kConstant = 3, kDebug = 4 };
 
 // One table's initializer; mirrors DynamicEmbInitializerArgs (packed by the
-// Python side into a float64 row: mode, mean, std_dev, lower, upper, value).
+// Python side into a float64 row: mode, mean, std_dev, lower, upper, value,
+// stream). `stream` names the table's random stream: a stable id of the table
+// (not its position in a module), so that grouping tables differently on
+// another world size keeps every key's initial row.
 struct Args {
   int64_t mode;
   double mean, std_dev, lower, upper, value;
+  int64_t stream;
 };
-constexpr int kArgsWidth = 6;
+constexpr int kArgsWidth = 7;
 
 DE_HD Args args_from(const double* row) {
-  return Args{static_cast<int64_t>(row[0]), row[1], row[2], row[3], row[4], row[5]};
+  return Args{static_cast<int64_t>(row[0]), row[1], row[2], row[3], row[4], row[5],
+              static_cast<int64_t>(row[6])};
 }
 
 // ---- Philox4x32-10 -------------------------------------------------------------
@@ -115,8 +120,9 @@ DE_HD int64_t floor_mod(int64_t a, int64_t b) {
 
 // ---- the initial value ----------------------------------------------------------------
 
-// Element j (of `dim`) of the initial row of `key` in `table`.
-DE_HD float value(const Args& a, uint64_t seed, int64_t table, int64_t key, int64_t j, int64_t dim) {
+// Element j (of `dim`) of the initial row of `key` in the table of `a`.
+DE_HD float value(const Args& a, uint64_t seed, int64_t key, int64_t j, int64_t dim) {
+  const int64_t table = a.stream;
   switch (a.mode) {
     case kUniform:
       return static_cast<float>(a.lower + (a.upper - a.lower) * uniform01(seed, table, key, j));
