@@ -54,4 +54,10 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor unique_table_ids, Tensor inverse, Tensor offsets, int[] feature_table, int[] dims, "
       "Tensor? per_sample_weights, int pooling, int optimizer, float lr, float eps, float beta1, "
       "float beta2, float weight_decay, int step) -> ()");
+
+  // Input distribution (csrc/dist): values of a KJT split by owning rank.
+  m.def(
+      "route_keys(Tensor lengths, Tensor values, Tensor? weights, int[] rules, int[] params, int world) "
+      "-> (Tensor lengths, Tensor values, Tensor weights, Tensor permute)");
+  m.def("route_owners(Tensor keys, int rule, int param, int world) -> Tensor");
 }

@@ -9,6 +9,7 @@ from dynamicemb.options import (
     KVCounter,
 )
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
+from dynamicemb.stats import table_stats
 from dynamicemb.table import EvictedKeys, ExportBatch, InsertOutput, ScoredHashTable
 from dynamicemb.types import (
     DynamicEmbCheckMode,
@@ -35,4 +36,5 @@ __all__ = [
     "InsertOutput",
     "InsertResult",
     "ScoredHashTable",
+    "table_stats",
 ]

@@ -1,0 +1,10 @@
+"""TorchRec sharders for collections with dynamic tables (API.md §2)."""
+from dynamicemb.shard.embedding import DynamicEmbeddingCollectionSharder, ShardedDynamicEmbeddingCollection
+from dynamicemb.shard.embeddingbag import DynamicEmbeddingBagCollectionSharder, ShardedDynamicEmbeddingBagCollection
+
+__all__ = [
+    "DynamicEmbeddingBagCollectionSharder",
+    "DynamicEmbeddingCollectionSharder",
+    "ShardedDynamicEmbeddingBagCollection",
+    "ShardedDynamicEmbeddingCollection",
+]

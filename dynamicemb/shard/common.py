@@ -1,0 +1,53 @@
+"""What the sharded EBC and EC with dynamic tables share."""
+from typing import Iterable, List
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
+
+from dynamicemb.shard.parameter_sharding import CUSTOMIZED
+
+# Kernels whose weights TorchRec does not initialise itself.
+_NO_INIT = {
+    CUSTOMIZED,
+    EmbeddingComputeKernel.KEY_VALUE.value,
+    EmbeddingComputeKernel.SSD_VIRTUAL_TABLE.value,
+    EmbeddingComputeKernel.DRAM_VIRTUAL_TABLE.value,
+}
+
+
+def is_dynamic(info) -> bool:
+    return info.param_sharding.compute_kernel == CUSTOMIZED
+
+
+def check_row_wise(sharding_infos) -> bool:
+    """True if this sharding holds dynamic tables; refuses a dynamic table
+    under any sharding type but ROW_WISE."""
+    dynamic = [i for i in sharding_infos if is_dynamic(i)]
+    st = sharding_infos[0].param_sharding.sharding_type
+    if dynamic and st != ShardingType.ROW_WISE.value:
+        names = [i.embedding_config.name for i in dynamic]
+        raise ValueError(f"dynamic tables {names} are planned {st}; dynamic tables are sharded ROW_WISE only")
+    return bool(dynamic)
+
+
+def reset_native_parameters(module, configs: Iterable, weights) -> None:
+    """TorchRec's reset_parameters for the native tables only (dynamic tables
+    own their rows and initialise keys as they arrive)."""
+    if module._device and module._device.type == "meta":
+        return
+    for config in configs:
+        ps = module.module_sharding_plan[config.name]
+        if ps.compute_kernel in _NO_INIT:
+            continue
+        param = weights[config.name].weight
+        config.init_fn(param)
+        if ps.sharding_type == ShardingType.DATA_PARALLEL.value:
+            with torch.no_grad():
+                torch.distributed.broadcast(param.data, src=0, group=module._env.process_group)
+
+
+def lookups_train(lookups: List, mode: bool) -> None:
+    """ShardedEBC/EC keep lookups in a plain list: propagate train/eval."""
+    for lookup in lookups:
+        lookup.train(mode)

@@ -1,0 +1,44 @@
+"""EmbeddingCollection (sequence) with dynamic tables: a drop-in sharder."""
+from typing import Dict, Optional
+
+import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+from dynamicemb.shard.common import check_row_wise, lookups_train, reset_native_parameters
+from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
+from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
+
+
+class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
+    @classmethod
+    def create_embedding_sharding(cls, sharding_type, sharding_infos, env, device=None,
+                                  qcomm_codecs_registry=None):
+        if check_row_wise(sharding_infos):
+            return DynamicRwSequenceEmbeddingSharding(sharding_infos=sharding_infos, env=env, device=device,
+                                                      qcomm_codecs_registry=qcomm_codecs_registry)
+        return super().create_embedding_sharding(sharding_type, sharding_infos, env, device, qcomm_codecs_registry)
+
+    def reset_parameters(self) -> None:
+        reset_native_parameters(self, self._embedding_configs, self.embeddings)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        lookups_train(self._lookups, mode)
+        return self
+
+
+class DynamicEmbeddingCollectionSharder(_DynamicSharderMixin, EmbeddingCollectionSharder):
+    """Drop-in for EmbeddingCollectionSharder (see the EBC sharder)."""
+
+    def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None):
+        return ShardedDynamicEmbeddingCollection(
+            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            use_index_dedup=getattr(self, "_use_index_dedup", False))
+
+    @property
+    def sharded_module_type(self):
+        return ShardedDynamicEmbeddingCollection

@@ -1,0 +1,48 @@
+"""Input distribution of a row-wise sharding that holds dynamic tables: each
+feature routes by its own rule (dynamic: the table's dist_type, keys
+unchanged; native: TorchRec's block rule with local rows), then TorchRec's
+KJTAllToAll sends each rank its keys."""
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynamicemb._ops import ops
+
+
+class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
+    def __init__(self, pg: dist.ProcessGroup, num_features: int, feature_hash_sizes: List[int], rules: List[int],
+                 params: List[int], device: Optional[torch.device] = None, is_sequence: bool = False,
+                 has_feature_processor: bool = False) -> None:
+        if has_feature_processor:
+            raise NotImplementedError("dynamicemb: feature processors (position weights) are not supported in a "
+                                      "sharding with dynamic tables")
+        super().__init__(pg=pg, num_features=num_features, feature_hash_sizes=feature_hash_sizes, device=device,
+                         is_sequence=is_sequence)
+        if not len(rules) == len(params) == num_features:
+            raise ValueError(f"{len(rules)} routing rules for {num_features} features")
+        self._rules = list(rules)
+        self._params = list(params)
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        if sparse_features.variable_stride_per_key():
+            raise NotImplementedError("dynamicemb: variable batch sizes per feature (VBE) are not supported")
+        w = sparse_features.weights_or_none()
+        lengths, values, weights, permute = ops.route_keys(
+            sparse_features.lengths().to(torch.int64).contiguous(),
+            sparse_features.values().to(torch.int64).contiguous(),
+            None if w is None else w.to(torch.float32).contiguous(),
+            self._rules, self._params, self._world_size)
+        if self._is_sequence:
+            self.unbucketize_permute_tensor = permute
+        routed = KeyedJaggedTensor(
+            keys=sparse_features.keys() * self._world_size,
+            values=values,
+            weights=weights if w is not None else None,
+            lengths=lengths,
+            stride=sparse_features.stride(),
+        )
+        return self._dist(routed)

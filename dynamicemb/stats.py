@@ -1,0 +1,42 @@
+"""Finding a model's dynamic tables, and their counters (API.md §3)."""
+from typing import Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+
+STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected")
+
+
+def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingTables]:
+    """Every BatchedDynamicEmbeddingTables of a model, those inside TorchRec's
+    sharded collections included (their lookups sit in a plain list)."""
+    seen = set()
+
+    def visit(m):
+        for sub in m.modules():
+            if isinstance(sub, BatchedDynamicEmbeddingTables) and id(sub) not in seen:
+                seen.add(id(sub))
+                yield sub
+            lookups = sub.__dict__.get("_lookups")
+            if isinstance(lookups, list):
+                for lookup in lookups:
+                    yield from visit(lookup)
+
+    yield from visit(model)
+
+
+def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[str, int]]:
+    """{table_name: {size, capacity, inserted, evicted, failed,
+    admission_rejected}}: this rank's, or summed over the ranks of `pg`."""
+    stats: Dict[str, Dict[str, int]] = {}
+    for m in dynamic_modules(model):
+        for name, s in m.table_stats().items():
+            stats[name] = {k: s[k] for k in STAT_KEYS}
+    if pg is None:
+        return stats
+    names = sorted(stats)
+    t = torch.tensor([[stats[n][k] for k in STAT_KEYS] for n in names], dtype=torch.int64).reshape(-1, len(STAT_KEYS))
+    dist.all_reduce(t, group=pg)
+    return {n: dict(zip(STAT_KEYS, row)) for n, row in zip(names, t.tolist())}
