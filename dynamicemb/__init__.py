@@ -9,6 +9,7 @@ from dynamicemb.options import (
     KVCounter,
 )
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
+from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
 from dynamicemb.stats import table_stats
 from dynamicemb.table import EvictedKeys, ExportBatch, InsertOutput, ScoredHashTable
 from dynamicemb.types import (
@@ -20,7 +21,9 @@ from dynamicemb.types import (
 
 __all__ = [
     "BatchedDynamicEmbeddingTables",
+    "DynamicEmbDump",
     "DynamicEmbInitializerArgs",
+    "DynamicEmbLoad",
     "DynamicEmbInitializerMode",
     "DynamicEmbTableOptions",
     "EmbOptimType",

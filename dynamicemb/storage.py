@@ -9,7 +9,7 @@ memory on CUDA); host-memory and cache tiers implement the same interface.
 """
 import abc
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,6 +20,16 @@ from dynamicemb.table import ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
 _S = DynamicEmbScoreStrategy
+
+
+class RowBatch(NamedTuple):
+    """Entries of one table as a checkpoint holds them."""
+
+    keys: torch.Tensor
+    values: torch.Tensor  # [n, dim], storage dtype
+    optimizer_state: Optional[torch.Tensor]  # [n, state width] or None
+    scores: torch.Tensor  # int64
+    timestamps: Optional[torch.Tensor]  # access times of the (TIMESTAMP, LFU) pair
 
 
 @dataclass
@@ -287,6 +297,53 @@ class HashTableStorage(EmbeddingStorage):
         else:
             w[rows[ok], dim:] = optimizer_state.to(device=w.device, dtype=w.dtype).reshape(keys.numel(), -1)[ok]
         return rows
+
+    # ---- checkpoint state ------------------------------------------------------------------------
+
+    def strategy(self, table_id: int) -> int:
+        """The score strategy code (types.strategy_code) of a table."""
+        g, _ = self.group_of[table_id]
+        return self.groups[g][0].strategy
+
+    def export_rows(self, table_id: int, batch_size: int = 1 << 16) -> Iterator[RowBatch]:
+        """Every entry of one table, in slot order: keys, values, optimizer
+        state, scores (and the (TIMESTAMP, LFU) access times), each batch
+        read in one pass over the same slots."""
+        g, lt = self.group_of[table_id]
+        ht = self.groups[g][0]
+        begin, dim = int(self._slot_begin[g][lt]), self.dims[table_id]
+        for b in ht.export(batch_size=batch_size, table_id=lt):
+            rows = self._weights[table_id][b.indices - begin]
+            ts = ht.slot_timestamps[b.indices] if ht.slot_timestamps.numel() else None
+            yield RowBatch(b.keys, rows[:, :dim], rows[:, dim:], b.scores, ts)
+
+    def load_rows(self, table_id: int, batch: RowBatch) -> None:
+        """Stores entries exactly as exported (values, optimizer state or zeros
+        when None, scores), growing the table as needed. Raises, naming the
+        table, when a key cannot be stored or displaces another: a load never
+        drops keys silently."""
+        g, lt = self.group_of[table_id]
+        ht, _ = self.groups[g]
+        keys = batch.keys.to(device=self.device, dtype=torch.int64).contiguous()
+        lts = torch.full_like(keys, lt)
+        self._grow_for(g, keys, lts)
+        out = ht.insert(keys, lts, scores=self._scores(g, lts, torch.ones_like(keys), 0))
+        failed = int((out.results == InsertResult.FAILED).sum())
+        if failed or out.evicted.keys.numel():
+            raise RuntimeError(
+                f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded keys do "
+                f"not fit (capacity {ht.capacity(lt)} of at most {self.max_caps[table_id]} rows on this rank)")
+        idx = out.indices
+        ht.slot_scores[idx] = batch.scores.to(device=self.device, dtype=torch.int64)
+        if batch.timestamps is not None and ht.slot_timestamps.numel():
+            ht.slot_timestamps[idx] = batch.timestamps.to(device=self.device, dtype=torch.int64)
+        rows = self._rows(g, idx, lts)
+        w, dim = self._weights[table_id], self.dims[table_id]
+        w[rows, :dim] = batch.values.to(device=w.device, dtype=w.dtype)
+        if batch.optimizer_state is None or batch.optimizer_state.shape[1] == 0:
+            w[rows, dim:] = 0
+        else:
+            w[rows, dim:] = batch.optimizer_state.to(device=w.device, dtype=w.dtype)
 
     # ---- export and accounting -----------------------------------------------------------------
 

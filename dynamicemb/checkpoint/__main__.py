@@ -1,0 +1,46 @@
+"""Inspect a checkpoint: python -m dynamicemb.checkpoint PATH [--no-verify]
+
+Prints the manifest summary (tables, rows per rank, dims, optimizer, sizes)
+and verifies every file's size and checksum (exit status 1 if one fails)."""
+import argparse
+import sys
+
+from dynamicemb.checkpoint.format import CheckpointError, read_manifest, verify_files
+
+_OPTIMIZERS = {0: "EXACT_SGD", 1: "ADAM", 2: "EXACT_ADAGRAD", 3: "EXACT_ROWWISE_ADAGRAD"}
+_STRATEGIES = {0: "TIMESTAMP", 1: "STEP", 2: "CUSTOMIZED", 3: "LFU", 4: "NO_EVICTION", 5: "(TIMESTAMP, LFU)"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dynamicemb.checkpoint", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path")
+    ap.add_argument("--no-verify", action="store_true", help="skip the checksums")
+    args = ap.parse_args(argv)
+    try:
+        m = read_manifest(args.path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: dynamicemb checkpoint v{m['format_version']}, dumped by {m['world_size']} rank(s)")
+    head = f"{'table':<24}{'rows':>12}  {'rows per rank':<24}{'dim':>5} {'dtype':<9}{'optimizer':<23}{'score':<18}{'dist':<16}{'MiB':>9}"
+    print(head)
+    for name, t in sorted(m["tables"].items()):
+        mib = sum(f["bytes"] for f in t["files"]) / 2**20
+        per_rank = ",".join(map(str, t["rows_per_rank"]))
+        opt = _OPTIMIZERS.get(t["optimizer"], t["optimizer"]) + ("" if t["has_optimizer_state"] else " (no state)")
+        print(f"{name:<24}{sum(t['rows_per_rank']):>12}  {per_rank:<24}{t['dim']:>5} {t['dtype']:<9}{opt:<23}"
+              f"{_STRATEGIES.get(t['score_strategy'], t['score_strategy']):<18}{t['dist_type']:<16}{mib:>9.1f}")
+    if args.no_verify:
+        return 0
+    try:
+        total = verify_files(args.path, m)
+    except CheckpointError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"verified: {sum(len(t['files']) for t in m['tables'].values())} files, {total / 2**20:.1f} MiB, checksums ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""DynamicEmbDump: every rank writes its shard of every dynamic table in
+parallel, in chunks, into a temporary directory beside PATH; once all ranks
+have finished, rank 0 writes the manifest and publishes the directory with a
+rename. A dump that dies midway leaves PATH as it was."""
+import os
+import shutil
+import threading
+import time
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.checkpoint.format import FORMAT_VERSION, part_name, write_manifest, write_part
+from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
+
+DEFAULT_CHUNK_ROWS = 1 << 18
+
+
+def _shard_parts(name, ref, optim, now, chunk_rows):
+    """One pass over a table's shard: the tensors of each part file."""
+    strategy = ref.storage.strategy(ref.index)
+    for b in ref.storage.export_rows(ref.index, chunk_rows):
+        part = {"keys": b.keys, "values": b.values,
+                "scores": now - b.scores if clock_scored(strategy) else b.scores}
+        if optim:
+            part["optimizer_state"] = b.optimizer_state
+        if b.timestamps is not None and has_timestamps(strategy):
+            part["timestamps"] = now - b.timestamps
+        yield part
+
+
+def _counter_parts(ref, chunk_rows):
+    counter = ref.storage.admission[ref.index]
+    if counter is None:
+        return
+    for b in counter.counts.export(batch_size=chunk_rows):
+        yield {"keys": b.keys, "counts": b.scores}
+
+
+def _write_shard(root, rank, tables, optim, counter, chunk_rows, now, parts_of=None) -> Dict[str, dict]:
+    """Writes this rank's files; returns per table its file entries and rows."""
+    out = {}
+    for name, ref in tables.items():
+        files, rows = [], 0
+        source = parts_of[name] if parts_of is not None else _shard_parts(name, ref, optim, now, chunk_rows)
+        for k, part in enumerate(source):
+            files.append(dict(write_part(root, part_name(name, rank, "part", k), part), rank=rank, kind="part"))
+            rows += files[-1]["rows"]
+        if counter:
+            csrc = parts_of[name + "\0counter"] if parts_of is not None else _counter_parts(ref, chunk_rows)
+            for k, part in enumerate(csrc):
+                files.append(dict(write_part(root, part_name(name, rank, "counter", k), part), rank=rank,
+                                  kind="counter"))
+        out[name] = {"files": files, "rows": rows}
+    return out
+
+
+def _manifest(tables, shards: List[Dict[str, dict]], world, optim, counter) -> dict:
+    mt = {}
+    for name, ref in tables.items():
+        meta = ref.meta()
+        meta["rows_per_rank"] = [s[name]["rows"] for s in shards]
+        meta["files"] = [f for s in shards for f in s[name]["files"]]
+        meta["has_optimizer_state"] = optim
+        meta["has_counter"] = counter
+        mt[name] = meta
+    return {"format": "dynamicemb", "format_version": FORMAT_VERSION, "world_size": world,
+            "created_unix": time.time(), "score_ages": "clock scores are stored as ns ages at dump time",
+            "tables": mt}
+
+
+def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
+    old = None
+    if os.path.exists(path):
+        if not allow_overwrite:
+            raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class DumpHandle:
+    """A dump running in the background; wait() returns when it is published
+    (and re-raises its error)."""
+
+    def __init__(self, thread: threading.Thread, errors: list):
+        self._thread, self._errors = thread, errors
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,
+                   optim: bool = True, counter: bool = False, pg: Optional[dist.ProcessGroup] = None,
+                   allow_overwrite: bool = False, blocking: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+    """Dumps the model's dynamic tables to `path` (API.md §4). With
+    blocking=False, returns a DumpHandle; the dump holds the tables' state at
+    the call while training goes on."""
+    path = os.path.abspath(path)
+    rank, world = rank_world(pg)
+    distributed = dist.is_initialized() and world > 1
+    if os.path.exists(path) and not allow_overwrite:
+        raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+    tables = model_tables(model, table_names)
+    token = [uuid.uuid4().hex[:12]]
+    if distributed:
+        dist.broadcast_object_list(token, src=dist.get_global_rank(pg, 0) if pg else 0, group=pg)
+    tmp = f"{path}.tmp-{token[0]}"
+    now = time.monotonic_ns()
+
+    def finish(parts_of=None, group=pg):
+        os.makedirs(tmp, exist_ok=True)
+        mine = _write_shard(tmp, rank, tables, optim, counter, chunk_rows, now, parts_of)
+        shards = [None] * world
+        if distributed:
+            dist.all_gather_object(shards, mine, group=group)
+        else:
+            shards = [mine]
+        if rank == 0:
+            write_manifest(tmp, _manifest(tables, shards, world, optim, counter))
+            _publish(tmp, path, allow_overwrite)
+        if distributed:
+            dist.barrier(group=group)
+
+    if blocking:
+        finish()
+        return None
+    # Snapshot now (one pass, cloned), write in the background on a group of
+    # its own so that training's collectives do not interleave with ours.
+    snapshot = {}
+    for name, ref in tables.items():
+        snapshot[name] = [{k: v.clone() for k, v in p.items()} for p in _shard_parts(name, ref, optim, now, chunk_rows)]
+        if counter:
+            snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in _counter_parts(ref, chunk_rows)]
+    group = (dist.new_group(ranks=dist.get_process_group_ranks(pg) if pg is not None else None, backend="gloo")
+             if distributed else None)
+    errors: list = []
+
+    def run():
+        try:
+            finish(snapshot, group)
+        except BaseException as e:  # surfaced by wait()
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="dynamicemb-dump", daemon=True)
+    thread.start()
+    return DumpHandle(thread, errors)

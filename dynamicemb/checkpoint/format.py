@@ -1,0 +1,107 @@
+"""The on-disk format of a dynamic-table checkpoint (API.md §4).
+
+    PATH/manifest.json
+    PATH/<table>/rank00000.part00000.safetensors   keys, values, optimizer_state,
+                                                   scores[, timestamps]
+    PATH/<table>/rank00000.counter00000.safetensors  admission counter: keys, counts
+
+Each part is a standard safetensors file (readable without dynamicemb) holding
+one chunk of one rank's shard. Scores that are clock readings (TIMESTAMP,
+NO_EVICTION, the pair's access times) are stored as ages in ns at dump time,
+so that another host's clock does not matter. The manifest lists every file
+with its row count, size and CRC-32.
+"""
+import json
+import os
+import zlib
+from typing import Dict
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20  # bytes per read / checksum step
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, damaged, or does not match the model."""
+
+
+def part_name(table: str, rank: int, kind: str, index: int) -> str:
+    return os.path.join(table, f"rank{rank:05d}.{kind}{index:05d}.safetensors")
+
+
+def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor]) -> dict:
+    """Writes one safetensors file; returns its manifest entry."""
+    data = st_save({k: v.contiguous() for k, v in tensors.items()})
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return {"file": rel, "rows": int(next(iter(tensors.values())).shape[0]), "bytes": len(data),
+            "crc32": zlib.crc32(data)}
+
+
+def read_part(root: str, entry: dict, table: str) -> Dict[str, torch.Tensor]:
+    """Reads one file of the manifest, refusing a missing, truncated or
+    corrupted one with a message naming the table and the file."""
+    path = os.path.join(root, entry["file"])
+    if not os.path.exists(path):
+        raise CheckpointError(f"table {table!r}: file {path} is missing")
+    size = os.path.getsize(path)
+    if size != entry["bytes"]:
+        raise CheckpointError(f"table {table!r}: file {path} has {size} bytes, the manifest says "
+                              f"{entry['bytes']} (truncated or replaced)")
+    with open(path, "rb") as f:
+        data = f.read()
+    if zlib.crc32(data) != entry["crc32"]:
+        raise CheckpointError(f"table {table!r}: file {path} fails its checksum (corrupted)")
+    return st_load(data)
+
+
+def write_manifest(root: str, manifest: dict) -> None:
+    path = os.path.join(root, MANIFEST)
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(root: str) -> dict:
+    path = os.path.join(root, MANIFEST)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"no checkpoint at {root}")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{root} has no {MANIFEST}: not a complete dynamicemb checkpoint")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if manifest.get("format") != "dynamicemb" or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported format {manifest.get('format')!r} version "
+                              f"{manifest.get('format_version')!r} (expected dynamicemb {FORMAT_VERSION})")
+    return manifest
+
+
+def verify_files(root: str, manifest: dict) -> int:
+    """Checks every file's size and checksum; returns the bytes verified."""
+    total = 0
+    for name, table in manifest["tables"].items():
+        for entry in table["files"]:
+            path = os.path.join(root, entry["file"])
+            if not os.path.exists(path):
+                raise CheckpointError(f"table {name!r}: file {path} is missing")
+            if os.path.getsize(path) != entry["bytes"]:
+                raise CheckpointError(f"table {name!r}: file {path} has {os.path.getsize(path)} bytes, "
+                                      f"the manifest says {entry['bytes']}")
+            crc = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+            if crc != entry["crc32"]:
+                raise CheckpointError(f"table {name!r}: file {path} fails its checksum (corrupted)")
+            total += entry["bytes"]
+    return total

@@ -1,0 +1,77 @@
+"""The dynamic tables of a model, by name, with what a checkpoint records of them."""
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.stats import dynamic_modules
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
+
+_S = DynamicEmbScoreStrategy
+# Strategies whose score is a clock reading (stored as an age).
+CLOCK_SCORES = (int(_S.TIMESTAMP), int(_S.NO_EVICTION))
+
+
+@dataclass
+class TableRef:
+    module: BatchedDynamicEmbeddingTables
+    index: int  # the table's index in the module
+
+    @property
+    def options(self):
+        return self.module.table_options[self.index]
+
+    @property
+    def storage(self):
+        return self.module.storage
+
+    def meta(self) -> dict:
+        """What the manifest records of a table (and load checks)."""
+        m, o = self.module, self.options
+        return {
+            "dim": o.dim,
+            "dtype": str(m.embedding_dtype).replace("torch.", ""),
+            "optimizer": m.optimizer,
+            "optimizer_state_width": m.storage.weights()[self.index].shape[1] - o.dim,
+            "hyper_parameters": {"learning_rate": m.learning_rate, "eps": m.eps, "beta1": m.beta1,
+                                 "beta2": m.beta2, "weight_decay": m.weight_decay},
+            "optimizer_step": m.optimizer_step,
+            "step": m.step,
+            "score_strategy": self.storage.strategy(self.index),
+            "custom_score": self.storage.custom_scores[self.index],
+            "dist_type": o.dist_type,
+            "num_embeddings": o.num_embeddings,
+            "bucket_capacity": o.bucket_capacity,
+        }
+
+
+def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = None) -> Dict[str, TableRef]:
+    """name -> TableRef for the model's dynamic tables (all, or the named ones)."""
+    tables: Dict[str, TableRef] = {}
+    for m in dynamic_modules(model):
+        for i, name in enumerate(m.table_names):
+            if name in tables:
+                raise ValueError(f"two dynamic tables are named {name!r}; checkpoints need unique table names")
+            tables[name] = TableRef(m, i)
+    if table_names is None:
+        return tables
+    missing = [n for n in table_names if n not in tables]
+    if missing:
+        raise ValueError(f"the model has no dynamic tables named {missing}; it has {sorted(tables)}")
+    return {n: tables[n] for n in table_names}
+
+
+def rank_world(pg: Optional[dist.ProcessGroup]):
+    if pg is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def clock_scored(strategy: int) -> bool:
+    return strategy in CLOCK_SCORES
+
+
+def has_timestamps(strategy: int) -> bool:
+    return strategy == TIMESTAMP_LFU

@@ -1,0 +1,89 @@
+"""Incremental dumps and score control (API.md §4).
+
+incremental_dump(model, score_threshold) returns, per table, the keys and
+values whose score is at or above the threshold: for TIMESTAMP (and
+NO_EVICTION, and the (TIMESTAMP, LFU) pair's access time) the threshold is a
+time.monotonic_ns() reading, so the result is the keys touched since then;
+for STEP it is a step. It also returns the threshold to pass next time.
+"""
+import time
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.checkpoint.tables import model_tables, rank_world
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
+
+_S = DynamicEmbScoreStrategy
+_CLOCKED = (int(_S.TIMESTAMP), int(_S.NO_EVICTION), TIMESTAMP_LFU)
+
+Threshold = Union[int, Dict[str, int]]
+
+
+def _per_table(value: Threshold, name: str) -> int:
+    if isinstance(value, dict):
+        if name not in value:
+            raise ValueError(f"no score threshold given for table {name!r}")
+        return int(value[name])
+    return int(value)
+
+
+def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Optional[dist.ProcessGroup] = None
+                     ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
+    """({table: (keys, values)}, {table: next threshold}). With `pg`, every
+    rank receives the keys and values of all ranks (concatenated in rank order)."""
+    now = time.monotonic_ns()
+    out, nxt = {}, {}
+    for name, ref in model_tables(model).items():
+        threshold = _per_table(score_threshold, name)
+        storage, t = ref.storage, ref.index
+        keys, values = [], []
+        for k, rows, _ in storage.export(t, threshold=threshold):
+            keys.append(k)
+            values.append(rows[:, :ref.options.dim])
+        dim = ref.options.dim
+        out[name] = (torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64),
+                     torch.cat(values) if values else torch.empty(0, dim, dtype=ref.module.embedding_dtype))
+        strategy = storage.strategy(t)
+        if strategy in _CLOCKED:
+            nxt[name] = now
+        elif strategy == _S.STEP:
+            nxt[name] = ref.module.step + 1  # the next training step's score
+        else:
+            nxt[name] = threshold
+    if pg is not None and rank_world(pg)[1] > 1:
+        gathered = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(gathered, out, group=pg)
+        out = {n: (torch.cat([g[n][0] for g in gathered]), torch.cat([g[n][1] for g in gathered])) for n in out}
+    return out, nxt
+
+
+def get_score(model: torch.nn.Module) -> Dict[str, int]:
+    """Per STEP table its module's step; per CUSTOMIZED table its score."""
+    scores = {}
+    for name, ref in model_tables(model).items():
+        strategy = ref.storage.strategy(ref.index)
+        if strategy == _S.STEP:
+            scores[name] = ref.module.step
+        elif strategy == _S.CUSTOMIZED:
+            scores[name] = ref.storage.custom_scores[ref.index]
+    return scores
+
+
+def set_score(model: torch.nn.Module, score: Threshold) -> None:
+    """Sets the CUSTOMIZED score (given to keys accessed from now on) or the
+    STEP counter, for every such table or per table name. Tables sharing a
+    module share its step."""
+    for name, ref in model_tables(model).items():
+        if isinstance(score, dict) and name not in score:
+            continue
+        value = _per_table(score, name)
+        strategy = ref.storage.strategy(ref.index)
+        if strategy == _S.CUSTOMIZED:
+            ref.storage.custom_scores[ref.index] = value
+        elif strategy == _S.STEP:
+            ref.module.step = value
+        elif isinstance(score, dict):
+            raise ValueError(f"table {name!r} scores by strategy {_S(strategy).name if strategy < 5 else strategy}; "
+                             f"only STEP and CUSTOMIZED scores can be set")
