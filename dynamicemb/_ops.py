@@ -57,3 +57,32 @@ def _rehash_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, old_tabl
         slot_keys.new_empty(live),
         slot_keys.new_empty(live),
     )
+
+
+# ---- embedding layer (csrc/embedding) ----------------------------------------------------
+
+
+@torch.library.register_fake(_lib + "emb_unique")
+def _emb_unique_fake(indices, offsets, feature_table, num_tables):
+    u = _dynamic_len()  # the number of distinct (table, key) pairs
+    return indices.new_empty(u), indices.new_empty(u), torch.empty_like(indices), indices.new_empty(u)
+
+
+@torch.library.register_fake(_lib + "emb_init_rows")
+def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed):
+    return None
+
+
+@torch.library.register_fake(_lib + "emb_forward")
+def _emb_forward_fake(weights, rows, unique_keys, inverse, offsets, feature_table, dims, per_sample_weights,
+                      pooling, init_params, seed, output_dtype):
+    if pooling == 2:  # NONE: one row per index
+        return inverse.new_empty((inverse.shape[0], dims[feature_table[0]]), dtype=output_dtype)
+    batch = (offsets.shape[0] - 1) // len(feature_table)
+    return inverse.new_empty((batch, sum(dims[t] for t in feature_table)), dtype=output_dtype)
+
+
+@torch.library.register_fake(_lib + "emb_backward_update")
+def _emb_backward_update_fake(grad_output, weights, rows, unique_table_ids, inverse, offsets, feature_table, dims,
+                              per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, step):
+    return None

@@ -1,0 +1,57 @@
+"""Growth from a small init_capacity loses and corrupts nothing: after many
+batches every row (value and optimizer state) equals that of a module that
+had its full capacity from the start.
+
+Buckets of 64 slots: at load factor <= 0.5 none overflows (with 16-slot
+buckets a bucket can fill while the table is half empty, and the table then
+evicts instead of growing)."""
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbPoolingMode, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb import BatchedDynamicEmbeddingTables
+from emb_helpers import random_batch, stored, stored_keys
+
+DIMS = [4, 12]
+NUM_KEYS = [3000, 700]  # table 1 grows less, and later, than table 0
+FEATURE_TABLE = [0, 1, 0]
+
+
+def _module(optimizer, init_capacity):
+    opts = [DynamicEmbTableOptions(dim=d, init_capacity=init_capacity, max_capacity=8192, bucket_capacity=64,
+                                   num_embeddings=n) for d, n in zip(DIMS, NUM_KEYS)]
+    return BatchedDynamicEmbeddingTables(opts, feature_table_map=FEATURE_TABLE, pooling_mode=DynamicEmbPoolingMode.SUM,
+                                         optimizer=optimizer, learning_rate=0.1)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM],
+                         ids=lambda o: o.name)
+def test_growth_keeps_every_row(optimizer):
+    small, big = _module(optimizer, 256), _module(optimizer, None)
+    caps = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]
+    assert caps == [256, 256]
+    gen = torch.Generator().manual_seed(21)
+    grew = [0, 0]
+    for _ in range(25):
+        indices, offsets = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=32, max_len=6)
+        probe = torch.randn(32, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen)
+        before = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]
+        out_small, out_big = small(indices, offsets), big(indices, offsets)
+        after = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]
+        grew = [g + (a > b) for g, a, b in zip(grew, after, before)]
+        torch.testing.assert_close(out_small, out_big, atol=0, rtol=0)
+        (out_small * probe).sum().backward()
+        (out_big * probe).sum().backward()
+    for stats in (small.table_stats(), big.table_stats()):
+        assert all(s["evicted"] == 0 and s["failed"] == 0 for s in stats.values())
+    stats = small.table_stats()
+    # Load factor 0.5: capacity at least twice the size, and it did grow.
+    assert grew[0] >= 3 and grew[1] >= 2
+    assert all(s["capacity"] >= 2 * s["size"] and s["capacity"] > 256 for s in stats.values())
+    for t in range(2):
+        keys = sorted(stored_keys(big, t))
+        assert stored_keys(small, t) == set(keys) and len(keys) == stats[f"t{t}"]["size"]
+        found, rows_small = stored(small, t, keys)
+        _, rows_big = stored(big, t, keys)
+        assert bool(found.all())
+        torch.testing.assert_close(rows_small, rows_big, atol=0, rtol=0)

@@ -1,0 +1,121 @@
+"""Initial values: a pure function of (seed, table stream, key), whatever the
+batch, its order or the module instance; each initializer's distribution."""
+import math
+
+import pytest
+import torch
+
+from dynamicemb import (
+    DynamicEmbCheckMode,
+    DynamicEmbInitializerArgs,
+    DynamicEmbInitializerMode,
+    DynamicEmbPoolingMode,
+)
+from emb_helpers import debug_rows, make_module, stored
+
+Mode = DynamicEmbInitializerMode
+NONE = DynamicEmbPoolingMode.NONE
+
+
+def _module(num_tables=2, dim=8, seed=0, init=None, streams=None, **kw):
+    kw.setdefault("max_capacity", 8192)
+    if init is not None:
+        kw["initializer_args"] = init
+    return make_module([dim] * num_tables, pooling=NONE, module_kwargs=dict(seed=seed, init_streams=streams), **kw)
+
+
+def _initial(m, keys, table=0):
+    """Rows of (fresh) keys of `table` from a training forward (no update):
+    one batch of one bag per feature, all keys in the bag of feature `table`."""
+    keys = torch.as_tensor(keys, dtype=torch.int64)
+    offsets = torch.tensor([0] * (table + 1) + [keys.numel()] * (m.num_tables - table))
+    return m(keys, offsets).detach()
+
+
+def test_initial_row_independent_of_batch_order_and_instance():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.randint(-2**62, 2**62, (3000,), generator=gen), torch.tensor([-1, 0, 2**63 - 1])])
+    big = dict(max_capacity=1 << 16)  # room for every key: no eviction
+    a = _module(**big)
+    ref = _initial(a, keys, table=1)
+    # Another instance, keys in another order, in other batches (one big
+    # enough for the parallel unique path), with other keys around them.
+    b = _module(**big)
+    perm = torch.randperm(keys.numel(), generator=gen)
+    noise = torch.randint(0, 1000, (5000,), generator=gen)
+    first = torch.cat([keys[perm[:1500]], noise])
+    got = torch.empty_like(ref)
+    got[perm[:1500]] = _initial(b, first, table=1)[:1500]
+    got[perm[1500:]] = _initial(b, keys[perm[1500:]], table=1)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    # The stored rows are the same values.
+    found, rows = stored(b, 1, keys)
+    assert bool(found.all())
+    torch.testing.assert_close(rows[:, :8], ref, atol=0, rtol=0)
+    # Another table's stream or another seed give other rows.
+    assert not torch.equal(_initial(_module(**big), keys, table=0), ref)
+    assert not torch.equal(_initial(_module(seed=1, **big), keys, table=1), ref)
+    # The stream, not the position, names the table: table 1 of `a` moved
+    # to position 0 of a one-table module keeps its rows.
+    torch.testing.assert_close(_initial(_module(num_tables=1, streams=[1], **big), keys, table=0), ref, atol=0, rtol=0)
+
+
+def test_failed_keys_read_the_same_initial_value_as_stored_ones():
+    keys = torch.arange(1000, 1020)
+    tiny = make_module([8], pooling=NONE, max_capacity=16, bucket_capacity=16,
+                       safe_check_mode=DynamicEmbCheckMode.IGNORE)
+    out = tiny(keys, torch.tensor([0, 20])).detach()
+    assert tiny.table_stats()["t0"]["failed"] == 4
+    # The same bounds need the same num_embeddings: the default is max_capacity.
+    big = make_module([8], pooling=NONE, max_capacity=8192, num_embeddings=16)
+    torch.testing.assert_close(out, _initial(big, keys, table=0), atol=0, rtol=0)
+
+
+def _values(init, n=2000, dim=16, **kw):
+    return _initial(_module(num_tables=1, dim=dim, init=init, **kw), torch.arange(n) * 7919 - 5000).flatten()
+
+
+def test_uniform_default_bounds():
+    v = _values(DynamicEmbInitializerArgs(), num_embeddings=100)  # bound sqrt(1/100)
+    assert v.min() >= -0.1 and v.max() <= 0.1
+    assert v.min() < -0.099 and v.max() > 0.099
+    assert abs(float(v.mean())) < 0.002
+    assert abs(float(v.std()) - 0.2 / math.sqrt(12)) < 0.002
+    # num_embeddings unset: sqrt(1 / max_capacity).
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.UNIFORM), max_capacity=4096)
+    assert v.abs().max() <= 1 / 64 and v.abs().max() > 0.99 / 64
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=0.5, upper=0.75))
+    assert v.min() >= 0.5 and v.max() <= 0.75 and abs(float(v.mean()) - 0.625) < 0.003
+
+
+def test_normal_statistics():
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.NORMAL, mean=0.5, std_dev=2.0))
+    assert abs(float(v.mean()) - 0.5) < 0.05
+    assert abs(float(v.std()) - 2.0) < 0.05
+    assert float((v - 0.5).abs().max()) > 6.0  # tails exist: not truncated
+
+
+def test_truncated_normal_statistics():
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.TRUNCATED_NORMAL, mean=1.0, std_dev=0.5))
+    assert v.min() >= 0.0 and v.max() <= 2.0  # default bounds mean ± 2 std_dev
+    assert abs(float(v.mean()) - 1.0) < 0.01
+    # std of a normal truncated at ±2 sigma: 0.8796 sigma.
+    assert abs(float(v.std()) - 0.8796 * 0.5) < 0.01
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.TRUNCATED_NORMAL, std_dev=1.0, lower=-0.5, upper=1.0))
+    assert v.min() >= -0.5 and v.max() <= 1.0 and v.min() < -0.49 and v.max() > 0.99
+
+
+def test_constant():
+    v = _values(DynamicEmbInitializerArgs(mode=Mode.CONSTANT, value=0.25), n=50)
+    assert torch.equal(v, torch.full_like(v, 0.25))
+
+
+def test_debug_formula():
+    keys = [-1, 0, 5, 123456, -100001, 2**63 - 1, -2**63]
+    m = _module(num_tables=1, dim=6, init=DynamicEmbInitializerArgs(mode=Mode.DEBUG))
+    torch.testing.assert_close(_initial(m, keys), debug_rows(keys, 6), atol=0, rtol=0)
+
+
+def test_bad_bounds_rejected():
+    with pytest.raises(ValueError, match="lower bound 1.0 exceeds upper bound 0.0"):
+        _module(init=DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=1.0, upper=0.0))

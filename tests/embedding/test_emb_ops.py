@@ -1,0 +1,70 @@
+"""torch.library.opcheck of the emb_* ops (schema, fake kernels, dynamic-shape
+tracing), and the fake kernels' shapes against the real kernels."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from dynamicemb import DynamicEmbPoolingMode
+from dynamicemb._ops import ops
+from emb_helpers import bags, make_module
+
+FEATURE_TABLE = [0, 1, 0]
+DIMS = [4, 8]
+
+
+def _inputs(pooling=DynamicEmbPoolingMode.SUM):
+    """A module with stored rows and one batch's unique / rows, as the forward builds them."""
+    dims = [4, 4] if pooling == DynamicEmbPoolingMode.NONE else DIMS  # NONE needs one dim
+    m = make_module(dims, pooling=pooling, feature_table_map=FEATURE_TABLE, optimizer="exact_row_wise_adagrad")
+    indices, offsets = bags([[1, 2, 2], [5], [3, 1], [9, 1], [], [7]])  # F = 3, B = 2
+    ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
+    res = m.storage.find_or_insert(ukeys, utids, counts, 1)
+    return m, indices, offsets, ukeys, utids, inverse, res.rows
+
+
+def test_opcheck_emb_unique():
+    _, indices, offsets, *_ = _inputs()
+    torch.library.opcheck(ops.emb_unique, (indices, offsets, FEATURE_TABLE, 2))
+
+
+def test_opcheck_emb_init_rows():
+    m, _, _, ukeys, utids, _, rows = _inputs()
+    weights = [w.clone() for w in m.storage.weights()]
+    torch.library.opcheck(ops.emb_init_rows, (weights, rows, utids, ukeys, m.dims, m.storage.init_params, 0))
+
+
+@pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
+def test_opcheck_emb_forward(pooling):
+    m, _, offsets, ukeys, _, inverse, rows = _inputs(pooling)
+    psw = None if pooling == DynamicEmbPoolingMode.NONE else torch.rand(inverse.numel())
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, psw, int(pooling),
+                m.storage.init_params, 0, dtype)
+        torch.library.opcheck(ops.emb_forward, args)
+
+
+@pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
+def test_opcheck_emb_backward_update(pooling):
+    m, _, offsets, ukeys, utids, inverse, rows = _inputs(pooling)
+    out = ops.emb_forward(m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, None,
+                          int(pooling), m.storage.init_params, 0, torch.float32)
+    weights = [w.clone() for w in m.storage.weights()]
+    args = (torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE, m.dims, None,
+            int(pooling), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1)
+    torch.library.opcheck(ops.emb_backward_update, args)
+
+
+@pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
+def test_fake_shapes_match_real(pooling):
+    m, indices, offsets, ukeys, utids, inverse, rows = _inputs(pooling)
+    real = ops.emb_forward(m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, None,
+                           int(pooling), m.storage.init_params, 0, torch.float16)
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fake = lambda t: mode.from_tensor(t)  # noqa: E731
+        fu = ops.emb_unique(fake(indices), fake(offsets), FEATURE_TABLE, 2)
+        assert fu[2].shape == indices.shape
+        out = ops.emb_forward([fake(w) for w in m.storage.weights()], fake(rows), fake(ukeys), fake(inverse),
+                              fake(offsets), FEATURE_TABLE, m.dims, None, int(pooling),
+                              fake(m.storage.init_params), 0, torch.float16)
+    assert tuple(out.shape) == tuple(real.shape) and out.dtype == real.dtype

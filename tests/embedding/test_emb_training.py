@@ -1,0 +1,208 @@
+"""Hand-computed training behaviour: SGD updates by occurrence, eval lookups,
+scores per strategy, learning-rate changes."""
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbPoolingMode, DynamicEmbScoreStrategy, EmbOptimType
+from emb_helpers import DEBUG_INIT, bags, debug_rows, make_module, random_batch, stored, stored_keys, stored_scores
+
+SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
+
+# Features 0 and 2 share table 0, so a key's occurrences add up across features.
+FEATURE_TABLE = [0, 1, 0]
+BATCH = [[5, 5, 7], [1], [5, 9, -3, 7, 7],  # feature 0, bags b=0..2
+         [2, 2], [], [4, 2],  # feature 1
+         [9], [5, 7, 7, 7], [-3]]  # feature 2
+
+
+def _occurrences(batch):
+    """{(table, key): count} and {(table, key): sum of 1/len(bag)} by hand."""
+    count, mean_w = {}, {}
+    for j, b in enumerate(batch):
+        t = FEATURE_TABLE[j // 3]
+        for k in b:
+            count[(t, k)] = count.get((t, k), 0) + 1
+            mean_w[(t, k)] = mean_w.get((t, k), 0.0) + 1.0 / len(b)
+    return count, mean_w
+
+
+@pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
+def test_sgd_all_ones_gradient_moves_rows_by_occurrences(pooling):
+    dims = [4, 4]
+    m = make_module(dims, pooling=pooling, feature_table_map=FEATURE_TABLE, initializer_args=DEBUG_INIT,
+                    module_kwargs=dict(learning_rate=1.0))
+    indices, offsets = bags(BATCH)
+    m(indices, offsets).sum().backward()
+    count, mean_w = _occurrences(BATCH)
+    for (t, k), c in count.items():
+        found, row = stored(m, t, [k])
+        assert bool(found.all())
+        step = mean_w[(t, k)] if pooling == MEAN else c
+        torch.testing.assert_close(row[0], debug_rows([k], dims[t])[0] - step, atol=1e-5, rtol=0)
+    assert stored_keys(m, 0) == {k for (t, k) in count if t == 0}
+    assert stored_keys(m, 1) == {k for (t, k) in count if t == 1}
+
+
+def test_learning_rate_change_between_steps():
+    m = make_module([4], initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0))
+    indices, offsets = bags([[3, 3, 8]])
+    m(indices, offsets).sum().backward()  # key 3: -2, key 8: -1
+    m.set_learning_rate(0.25)
+    assert m.learning_rate == 0.25
+    m(indices, offsets).sum().backward()  # key 3: -0.5, key 8: -0.25
+    _, rows = stored(m, 0, [3, 8])
+    torch.testing.assert_close(rows, debug_rows([3, 8], 4) - torch.tensor([[2.5], [1.25]]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM, EmbOptimType.EXACT_ADAGRAD,
+                                       EmbOptimType.EXACT_ROWWISE_ADAGRAD], ids=lambda o: o.name)
+@pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
+def test_eval_forward_reads_stored_rows_and_inserts_nothing(optimizer, pooling):
+    gen = torch.Generator().manual_seed(3)
+    m = make_module([8, 8], pooling=pooling, optimizer=optimizer, feature_table_map=[0, 1, 0])
+    for _ in range(5):
+        indices, offsets = random_batch(gen, [0, 1, 0], [40, 40], batch=4, max_len=4)
+        out = m(indices, offsets)
+        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+    stats = m.table_stats()
+    # Keys 0..39 were seen (mostly), 1000.. never: eval gives their eval
+    # initial value (zeros) and stores nothing.
+    indices, offsets = random_batch(gen, [0, 1, 0], [40, 40], batch=4, max_len=4)
+    indices = torch.where(torch.rand(indices.shape, generator=gen) < 0.3, indices + 1000, indices)
+    assert bool((indices >= 1000).any()) and bool((indices < 1000).any())
+    m.eval()
+    out_eval = m(indices, offsets)
+    assert m.table_stats() == stats
+    m.train()
+    # Reference: stored rows for stored keys, zeros for missing ones, pooled by hand.
+    table_of = [[0, 1, 0][j // 4] for j in range(len(offsets) - 1)]
+    rows = []
+    for j in range(len(offsets) - 1):
+        ks = indices[offsets[j]:offsets[j + 1]]
+        found, r = stored(m, table_of[j], ks)
+        r = r[:, :8] * found[:, None]
+        rows.append(r)
+    if pooling == NONE:
+        expected = torch.cat(rows)
+    else:
+        pooled = [r.sum(0) / (max(len(r), 1) if pooling == MEAN else 1) for r in rows]
+        expected = torch.stack([torch.cat([pooled[f * 4 + b] for f in range(3)]) for b in range(4)])
+    torch.testing.assert_close(out_eval, expected, atol=1e-6, rtol=0)
+
+
+def test_eval_forward_then_train_forward_on_stored_keys_agree():
+    gen = torch.Generator().manual_seed(5)
+    m = make_module([6], pooling=SUM, optimizer=EmbOptimType.EXACT_ADAGRAD)
+    for _ in range(3):
+        indices, offsets = random_batch(gen, [0], [20], batch=8, max_len=5, min_len=1)
+        m(indices, offsets).sum().backward()
+    keys = sorted(stored_keys(m, 0))
+    indices, offsets = bags([keys[i::3] for i in range(3)])
+    m.eval()
+    out_eval = m(indices, offsets)
+    m.train()
+    out_train = m(indices, offsets)
+    assert not torch.equal(out_eval, torch.zeros_like(out_eval))
+    torch.testing.assert_close(out_train.detach(), out_eval, atol=0, rtol=0)
+
+
+def test_missing_keys_in_eval_read_eval_initializer_and_are_not_inserted():
+    m = make_module([4], initializer_args=DEBUG_INIT)
+    indices, offsets = bags([[1, 2], [3]])
+    m(indices, offsets).sum().backward()
+    before = m.table_stats()
+    m.eval()
+    out = m(*bags([[1, 100], [200, 300]]))
+    assert m.table_stats() == before and stored_keys(m, 0) == {1, 2, 3}
+    _, row1 = stored(m, 0, [1])
+    torch.testing.assert_close(out[0], row1[0], atol=0, rtol=0)
+    torch.testing.assert_close(out[1], torch.zeros(4), atol=0, rtol=0)
+
+
+# ---- scores -----------------------------------------------------------------------------
+
+
+def test_step_scores_follow_the_module_step():
+    m = make_module([4], score_strategy=DynamicEmbScoreStrategy.STEP)
+    for keys in ([1, 2, 3], [2, 3], [3, 4]):
+        m(*bags([keys])).sum().backward()
+    assert m.step == 3
+    assert stored_scores(m, 0) == {1: 1, 2: 2, 3: 3, 4: 3}
+    m.eval()
+    m(*bags([[1, 2]]))  # eval lookups do not touch scores
+    assert stored_scores(m, 0) == {1: 1, 2: 2, 3: 3, 4: 3}
+
+
+def test_customized_scores_come_from_set_score():
+    m = make_module([4, 4], feature_table_map=[0, 1], score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED)
+    m.set_score(10)
+    m(*bags([[1, 2], [1]])).sum().backward()
+    m.set_score(25, table_id=1)
+    m(*bags([[2], [1, 5]])).sum().backward()
+    assert stored_scores(m, 0) == {1: 10, 2: 10}
+    assert stored_scores(m, 1) == {1: 25, 5: 25}
+
+
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LFU,
+                                      (DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU)],
+                         ids=["LFU", "TIMESTAMP_LFU"])
+def test_lfu_scores_count_occurrences(strategy):
+    m = make_module([4], score_strategy=strategy)
+    m(*bags([[1, 1, 2], [1]])).sum().backward()
+    m(*bags([[2], [3, 1]])).sum().backward()
+    assert stored_scores(m, 0) == {1: 4, 2: 2, 3: 1}
+
+
+# ---- weight decay and determinism -------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                       EmbOptimType.ADAM], ids=lambda o: o.name)
+def test_weight_decay_by_hand(optimizer):
+    # FBGEMM's rules: adagrads add L2 decay to the gradient; Adam adds
+    # weight_decay * w to the update (not to the moments).
+    lr, wd, eps, b1, b2 = 0.1, 0.5, 1e-8, 0.9, 0.999
+    m = make_module([3], optimizer=optimizer, initializer_args=DEBUG_INIT,
+                    module_kwargs=dict(learning_rate=lr, weight_decay=wd, eps=eps, beta1=b1, beta2=b2))
+    m(*bags([[42]])).sum().backward()  # gradient 1 per element
+    w0 = debug_rows([42], 3)[0]
+    if optimizer == EmbOptimType.ADAM:
+        m1, m2 = torch.full((3,), 1 - b1), torch.full((3,), 1 - b2)
+        w = w0 - lr * ((m1 / (1 - b1)) / ((m2 / (1 - b2)).sqrt() + eps) + wd * w0)
+        state = torch.cat([m1, m2])
+    else:
+        g = 1 + wd * w0
+        if optimizer == EmbOptimType.EXACT_ADAGRAD:
+            state = g * g
+            w = w0 - lr * g / (state.sqrt() + eps)
+        else:
+            state = (g * g).mean()[None]
+            w = w0 - lr / (state.sqrt() + eps) * g
+    _, row = stored(m, 0, [42])
+    torch.testing.assert_close(row[0, :3], w, atol=1e-6, rtol=0)
+    torch.testing.assert_close(row[0, 3:], state, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD],
+                         ids=lambda o: o.name)
+def test_results_do_not_depend_on_thread_count(optimizer):
+    def run(threads):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(17)
+            m = make_module([8, 4], optimizer=optimizer, feature_table_map=[0, 1, 0], max_capacity=1 << 14)
+            outs = []
+            for _ in range(3):  # ~6000 indices: every parallel path is taken
+                indices, offsets = random_batch(gen, [0, 1, 0], [3000, 500], batch=500, max_len=8)
+                out = m(indices, offsets)
+                (out * torch.randn(out.shape, generator=gen)).sum().backward()
+                outs.append(out.detach())
+            return outs, [stored(m, t, torch.arange(n))[1] for t, n in ((0, 3000), (1, 500))]
+        finally:
+            torch.set_num_threads(prev)
+
+    outs1, rows1 = run(1)
+    outs2, rows2 = run(2)
+    for a, b in zip(outs1 + rows1, outs2 + rows2):
+        assert torch.equal(a, b)
