@@ -312,10 +312,12 @@ class HashTableStorage(EmbeddingStorage):
         g, lt = self.group_of[table_id]
         ht = self.groups[g][0]
         begin, dim = int(self._slot_begin[g][lt]), self.dims[table_id]
+        w = self._weights[table_id]
         for b in ht.export(batch_size=batch_size, table_id=lt):
-            rows = self._weights[table_id][b.indices - begin]
+            rows = b.indices - begin
+            # Values and state gathered apart: each comes out contiguous, once.
             ts = ht.slot_timestamps[b.indices] if ht.slot_timestamps.numel() else None
-            yield RowBatch(b.keys, rows[:, :dim], rows[:, dim:], b.scores, ts)
+            yield RowBatch(b.keys, w[:, :dim].index_select(0, rows), w[:, dim:].index_select(0, rows), b.scores, ts)
 
     def load_rows(self, table_id: int, batch: RowBatch) -> None:
         """Stores entries exactly as exported (values, optimizer state or zeros

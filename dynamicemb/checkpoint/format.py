@@ -13,12 +13,12 @@ with its row count, size and CRC-32.
 """
 import json
 import os
+import struct
 import zlib
 from typing import Dict
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import safe_open
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -33,15 +33,48 @@ def part_name(table: str, rank: int, kind: str, index: int) -> str:
     return os.path.join(table, f"rank{rank:05d}.{kind}{index:05d}.safetensors")
 
 
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+           torch.int32: "I32", torch.float64: "F64"}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
 def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor]) -> dict:
-    """Writes one safetensors file; returns its manifest entry."""
-    data = st_save({k: v.contiguous() for k, v in tensors.items()})
+    """Writes one safetensors file, streaming each tensor's bytes (no second
+    copy of the chunk in memory) and checksumming them as they go; returns the
+    file's manifest entry."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header, offset = {}, 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        header[k] = {"dtype": _DTYPES[v.dtype], "shape": list(v.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
     path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    prefix = struct.pack("<Q", len(head)) + head
+    crc = zlib.crc32(prefix)
     with open(path, "wb") as f:
-        f.write(data)
-    return {"file": rel, "rows": int(next(iter(tensors.values())).shape[0]), "bytes": len(data),
-            "crc32": zlib.crc32(data)}
+        f.write(prefix)
+        for v in tensors.values():
+            if v.numel():
+                raw = _raw(v)
+                crc = zlib.crc32(raw, crc)
+                f.write(raw)
+    return {"file": rel, "rows": int(next(iter(tensors.values())).shape[0]), "bytes": len(prefix) + offset,
+            "crc32": crc}
+
+
+def _file_crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def read_part(root: str, entry: dict, table: str) -> Dict[str, torch.Tensor]:
@@ -54,11 +87,10 @@ def read_part(root: str, entry: dict, table: str) -> Dict[str, torch.Tensor]:
     if size != entry["bytes"]:
         raise CheckpointError(f"table {table!r}: file {path} has {size} bytes, the manifest says "
                               f"{entry['bytes']} (truncated or replaced)")
-    with open(path, "rb") as f:
-        data = f.read()
-    if zlib.crc32(data) != entry["crc32"]:
+    if _file_crc(path) != entry["crc32"]:
         raise CheckpointError(f"table {table!r}: file {path} fails its checksum (corrupted)")
-    return st_load(data)
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def write_manifest(root: str, manifest: dict) -> None:
@@ -97,10 +129,7 @@ def verify_files(root: str, manifest: dict) -> int:
             if os.path.getsize(path) != entry["bytes"]:
                 raise CheckpointError(f"table {name!r}: file {path} has {os.path.getsize(path)} bytes, "
                                       f"the manifest says {entry['bytes']}")
-            crc = 0
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
+            crc = _file_crc(path)
             if crc != entry["crc32"]:
                 raise CheckpointError(f"table {name!r}: file {path} fails its checksum (corrupted)")
             total += entry["bytes"]
