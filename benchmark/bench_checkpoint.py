@@ -1,0 +1,166 @@
+"""Dump and load rates of a dynamic table against torch.save of the same bytes.
+
+    bash scripts/dev.sh bench checkpoint [--rows 10000000] [--world 2] [--dir /tmp/x]
+
+Default (issue 5): one table of 10M rows x dim 64 with Adam state (3 x 64
+floats per row), split over 2 ranks (gloo). Each rank: fills its table
+(keys arange(rank, rows, world)), dumps it (timed, every rank writing in
+parallel), then writes the same number of bytes with plain torch.save (timed),
+then loads the dump into a fresh table (timed). Peak extra memory during the
+dump is sampled from /proc/self/statm (RSS) every 2 ms.
+"""
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _common import busy_warning, default_out, env_info, format_table, write_json
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbLoad, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb.storage import RowBatch
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRss:
+    """Samples this process's RSS in a thread; `extra` = peak - start."""
+
+    def __enter__(self):
+        self.start = self.peak = rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+        self.extra = self.peak - self.start
+
+
+def table(rows_per_rank, dim):
+    cap = 1 << max(7, (int(rows_per_rank / 0.6) - 1).bit_length())  # load factor <= 0.6: no bucket overflows
+    o = DynamicEmbTableOptions(dim=dim, max_capacity=cap, init_capacity=cap, max_load_factor=1.0,
+                               score_strategy=1)  # STEP
+    return BatchedDynamicEmbeddingTables([o], table_names=["t"], optimizer=EmbOptimType.ADAM)
+
+
+def timed_collective(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def rank_main(rank, world, port, args, root, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    keys = torch.arange(rank, args.rows, world, dtype=torch.int64)
+    n, dim = keys.numel(), args.dim
+    m = table(n, dim)
+    g = torch.Generator().manual_seed(rank)
+    for s in range(0, n, 1 << 20):  # fill: values, Adam moments, scores
+        k = keys[s:s + (1 << 20)]
+        m.storage.load_rows(0, RowBatch(k, torch.randn(k.numel(), dim, generator=g),
+                                        torch.rand(k.numel(), 2 * dim, generator=g), torch.full_like(k, 7), None))
+    path = os.path.join(root, "dump")
+    with PeakRss() as mem:
+        dump_s, _ = timed_collective(lambda: DynamicEmbDump(path, m, chunk_rows=args.chunk_rows))
+    del m
+    # The same bytes (keys, values, optimizer state, scores) with torch.save.
+    plain = {"keys": keys, "values": torch.randn(n, dim), "optimizer_state": torch.rand(n, 2 * dim),
+             "scores": torch.full_like(keys, 7)}
+    plain_path = os.path.join(root, f"plain_rank{rank}.pt")
+    save_s, _ = timed_collective(lambda: torch.save(plain, plain_path))
+    plain_bytes = os.path.getsize(plain_path)
+    del plain
+    os.remove(plain_path)
+    m2 = table(n, dim)
+    load_s, _ = timed_collective(lambda: DynamicEmbLoad(path, m2))
+    ok = m2.storage.size(0) == n
+    queue.put((rank, dict(rows=n, dump_s=dump_s, save_s=save_s, load_s=load_s, plain_bytes=plain_bytes,
+                          dump_extra_rss=mem.extra, loaded_all=ok)))
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--chunk-rows", type=int, default=1 << 18, help="slots scanned per part file")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--out", default=default_out("bench_checkpoint"))
+    args = ap.parse_args()
+    warn = busy_warning(torch.get_num_threads())
+    if warn:
+        print(warn)
+    root = tempfile.mkdtemp(prefix="dynamicemb-bench-ckpt-", dir=args.dir)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, root, queue)) for r in range(args.world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        per_rank = dict(queue.get() for _ in procs)
+        dump_bytes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, "dump"))
+                         for f in fs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = sum(r["rows"] for r in per_rank.values())
+    dump_s = max(r["dump_s"] for r in per_rank.values())
+    save_s = max(r["save_s"] for r in per_rank.values())
+    load_s = max(r["load_s"] for r in per_rank.values())
+    plain_bytes = sum(r["plain_bytes"] for r in per_rank.values())
+    chunk_bytes = args.chunk_rows * (8 + 8 + 3 * args.dim * 4)
+    res = {
+        "rows": rows, "dump_bytes": dump_bytes, "plain_bytes": plain_bytes,
+        "dump_s": dump_s, "dump_gb_s": dump_bytes / dump_s / 1e9, "dump_rows_s": rows / dump_s,
+        "save_s": save_s, "save_gb_s": plain_bytes / save_s / 1e9,
+        "load_s": load_s, "load_gb_s": dump_bytes / load_s / 1e9, "load_rows_s": rows / load_s,
+        "dump_vs_save": (dump_bytes / dump_s) / (plain_bytes / save_s),
+        "dump_extra_rss_per_rank": {r: v["dump_extra_rss"] for r, v in per_rank.items()},
+        "chunk_bytes_upper_bound": chunk_bytes,
+        "loaded_all": all(r["loaded_all"] for r in per_rank.values()),
+    }
+    print(format_table(["what", "seconds", "GB/s", "Mrows/s"], [
+        ["DynamicEmbDump", f"{dump_s:.2f}", f"{res['dump_gb_s']:.2f}", f"{rows / dump_s / 1e6:.2f}"],
+        ["torch.save (same bytes)", f"{save_s:.2f}", f"{res['save_gb_s']:.2f}", f"{rows / save_s / 1e6:.2f}"],
+        ["DynamicEmbLoad", f"{load_s:.2f}", f"{res['load_gb_s']:.2f}", f"{rows / load_s / 1e6:.2f}"],
+    ]))
+    print(f"dump rate / torch.save rate: {res['dump_vs_save']:.2f} (target >= 0.7)")
+    extra = max(res["dump_extra_rss_per_rank"].values())
+    print(f"peak extra RSS during the dump: {extra / 2**20:.0f} MiB per rank (one chunk: "
+          f"{chunk_bytes / 2**20:.0f} MiB); every row loaded back: {res['loaded_all']}")
+    payload = {"benchmark": "bench_checkpoint", "config": {**vars(args), **env_info(torch.device("cpu"))},
+               "per_rank": per_rank, "results": res}
+    print(f"wrote {write_json(args.out, payload)}")
+
+
+if __name__ == "__main__":
+    main()
