@@ -68,3 +68,28 @@ def test_fake_shapes_match_real(pooling):
                               fake(offsets), FEATURE_TABLE, m.dims, None, int(pooling),
                               fake(m.storage.init_params), 0, torch.float16)
     assert tuple(out.shape) == tuple(real.shape) and out.dtype == real.dtype
+
+
+def test_lookup_compiles_and_exports_with_dynamic_shapes():
+    # The eval lookup path (unique -> gather + pool) as an inference module
+    # would trace it: the data-dependent unique count flows into emb_forward.
+    m, indices, offsets, *_ = _inputs()
+    weights, params = m.storage.weights(), m.storage.init_params
+
+    class Lookup(torch.nn.Module):
+        def forward(self, idx, off):
+            uk, _, inv, _ = ops.emb_unique(idx, off, FEATURE_TABLE, 2)
+            rows = torch.full_like(uk, -1)
+            return ops.emb_forward(weights, rows, uk, inv, off, FEATURE_TABLE, DIMS, None, 0, params, 0,
+                                   torch.float32)
+
+    f = Lookup()
+    other = bags([[1, 2], [5, 6, 8], [3], [9, 1, 1], [], [7], [], [4], [4, 4]])  # B = 3
+    expected = [f(indices, offsets), f(*other)]
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")  # no C++ codegen: fast
+    for args, exp in zip([(indices, offsets), other], expected):
+        torch.testing.assert_close(compiled(*args), exp, atol=0, rtol=0)
+    dims = ({0: torch.export.Dim("n")}, {0: 3 * torch.export.Dim("b", min=2) + 1})  # offsets: F * B + 1
+    exported = torch.export.export(f, (indices, offsets), dynamic_shapes=dims).module()
+    for args, exp in zip([(indices, offsets), other], expected):
+        torch.testing.assert_close(exported(*args), exp, atol=0, rtol=0)
