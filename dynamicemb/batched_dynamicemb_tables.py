@@ -33,20 +33,24 @@ def pooling_code(pooling) -> int:
 
 
 class _LookupFunction(torch.autograd.Function):
-    """Forward: gather + pool. Backward: the fused optimizer update; no
-    gradient flows to any tensor input (the anchor only hooks autograd in)."""
+    """Forward: gather + pool. Backward: the fused optimizer update; the only
+    gradient that flows to an input is that of per_sample_weights (learned
+    position weights), as in FBGEMM's TBE (the anchor only hooks autograd in)."""
 
     @staticmethod
     def forward(ctx, anchor, module, rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights):
         ctx.module = module
-        ctx.save_for_backward(rows, unique_table_ids, inverse, offsets, per_sample_weights)
+        ctx.save_for_backward(rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights)
         return module._gather(rows, unique_keys, inverse, offsets, per_sample_weights, training=True)
 
     @staticmethod
     def backward(ctx, grad_output):
-        rows, unique_table_ids, inverse, offsets, psw = ctx.saved_tensors
+        rows, unique_keys, unique_table_ids, inverse, offsets, psw = ctx.saved_tensors
+        grad_psw = None
+        if ctx.needs_input_grad[7]:  # from the rows before this update, as the TBE
+            grad_psw = ctx.module._per_sample_weights_grad(grad_output, rows, unique_keys, inverse, offsets)
         ctx.module._apply_gradients(grad_output, rows, unique_table_ids, inverse, offsets, psw)
-        return (None,) * 8
+        return (None,) * 7 + (grad_psw,)
 
 
 class BatchedDynamicEmbeddingTables(nn.Module):
@@ -177,6 +181,30 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                 inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
                                 self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
                                 self.weight_decay, self.optimizer_step)
+
+    def _per_sample_weights_grad(self, grad_output, rows, ukeys, inverse, offsets) -> torch.Tensor:
+        """d loss / d per_sample_weights[i]: the row of index i (stored or
+        initial) dotted with the output gradient of its bag (/ length for MEAN)."""
+        F = len(self.feature_table_map)
+        B = (offsets.numel() - 1) // F
+        grad_output = grad_output.to(torch.float32)
+        lengths = offsets.diff()
+        grad = torch.zeros(inverse.numel(), dtype=torch.float32, device=inverse.device)
+        col = 0
+        for f, t in enumerate(self.feature_table_map):
+            lo, hi, D = int(offsets[f * B]), int(offsets[(f + 1) * B]), self.dims[t]
+            if hi > lo:
+                # One bag per index: the kernel returns each index's own row.
+                one = torch.arange(hi - lo + 1, dtype=torch.int64, device=offsets.device)
+                vals = ops.emb_forward(self.storage.weights(), rows, ukeys, inverse[lo:hi].contiguous(), one, [t],
+                                       self.dims, None, int(DynamicEmbPoolingMode.SUM), self.storage.init_params,
+                                       self.seed, torch.float32)
+                lens = lengths[f * B:(f + 1) * B]
+                bag = torch.repeat_interleave(torch.arange(B, device=offsets.device), lens)
+                dot = (vals * grad_output[bag, col:col + D]).sum(1)
+                grad[lo:hi] = dot / lens[bag] if self.pooling == DynamicEmbPoolingMode.MEAN else dot
+            col += D
+        return grad
 
     # ---- accounting ----------------------------------------------------------------------------
 

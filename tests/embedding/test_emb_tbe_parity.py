@@ -73,13 +73,19 @@ def _train(tbe, ours, optimizer, dims, weighted=False, steps=10, lr_schedule=Non
             ours.set_learning_rate(lr_schedule[step])
         indices, offsets = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=batch, max_len=max_len)
         psw = torch.rand(indices.numel(), generator=gen) * 2 - 0.5 if weighted else None
-        out_ref = tbe(indices, offsets, per_sample_weights=psw)
-        out = ours(indices, offsets, per_sample_weights=psw)
+        # Separate leaves: each module's gradient w.r.t. the weights (learned
+        # position weights in TorchRec) is compared too.
+        psw_ref, psw_ours = (None, None) if psw is None else (psw.clone().requires_grad_(), psw.clone().requires_grad_())
+        out_ref = tbe(indices, offsets, per_sample_weights=psw_ref)
+        out = ours(indices, offsets, per_sample_weights=psw_ours)
         assert out.shape == out_ref.shape
         torch.testing.assert_close(out, out_ref.detach(), atol=1e-5, rtol=0)
         probe = torch.randn(out.shape, generator=gen)
         (out_ref * probe).sum().backward()
         (out * probe).sum().backward()
+        if weighted:
+            assert psw_ours.grad is not None, "no gradient w.r.t. per_sample_weights"
+            torch.testing.assert_close(psw_ours.grad, psw_ref.grad, atol=1e-5, rtol=0)
         _check_rows(tbe, ours, optimizer, dims)
     # Training really happened (else parity would be vacuous).
     moved = [not torch.equal(a, b) for a, b in zip(initial, tbe.split_embedding_weights())]

@@ -206,3 +206,18 @@ def test_results_do_not_depend_on_thread_count(optimizer):
     outs2, rows2 = run(2)
     for a, b in zip(outs1 + rows1, outs2 + rows2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pooling", [SUM, MEAN], ids=lambda p: p.name)
+def test_per_sample_weight_gradient_by_hand(pooling):
+    # d loss / d weight_i = <row_i before the update, gradient of its bag> (/ bag length for MEAN).
+    m = make_module([2, 3], pooling=pooling, initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0))
+    indices, offsets = bags([[1, 2], [3], [4, 5, 4], []])  # F = 2, B = 2
+    psw = torch.tensor([0.5, 2.0, -1.0, 1.0, 3.0, 0.25], requires_grad=True)
+    probe = torch.tensor([[1.0, -2.0, 0.5, 1.0, 2.0], [3.0, 1.0, -1.0, 0.0, 4.0]])
+    (m(indices, offsets, psw) * probe).sum().backward()
+    r = {k: debug_rows([k], 2 if k < 4 else 3)[0] for k in (1, 2, 3, 4, 5)}
+    g = [probe[0, :2], probe[0, :2], probe[1, :2], probe[0, 2:], probe[0, 2:], probe[0, 2:]]
+    lens = [2, 2, 1, 3, 3, 3] if pooling == MEAN else [1] * 6
+    expected = torch.stack([(r[k] * gi).sum() / n for k, gi, n in zip([1, 2, 3, 4, 5, 4], g, lens)])
+    torch.testing.assert_close(psw.grad, expected, atol=1e-5, rtol=0)
