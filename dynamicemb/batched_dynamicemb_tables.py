@@ -169,7 +169,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if mode == DynamicEmbCheckMode.WARNING:
                 msgs.append(msg)
         if msgs:
-            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=3)
+            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=5)  # the module's caller
 
     # ---- backward ---------------------------------------------------------------------------
 

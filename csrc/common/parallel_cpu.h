@@ -25,7 +25,9 @@ class StablePartition {
   StablePartition(int64_t n, int64_t parts, PartFn part) : n_(n), parts_(std::max<int64_t>(1, parts)) {
     if (parts_ == 1) return;
     const int64_t P = parts_;
-    const int64_t chunks = num_chunks(n, 8192);
+    // Each chunk keeps a counter per part: bound chunks x parts so that many
+    // parts (e.g. one per unique key) cost no more than ~32 MiB of counters.
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(num_chunks(n, 8192), (int64_t{1} << 22) / P));
     const int64_t len = (n + chunks - 1) / chunks;
     std::vector<int64_t> off(chunks * P, 0);
     at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {

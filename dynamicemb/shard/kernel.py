@@ -106,3 +106,8 @@ class BatchedDynamicEmbedding(_DynamicKernel):
 
     def __init__(self, config, pg=None, device=None):
         super().__init__(config, pg, device, DynamicEmbPoolingMode.NONE)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        # Sequence lookups have no per-sample weights (TorchRec's own
+        # sequence kernels ignore them too).
+        return self._emb_module(features.values(), features.offsets())
