@@ -108,9 +108,10 @@ DE_HD int64_t score_on_insert(int64_t s, int64_t call_score, int64_t key_score) 
 
 DE_HD int64_t score_on_access(int64_t s, int64_t old, int64_t call_score,
                               int64_t key_score) {
-  if (counts_accesses(s)) {
-    const int64_t limit = INT64_MAX - (key_score > 0 ? key_score : 0);
-    return old > limit ? INT64_MAX : old + key_score;  // saturate
+  if (counts_accesses(s)) {  // saturate at both limits (signed overflow is UB)
+    if (key_score > 0 && old > INT64_MAX - key_score) return INT64_MAX;
+    if (key_score < 0 && old < INT64_MIN - key_score) return INT64_MIN;
+    return old + key_score;
   }
   return s == kCustomized ? key_score : call_score;
 }

@@ -1,0 +1,144 @@
+"""Property tests: random operation sequences run on ScoredHashTable and on the
+reference model (reference.py) must agree on everything observable."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from table_harness import Pair
+from reference import CUSTOMIZED, INT64_MAX, INT64_MIN, LFU, NO_EVICTION, STEP, TIMESTAMP, TIMESTAMP_LFU
+
+ALL_STRATEGIES = [TIMESTAMP, STEP, CUSTOMIZED, LFU, NO_EVICTION, TIMESTAMP_LFU]
+
+# Deterministic and bounded: the whole tests/table run stays well under a minute.
+PROPERTY = settings(
+    derandomize=True,
+    database=None,
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# A small key range over a few 16-slot buckets: buckets fill, evict and fail.
+# The extreme keys are ordinary keys.
+KEYS = st.one_of(st.integers(-8, 60), st.sampled_from([INT64_MIN, INT64_MAX, -1, 0]))
+SMALL = st.integers(0, 6)  # scores / clocks / steps: small, so ties happen
+
+
+def _scores(data, strategy, n):
+    """The `scores` argument a call gives, per strategy."""
+    if strategy == CUSTOMIZED:
+        return data.draw(st.one_of(SMALL, st.lists(SMALL, min_size=n, max_size=n)))
+    if strategy in (LFU, TIMESTAMP_LFU):
+        return data.draw(st.one_of(st.none(), SMALL, st.lists(st.integers(-1, 4), min_size=n, max_size=n)))
+    if strategy == STEP:
+        return data.draw(st.one_of(st.none(), SMALL))
+    return None  # TIMESTAMP / NO_EVICTION read the clock only
+
+
+def _table_ids(data, num_tables, n):
+    if num_tables == 1:
+        return data.draw(st.sampled_from([None, 0, [0] * n]))
+    return data.draw(st.one_of(st.integers(0, num_tables - 1),
+                               st.lists(st.integers(0, num_tables - 1), min_size=n, max_size=n)))
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+@PROPERTY
+@given(data=st.data())
+def test_random_operations_match_model(strategy, data):
+    counts = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3), label="bucket counts")
+    cap = data.draw(st.sampled_from([16, 16, 32]), label="bucket_capacity")
+    p = Pair(strategy, counts, cap)
+    for _ in range(data.draw(st.integers(1, 20), label="ops")):
+        op = data.draw(st.sampled_from(
+            ["insert"] * 4 + ["lookup", "refresh", "erase", "export", "grow", "reset"]))
+        if op in ("grow", "export", "reset"):
+            if op == "grow" and sum(p.model.bucket_counts) <= 12:
+                mult = data.draw(st.lists(st.integers(1, 3), min_size=len(counts), max_size=len(counts)))
+                if len(counts) > 1 and data.draw(st.booleans()):  # one table, by table_id
+                    t = data.draw(st.integers(0, len(counts) - 1))
+                    p.grow([c * (mult[t] if i == t else 1) for i, c in enumerate(p.model.bucket_counts)],
+                           table_id=t)
+                else:
+                    p.grow([c * k for c, k in zip(p.model.bucket_counts, mult)])
+            elif op == "export":
+                p.export(threshold=data.draw(st.one_of(st.none(), SMALL)),
+                         batch_size=data.draw(st.sampled_from([7, 16, 1 << 16])),
+                         table_id=data.draw(st.one_of(st.none(), st.integers(0, len(counts) - 1))))
+            elif op == "reset":
+                p.reset_counters()
+            continue
+        n = data.draw(st.integers(0, 64), label="batch size")  # uniform-ish: big batches too
+        keys = data.draw(st.lists(KEYS, min_size=n, max_size=n))
+        tids = _table_ids(data, len(counts), n)
+        now, step = data.draw(SMALL), data.draw(SMALL)
+        if op == "insert":
+            res = p.insert(keys, tids, _scores(data, strategy, n), now=now, step=step).results.tolist()
+            for r in set(res):  # --hypothesis-show-statistics: evictions and failures do happen
+                event(f"insert result {r}")
+        elif op == "lookup":
+            p.lookup(keys, tids)
+        elif op == "refresh":
+            p.lookup(keys, tids, update_score=True, scores=_scores(data, strategy, n), now=now, step=step)
+        else:
+            # Erase present keys too, so that tombstones get reused.
+            live = sorted(p.live())
+            pairs = data.draw(st.lists(st.sampled_from(live), max_size=12)) if live else []
+            pairs += list(zip(p.model._tids(tids, n), keys))[: n // 2]
+            et = [t for t, _ in pairs]
+            p.erase([k for _, k in pairs], et if len(counts) > 1 or data.draw(st.booleans()) else None)
+    p.export()
+
+
+@pytest.fixture
+def threads():
+    """At least 2 intra-op threads: batches of >= 4096 keys then take the
+    parallel path (BucketOrder: buckets in parallel, keys of one bucket in
+    input order) instead of the serial one."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(2, old))
+    yield
+    torch.set_num_threads(old)
+
+
+def _batch(rng, n, key_range, num_tables):
+    keys = [rng.randrange(key_range) - key_range // 4 for _ in range(n)]
+    keys[rng.randrange(n)] = INT64_MIN
+    return keys, [rng.randrange(num_tables) for _ in range(n)]
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+def test_large_batches_match_model(strategy, threads):
+    rng = random.Random(strategy)
+    # 3 tables (2, 40 and 150 buckets): the small one fails and evicts a lot.
+    p = Pair(strategy, [2, 40, 150])
+    n, seen = 6000, set()
+    for step in range(3):
+        keys, tids = _batch(rng, n, 4000, 3)
+        freq = [rng.randrange(1, 4) for _ in range(n)]
+        scores = {CUSTOMIZED: freq, LFU: freq, TIMESTAMP_LFU: None, STEP: step}.get(strategy)
+        seen |= set(p.insert(keys, tids, scores, now=step, step=step).results.tolist())
+        keys2, tids2 = _batch(rng, n, 4000, 3)
+        p.lookup(keys2, tids2)
+        p.lookup(keys2, tids2, update_score=True, scores=freq if strategy in (CUSTOMIZED, LFU) else None,
+                 now=step + 10, step=step + 10)
+        p.erase(keys2[:4500], tids2[:4500])
+    p.export(batch_size=1000)
+    # Every outcome happened (a call cannot evict its own keys: the first fails).
+    assert seen == ({0, 1, 3} if strategy == NO_EVICTION else {0, 1, 2, 3})
+
+
+def test_very_large_batch_matches_model(threads):
+    """n >= 32768: the per-table tallies and the evicted-key compaction split
+    the batch in several chunks; the output order must still be input order."""
+    rng = random.Random(7)
+    p = Pair(LFU, [256, 64])
+    keys, tids = _batch(rng, 40000, 9000, 2)
+    p.insert(keys, tids, [rng.randrange(5) for _ in keys])
+    keys, tids = _batch(rng, 40000, 9000, 2)
+    p.insert(keys, tids, [rng.randrange(5) for _ in keys])
+    p.erase(keys[:20000], tids[:20000])
+    p.export()

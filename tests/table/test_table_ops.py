@@ -1,0 +1,161 @@
+"""The dynamicemb::table_* ops: registration (opcheck: schema, fake kernels,
+compilation) and clear errors for bad inputs, through Python and the raw ops."""
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbScoreStrategy as S
+from dynamicemb import ScoredHashTable
+from dynamicemb._ops import ops
+
+TABLE_OPS = ["table_lookup", "table_lookup_refresh", "table_insert", "table_erase",
+             "table_export_range", "table_rehash"]
+
+
+def _table(strategy):
+    """Two tables (2 and 3 buckets of 16), partly filled, with a tombstone."""
+    t = ScoredHashTable([32, 48], 16, strategy, num_tables=2)
+    keys = torch.arange(-40, 40)
+    t.insert(keys, torch.tensor([0, 1] * 40), scores=None if strategy == S.TIMESTAMP else 3)
+    t.erase(keys[:6], torch.tensor([0, 1] * 3))
+    return t
+
+
+def _samples(t: ScoredHashTable, code: int):
+    """(op name, args) covering optional inputs given and omitted."""
+    keys = torch.tensor([5, -3, 100, 5, 7, 2**63 - 1])
+    tids = torch.tensor([0, 1, 1, 0, 0, 1])
+    kscores = torch.tensor([1, 2, 3, 4, 5, 6])
+    bc, tb = t.bucket_capacity, t.table_buckets
+    slots = (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps)
+    ins = slots + (t.slot_epochs, tb, t.sizes, t.counters, keys)
+    for tid, ks in [(tids, kscores), (tids, None)]:
+        yield "table_lookup", (t.slot_keys, t.slot_digests, tb, keys, tid, bc)
+        yield "table_lookup_refresh", slots + (tb, keys, tid, ks, code, bc, 77)
+        yield "table_insert", ins + (tid, ks, code, bc, 78, 1000)
+        yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
+    yield "table_export_range", (t.slot_keys, t.slot_digests, None, tb, 0, 80, bc, 0)
+    yield "table_export_range", (t.slot_keys, t.slot_digests, t.slot_scores, tb, 16, 48, bc, 3)
+    yield "table_rehash", slots + (tb, torch.tensor([0, 4, 7]), bc)
+
+
+@pytest.mark.parametrize("strategy,code", [(S.STEP, 1), ((S.TIMESTAMP, S.LFU), 5)])
+def test_opcheck_every_table_op(strategy, code):
+    t = _table(strategy)
+    state = [x.clone() for x in (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, t.sizes)]
+    checked = set()
+    for name, args in _samples(t, code):
+        # opcheck clones the inputs for each of its checks, so the mutating ops
+        # (insert, erase, lookup_refresh) see the same fresh state every time
+        # and the table itself is never changed. The default test_utils all
+        # apply: test_autograd_registration passes vacuously since integer
+        # tensors cannot require grad, and these ops have no autograd formula.
+        torch.library.opcheck(getattr(ops, name).default, args)
+        checked.add(name)
+    assert checked == set(TABLE_OPS)
+    now = (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, t.sizes)
+    assert all(torch.equal(a, b) for a, b in zip(state, now))  # opcheck ran on copies
+
+
+def test_every_table_op_is_covered():
+    names = {n for n in dir(ops) if n.startswith("table_")}
+    assert names == set(TABLE_OPS)
+
+
+# ---- bad inputs ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def t():
+    return ScoredHashTable([32, 16], 16, S.STEP, num_tables=2)
+
+
+def test_float_keys(t):
+    with pytest.raises(TypeError, match="keys must be an integer tensor \\(int64\\), got torch.float32"):
+        t.insert(torch.tensor([1.0, 2.0]), 0)
+    with pytest.raises(TypeError, match="keys must be an integer tensor"):
+        t.lookup(torch.tensor([1.0]), 0)
+    with pytest.raises(RuntimeError, match="keys must be Long, got Float"):
+        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.tensor([1.0]), None, 16)
+
+
+def test_keys_not_1d(t):
+    with pytest.raises(ValueError, match=r"keys must be 1-D, got shape \(2, 2\)"):
+        t.insert(torch.ones(2, 2, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="keys must be 1-D, got shape \\(\\)"):
+        t.erase(torch.tensor(3), 0)
+    with pytest.raises(RuntimeError, match=r"keys must be 1-D, got shape \[2, 2\]"):
+        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.ones(2, 2, dtype=torch.int64),
+                         None, 16)
+
+
+def test_table_ids_out_of_range(t):
+    keys = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"table id 2 is out of range \[0, 2\)"):
+        t.insert(keys, 2)
+    with pytest.raises(ValueError, match="table_ids are required: the table holds 2 logical tables"):
+        t.lookup(keys)
+    # A bad id anywhere in the batch rejects the whole call before any change.
+    for bad in (2, -1):
+        msg = rf"table id {bad} \(key position 2\) is out of range \[0, 2\)"
+        with pytest.raises(RuntimeError, match=msg):
+            t.insert(keys, torch.tensor([0, 1, bad]))
+        with pytest.raises(RuntimeError, match=msg):
+            t.lookup(keys, torch.tensor([0, 1, bad]))
+        with pytest.raises(RuntimeError, match=msg):
+            t.lookup(keys, torch.tensor([0, 1, bad]), update_score=True)
+        with pytest.raises(RuntimeError, match=msg):
+            t.erase(keys, torch.tensor([0, 1, bad]))
+        with pytest.raises(RuntimeError, match=msg):
+            ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, keys, torch.tensor([0, 1, bad]), 16)
+    assert t.size() == 0 and not t.slot_digests.any() and not t.counters.any()
+
+
+def test_length_mismatches(t):
+    keys = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"table_ids must be 1-D with one entry per key \(3\), got shape \(2,\)"):
+        t.insert(keys, torch.tensor([0, 1]))
+    c = ScoredHashTable(32, 16, S.CUSTOMIZED)
+    with pytest.raises(ValueError, match=r"scores must be 1-D with one entry per key \(3\), got shape \(4,\)"):
+        c.insert(keys, scores=torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(TypeError, match="scores must be an int or an integer tensor"):
+        c.insert(keys, scores=torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match="STEP scores take one step number"):
+        t.insert(keys, 0, scores=torch.tensor([1, 2, 3]))
+    # The raw ops check the same.
+    with pytest.raises(RuntimeError, match=r"table_ids must be 1-D with one entry per key \(3\), got shape \[2\]"):
+        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, keys, torch.tensor([0, 1]), 16)
+    with pytest.raises(RuntimeError, match=r"scores must be 1-D with one entry per key \(3\), got shape \[1\]"):
+        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs,
+                         c.table_buckets, c.sizes, c.counters, keys, None, torch.tensor([1]), 2, 16, 0, 1)
+    assert c.size() == 0
+
+
+def test_capacity_not_a_multiple_of_bucket_capacity():
+    with pytest.raises(ValueError, match=r"capacity 40 must be a positive multiple of bucket_capacity \(16\)"):
+        ScoredHashTable(40, 16)
+    with pytest.raises(ValueError, match=r"table 'b': capacity 0 must be a positive multiple"):
+        ScoredHashTable([32, 0], 16, num_tables=2, table_names=["a", "b"])
+
+
+def test_bucket_capacity_not_a_multiple_of_16(t):
+    with pytest.raises(ValueError, match="bucket_capacity must be a positive multiple of 16, got 24"):
+        ScoredHashTable(48, 24)
+    with pytest.raises(ValueError, match="bucket_capacity must be a positive multiple of 16, got 0"):
+        ScoredHashTable(48, 0)
+    with pytest.raises(RuntimeError, match="bucket_capacity must be a positive multiple of 16, got 8"):
+        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.tensor([1]), None, 8)
+
+
+def test_other_bad_arguments():
+    with pytest.raises(ValueError, match="the only supported pair is \\(TIMESTAMP, LFU\\)"):
+        ScoredHashTable(32, 16, (S.STEP, S.LFU))
+    with pytest.raises(ValueError, match="unknown score_strategy 9"):
+        ScoredHashTable(32, 16, 9)
+    t = ScoredHashTable(32, 16)
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        list(t.export(batch_size=0))
+    with pytest.raises(RuntimeError, match=r"export range \[0, 64\) is outside \[0, 32\)"):
+        ops.table_export_range(t.slot_keys, t.slot_digests, None, t.table_buckets, 0, 64, 16, 0)
+    with pytest.raises(RuntimeError, match="slot_scores must hold 32 slots"):
+        ops.table_lookup_refresh(t.slot_keys, t.slot_digests, t.slot_scores[:16], t.slot_timestamps,
+                                 t.table_buckets, torch.tensor([1]), None, None, 0, 16, 0)
