@@ -2,6 +2,9 @@
 // files (table/table_cpu.cpp, ...); fake kernels are registered in Python
 // (dynamicemb/_ops.py) so torch.compile and torch.export see shapes.
 //
+// table_insert's `evictable` (bool [num_tables], None: all) lets a table that
+// can still grow fail a key instead of evicting, so its owner grows it first.
+//
 // Table state is a set of slot tensors (see table/table_rules.h): slot_keys
 // int64, slot_digests uint8, slot_scores int64, slot_timestamps int64 (only
 // for the (TIMESTAMP, LFU) strategy, else empty), slot_epochs int32 (which
@@ -21,7 +24,8 @@ TORCH_LIBRARY(dynamicemb, m) {
       "table_insert(Tensor(a!) slot_keys, Tensor(b!) slot_digests, Tensor(c!) slot_scores, "
       "Tensor(d!) slot_timestamps, Tensor(e!) slot_epochs, Tensor table_buckets, "
       "Tensor(f!) sizes, Tensor(g!) counters, Tensor keys, Tensor? table_ids, "
-      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score, int epoch) "
+      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score, int epoch, "
+      "Tensor? evictable=None) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
   m.def(

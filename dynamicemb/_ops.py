@@ -26,7 +26,7 @@ def _lookup_refresh_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, 
 @torch.library.register_fake(_lib + "table_insert")
 def _insert_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, slot_epochs,
                  table_buckets, sizes, counters, keys, table_ids, key_scores, strategy,
-                 bucket_capacity, call_score, epoch):
+                 bucket_capacity, call_score, epoch, evictable=None):
     m = _dynamic_len()
     ev = [keys.new_empty(m) for _ in range(4)]
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)

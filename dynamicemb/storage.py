@@ -16,7 +16,7 @@ import torch
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.table import ScoredHashTable
+from dynamicemb.table import InsertOutput, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
 _S = DynamicEmbScoreStrategy
@@ -203,8 +203,7 @@ class HashTableStorage(EmbeddingStorage):
                 k, c, lt_ins = k[keep], c[keep], lt[keep]
             else:
                 lt_ins = lt
-            self._grow_for(g, k, lt_ins)
-            out = ht.insert(k, lt_ins, scores=self._scores(g, lt_ins, c, step))
+            out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
             r = self._rows(g, out.indices, lt_ins)
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
             if bool(new.any()):
@@ -261,8 +260,13 @@ class HashTableStorage(EmbeddingStorage):
         for lt in suspects:
             while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.max_caps[tables[lt]]:
                 new_caps[lt] *= 2
-        if new_caps == caps:
-            return
+        if new_caps != caps:
+            self._grow(g, new_caps)
+
+    def _grow(self, g: int, new_caps: List[int]) -> None:
+        """Rebuilds group g's hash table at new_caps and moves every table's rows."""
+        ht, tables = self.groups[g]
+        caps = ht.capacities()
         old_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
         old_idx, new_idx = ht.grow(new_caps)
         new_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
@@ -277,6 +281,40 @@ class HashTableStorage(EmbeddingStorage):
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
 
+    def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+        """Inserts into group g, growing rather than evicting: first by load
+        factor, then a table below its maximum fails a key whose bucket is
+        full instead of evicting; such tables double and their failed keys are
+        retried within the same call (keys placed so far stay held). Only a
+        table at its maximum evicts."""
+        ht, tables = self.groups[g]
+        self._grow_for(g, keys, local_tids)
+
+        def at_max():
+            return [c >= self.max_caps[t] for c, t in zip(ht.capacities(), tables)]
+
+        full = at_max()
+        out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full)
+        idx, res = out.indices, out.results
+        while True:
+            failed = res == InsertResult.FAILED
+            per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
+            retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
+            if not retry:
+                return InsertOutput(idx, res, out.evicted)
+            for lt in retry:  # the retry counts its own failures
+                ht.counters[lt, 2] -= per_table[lt]
+            caps = ht.capacities()
+            self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c
+                           for lt, (c, t) in enumerate(zip(caps, tables))])
+            full = at_max()
+            sel = failed & torch.isin(local_tids, torch.tensor(retry, device=local_tids.device))
+            sub_scores = scores[sel] if isinstance(scores, torch.Tensor) else scores
+            again = ht.insert(keys[sel], local_tids[sel], scores=sub_scores, evict=True if all(full) else full,
+                              same_call=True)
+            idx, res = idx.clone(), res.clone()
+            idx[sel], res[sel] = again.indices, again.results
+
     def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
         g, lt = self.group_of[table_id]
         ht, _ = self.groups[g]
@@ -286,8 +324,7 @@ class HashTableStorage(EmbeddingStorage):
             raise ValueError(f"table {self.names[table_id]!r}: values must have shape ({keys.numel()}, {dim}), "
                              f"got {tuple(values.shape)}")
         lts = torch.full_like(keys, lt)
-        self._grow_for(g, keys, lts)
-        out = ht.insert(keys, lts, scores=self._scores(g, lts, torch.ones_like(keys), step))
+        out = self._insert(g, keys, lts, self._scores(g, lts, torch.ones_like(keys), step))
         rows = self._rows(g, out.indices, lts)
         ok = rows >= 0
         w = self._weights[table_id]
@@ -328,8 +365,7 @@ class HashTableStorage(EmbeddingStorage):
         ht, _ = self.groups[g]
         keys = batch.keys.to(device=self.device, dtype=torch.int64).contiguous()
         lts = torch.full_like(keys, lt)
-        self._grow_for(g, keys, lts)
-        out = ht.insert(keys, lts, scores=self._scores(g, lts, torch.ones_like(keys), 0))
+        out = self._insert(g, keys, lts, self._scores(g, lts, torch.ones_like(keys), 0))
         failed = int((out.results == InsertResult.FAILED).sum())
         if failed or out.evicted.keys.numel():
             raise RuntimeError(

@@ -196,15 +196,29 @@ class ScoredHashTable:
                                         self.slot_timestamps, self._table_buckets, keys, tids, per_key,
                                         self.strategy, self.bucket_capacity, call)
 
-    def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None) -> InsertOutput:
-        """Finds or stores every key (see API.md §6 for the exact rules)."""
+    def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
+               same_call: bool = False) -> InsertOutput:
+        """Finds or stores every key (see API.md §6 for the exact rules).
+
+        ``evict``: False (or a per-table sequence of bools) makes a key whose
+        bucket is full fail instead of evicting, for a table its owner can
+        still grow. ``same_call`` continues the previous insert call: the keys
+        it placed or found stay held (never evicted), also across a grow in
+        between."""
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         call, per_key = self._scores(scores, keys.numel())
+        evictable = None
+        if evict is not True:
+            flags = [bool(evict)] * self.num_tables if isinstance(evict, bool) else [bool(e) for e in evict]
+            if len(flags) != self.num_tables:
+                raise ValueError(f"evict has {len(flags)} flags for {self.num_tables} tables")
+            evictable = torch.tensor(flags, dtype=torch.bool, device=self.device)
+        epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(
             self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self.slot_epochs,
             self._table_buckets, self.sizes, self.counters, keys, tids, per_key, self.strategy,
-            self.bucket_capacity, call, self._next_epoch())
+            self.bucket_capacity, call, epoch, evictable)
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 
     def erase(self, keys: torch.Tensor, table_ids=None) -> torch.Tensor:
@@ -257,7 +271,9 @@ class ScoredHashTable:
             self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
             new_tb, self.bucket_capacity)
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
-        self.slot_epochs = torch.zeros(keys.numel(), dtype=torch.int32, device=self.device)
+        epochs = torch.zeros(keys.numel(), dtype=torch.int32, device=self.device)
+        epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
+        self.slot_epochs = epochs
         self._table_buckets = new_tb
         return old_idx, new_idx
 

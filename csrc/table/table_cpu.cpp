@@ -349,12 +349,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     const Tensor& slot_timestamps, const Tensor& slot_epochs, const Tensor& table_buckets,
     const Tensor& sizes, const Tensor& counters, const Tensor& keys,
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
-    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch) {
+    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
+    const std::optional<Tensor>& evictable) {
   const Layout L = make_layout(table_buckets, bucket_capacity);
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_slots(slot_scores, at::kLong, "slot_scores", L);
   check_slots(slot_epochs, at::kInt, "slot_epochs", L);
+  const bool* may_evict_table = nullptr;
+  if (evictable) {
+    check_tensor(*evictable, at::kBool, "evictable");
+    TORCH_CHECK(evictable->numel() == L.num_tables, "dynamicemb: evictable must hold one flag per table");
+    may_evict_table = evictable->data_ptr<bool>();
+  }
   if (keeps_timestamps(strategy)) check_slots(slot_timestamps, at::kLong, "slot_timestamps", L);
   check_tensor(sizes, at::kLong, "sizes");
   check_tensor(counters, at::kLong, "counters");
@@ -394,7 +401,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             } else {
               s = free_slot;
               res[i] = kInserted;
-              if (s < 0 && may_evict(strategy)) {
+              if (s < 0 && may_evict(strategy) && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])) {
                 s = pick_victim(sc + base, ep + base, L.cap, e32);
                 if (s >= 0) {
                   ev_key[i] = sk[base + s];
