@@ -16,7 +16,7 @@ import torch
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.table import InsertOutput, ScoredHashTable
+from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
 _S = DynamicEmbScoreStrategy
@@ -263,8 +263,9 @@ class HashTableStorage(EmbeddingStorage):
         if new_caps != caps:
             self._grow(g, new_caps)
 
-    def _grow(self, g: int, new_caps: List[int]) -> None:
-        """Rebuilds group g's hash table at new_caps and moves every table's rows."""
+    def _grow(self, g: int, new_caps: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rebuilds group g's hash table at new_caps and moves every table's
+        rows; returns the slot moves (old indices, new indices)."""
         ht, tables = self.groups[g]
         caps = ht.capacities()
         old_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
@@ -280,6 +281,7 @@ class HashTableStorage(EmbeddingStorage):
             moved[dst] = w[src]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
+        return old_idx, new_idx
 
     def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
         """Inserts into group g, growing rather than evicting: first by load
@@ -296,24 +298,31 @@ class HashTableStorage(EmbeddingStorage):
         full = at_max()
         out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full)
         idx, res = out.indices, out.results
+        evicted = [out.evicted]  # of every attempt (slot indices as of that attempt)
         while True:
             failed = res == InsertResult.FAILED
             per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
             retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
             if not retry:
-                return InsertOutput(idx, res, out.evicted)
+                return InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
             for lt in retry:  # the retry counts its own failures
                 ht.counters[lt, 2] -= per_table[lt]
             caps = ht.capacities()
-            self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c
-                           for lt, (c, t) in enumerate(zip(caps, tables))])
+            old_slots = ht.slot_keys.numel()
+            moved_from, moved_to = self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c
+                                                  for lt, (c, t) in enumerate(zip(caps, tables))])
+            # The slots this call already returned moved with the rehash.
+            remap = torch.full((old_slots,), -1, dtype=torch.int64, device=idx.device)
+            remap[moved_from] = moved_to
+            idx = torch.where(idx >= 0, remap[idx.clamp(min=0)], idx)
             full = at_max()
             sel = failed & torch.isin(local_tids, torch.tensor(retry, device=local_tids.device))
             sub_scores = scores[sel] if isinstance(scores, torch.Tensor) else scores
             again = ht.insert(keys[sel], local_tids[sel], scores=sub_scores, evict=True if all(full) else full,
                               same_call=True)
-            idx, res = idx.clone(), res.clone()
+            res = res.clone()
             idx[sel], res[sel] = again.indices, again.results
+            evicted.append(again.evicted)
 
     def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
         g, lt = self.group_of[table_id]
