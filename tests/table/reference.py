@@ -60,6 +60,7 @@ class RefTable:
         self.ts = [0] * n  # kept by the (TIMESTAMP, LFU) pair only
         self.sizes = [0] * self.num_tables
         self.counters = [[0, 0, 0] for _ in range(self.num_tables)]  # inserted, evicted, failed
+        self.held = set()  # slots held by the last insert call
 
     def _set_layout(self, bucket_counts: Sequence[int]) -> None:
         self.bucket_counts = list(bucket_counts)
@@ -136,11 +137,17 @@ class RefTable:
             idx.append(s)
         return idx, [i >= 0 for i in idx]
 
-    def insert(self, keys, tids=None, scores=None, now=0, step=0):
-        """Returns (indices, results, evicted [(key, table id, index, score)])."""
+    def insert(self, keys, tids=None, scores=None, now=0, step=0, evict=True, same_call=False):
+        """Returns (indices, results, evicted [(key, table id, index, score)]).
+        `evict`: a bool or per-table bools; a table that may not evict fails
+        the key instead. `same_call` continues the previous insert: the slots
+        it held stay held."""
         tids = self._tids(tids, len(keys))
         kss = self._key_scores(scores, len(keys), now, step)
-        held = set()  # slots placed or found by this call: never evicted by it
+        evictable = [evict] * self.num_tables if isinstance(evict, bool) else list(evict)
+        if not same_call:
+            self.held = set()
+        held = self.held  # slots placed or found by this call: never evicted by it
         idx, res, evicted = [], [], []
         for k, t, ks in zip(keys, tids, kss):
             base = self.bucket_of(k, t) * self.cap
@@ -150,7 +157,7 @@ class RefTable:
                 r = ASSIGNED
             else:
                 s, r = self._first_free(base), INSERTED
-                if s < 0 and self.strategy != NO_EVICTION:
+                if s < 0 and self.strategy != NO_EVICTION and evictable[t]:
                     free = [j for j in range(base, base + self.cap) if j not in held]
                     if free:
                         s = min(free, key=lambda j: (self.scores[j], j))
@@ -224,6 +231,7 @@ class RefTable:
             self.keys[d], self.digests[d], self.scores[d], self.ts[d] = okeys[s], odig[s], osc[s], ots[s]
             moves[0].append(s)
             moves[1].append(d)
+        self.held = {d for s, d in zip(*moves) if s in self.held}  # held slots stay held where they move
         return moves
 
     def reset_counters(self) -> None:

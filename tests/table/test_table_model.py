@@ -76,7 +76,13 @@ def test_random_operations_match_model(strategy, data):
         tids = _table_ids(data, len(counts), n)
         now, step = data.draw(SMALL), data.draw(SMALL)
         if op == "insert":
-            res = p.insert(keys, tids, _scores(data, strategy, n), now=now, step=step).results.tolist()
+            # Per-table "may evict" flags and continuing the previous call, as the storage does
+            # when it grows a table instead of evicting and retries its failed keys.
+            evict = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=len(counts),
+                                                                  max_size=len(counts))), label="evict")
+            same_call = data.draw(st.booleans(), label="same_call")
+            res = p.insert(keys, tids, _scores(data, strategy, n), now=now, step=step, evict=evict,
+                           same_call=same_call).results.tolist()
             for r in set(res):  # --hypothesis-show-statistics: evictions and failures do happen
                 event(f"insert result {r}")
         elif op == "lookup":
