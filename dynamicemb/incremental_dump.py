@@ -75,7 +75,11 @@ def set_score(model: torch.nn.Module, score: Threshold) -> None:
     """Sets the CUSTOMIZED score (given to keys accessed from now on) or the
     STEP counter, for every such table or per table name. Tables sharing a
     module share its step."""
-    for name, ref in model_tables(model).items():
+    tables = model_tables(model)
+    if isinstance(score, dict) and set(score) - set(tables):
+        raise ValueError(f"set_score: the model has no dynamic tables named {sorted(set(score) - set(tables))}; "
+                         f"it has {sorted(tables)}")
+    for name, ref in tables.items():
         if isinstance(score, dict) and name not in score:
             continue
         value = _per_table(score, name)

@@ -57,10 +57,10 @@ def _write_shard(root, rank, tables, optim, counter, chunk_rows, now, parts_of=N
     return out
 
 
-def _manifest(tables, shards: List[Dict[str, dict]], world, optim, counter) -> dict:
+def _manifest(metas: Dict[str, dict], shards: List[Dict[str, dict]], world, optim, counter) -> dict:
     mt = {}
-    for name, ref in tables.items():
-        meta = ref.meta()
+    for name, meta in metas.items():
+        meta = dict(meta)
         meta["rows_per_rank"] = [s[name]["rows"] for s in shards]
         meta["files"] = [f for s in shards for f in s[name]["files"]]
         meta["has_optimizer_state"] = optim
@@ -111,6 +111,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     if os.path.exists(path) and not allow_overwrite:
         raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
     tables = model_tables(model, table_names)
+    # Steps, Adam's step count and CUSTOMIZED scores as at the call: a
+    # non-blocking dump writes the manifest while training goes on.
+    metas = {name: ref.meta() for name, ref in tables.items()}
     token = [uuid.uuid4().hex[:12]]
     if distributed:
         dist.broadcast_object_list(token, src=dist.get_global_rank(pg, 0) if pg else 0, group=pg)
@@ -126,7 +129,7 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         else:
             shards = [mine]
         if rank == 0:
-            write_manifest(tmp, _manifest(tables, shards, world, optim, counter))
+            write_manifest(tmp, _manifest(metas, shards, world, optim, counter))
             _publish(tmp, path, allow_overwrite)
         if distributed:
             dist.barrier(group=group)

@@ -41,24 +41,32 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     tables = model_tables(model, table_names)
     now = time.monotonic_ns()
     steps = {}
+    # Every table is checked against the manifest before any row is loaded,
+    # so that a mismatch refuses the load without changing the model.
     for name, ref in tables.items():
         meta = manifest["tables"].get(name)
         if meta is None:
-            raise CheckpointError(f"the checkpoint at {path} has no table {name!r} (it has "
-                                  f"{sorted(manifest['tables'])})")
+            raise CheckpointError(f"table {name!r}: {os.path.join(path, 'manifest.json')} has no table {name!r} "
+                                  f"(it has {sorted(manifest['tables'])})")
         _check_table(name, ref, meta, optim, path)
         if counter and not meta["has_counter"]:
             raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
+    for name, ref in tables.items():
+        meta = manifest["tables"][name]
         strategy = meta["score_strategy"]
-        # Same world size and routing: this rank's keys are exactly dump rank `rank`'s.
-        same_layout = manifest["world_size"] == world
+        # Keys go where the *model's* routing sends them. Same world size and
+        # routing (continuous routing also depends on num_embeddings): this
+        # rank's keys are exactly dump rank `rank`'s.
+        num_embeddings = ref.options.num_embeddings
+        same_layout = manifest["world_size"] == world and (
+            meta["dist_type"] != "continuous" or meta["num_embeddings"] == num_embeddings)
         for entry in meta["files"]:
             if same_layout and entry["rank"] != rank or entry["kind"] == "counter" and not counter:
                 continue
             part = read_part(path, entry, name)
             keys = part["keys"]
-            if not same_layout:
-                keep = owners(keys, meta["dist_type"], world, meta["num_embeddings"]) == rank
+            if not same_layout and world > 1:
+                keep = owners(keys, meta["dist_type"], world, num_embeddings) == rank
                 part = {k: v[keep] for k, v in part.items()}
                 keys = part["keys"]
             if not keys.numel():

@@ -1,0 +1,114 @@
+"""Damaged checkpoints and checkpoints of another model are refused with a
+CheckpointError naming the table and the file; optim=False loads values
+into a model with another optimizer."""
+import json
+import os
+import shutil
+
+import pytest
+
+import ckpt_helpers as H
+from dynamicemb import EmbOptimType
+from dynamicemb.checkpoint import CheckpointError, DynamicEmbDump, DynamicEmbLoad
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    """(path, entries) of a trained Adam module dumped in several parts."""
+    m = H.plain_module()
+    H.plain_train(m, [1, 2, 3])
+    path = str(tmp_path_factory.mktemp("corruption") / "ckpt")
+    DynamicEmbDump(path, m, chunk_rows=64)
+    return path, H.entries(m)
+
+
+@pytest.fixture
+def copy(dumped, tmp_path):
+    path = str(tmp_path / "copy")
+    shutil.copytree(dumped[0], path)
+    return path
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _second_part_of_b(path):
+    """A part file of table 'b' (not its first), and its absolute path."""
+    entries = [e for e in _manifest(path)["tables"]["b"]["files"] if e["kind"] == "part"]
+    assert len(entries) >= 2
+    return entries[1]["file"], os.path.join(path, entries[1]["file"])
+
+
+def test_truncated_file(copy):
+    rel, full = _second_part_of_b(copy)
+    with open(full, "r+b") as f:
+        f.truncate(os.path.getsize(full) - 5)
+    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*(truncated|bytes)"):
+        DynamicEmbLoad(copy, H.plain_module())
+
+
+def test_flipped_byte(copy):
+    rel, full = _second_part_of_b(copy)
+    with open(full, "r+b") as f:
+        f.seek(os.path.getsize(full) - 3)  # in the tensor data: the header still parses
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*checksum"):
+        DynamicEmbLoad(copy, H.plain_module())
+
+
+def test_missing_file(copy):
+    rel, full = _second_part_of_b(copy)
+    os.remove(full)
+    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*missing"):
+        DynamicEmbLoad(copy, H.plain_module())
+
+
+def test_missing_or_invalid_manifest(copy):
+    with open(os.path.join(copy, "manifest.json"), "a") as f:
+        f.write("}")
+    with pytest.raises(CheckpointError, match="manifest.json.*not valid JSON"):
+        DynamicEmbLoad(copy, H.plain_module())
+    os.remove(os.path.join(copy, "manifest.json"))
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        DynamicEmbLoad(copy, H.plain_module())
+
+
+@pytest.mark.parametrize("model, message", [
+    (lambda: H.plain_module(dims=(8, 6)), r"table 'b' in .*manifest.json: dim is 4, the model's is 6"),
+    (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer"),
+    (lambda: H.plain_module(dist_type="roundrobin"), r"table 'a' in .*manifest.json: dist_type is 'hash_roundrobin'"),
+    (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy"),
+    (lambda: H.plain_module(names=("a", "c")), r"table 'c': .*manifest.json has no table 'c'"),
+], ids=["dim", "optimizer", "dist_type", "score_strategy", "missing_table"])
+def test_manifest_of_another_model(dumped, model, message):
+    m = model()
+    with pytest.raises(CheckpointError, match=message):
+        DynamicEmbLoad(dumped[0], m)
+    # Refused before any row is loaded: the model is as it was (empty).
+    assert all(m.storage.size(t) == 0 for t in range(m.num_tables))
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD])
+def test_optim_false_loads_values_into_another_optimizer(dumped, optimizer):
+    path, want = dumped
+    m = H.plain_module(optimizer=optimizer)
+    DynamicEmbLoad(path, m, optim=False)
+    # Values and scores as dumped, optimizer state zero, Adam's step count not carried over.
+    H.assert_same_entries([want], [H.entries(m)], optim=False, dist_types=H.PLAIN_DIST)
+    assert (m.step, m.optimizer_step) == (3, 0)
+
+
+def test_dump_without_optimizer_state(dumped, tmp_path):
+    """optim=False dumps values only: loading them with optim=True is refused."""
+    m = H.plain_module()
+    H.plain_train(m, [1, 2, 3])
+    DynamicEmbDump(str(tmp_path / "values"), m, optim=False)
+    with pytest.raises(CheckpointError, match=r"table 'a'.*no optimizer state.*optim=False"):
+        DynamicEmbLoad(str(tmp_path / "values"), H.plain_module())
+    fresh = H.plain_module(optimizer=EmbOptimType.EXACT_SGD)
+    DynamicEmbLoad(str(tmp_path / "values"), fresh, optim=False)
+    H.assert_same_entries([H.entries(m)], [H.entries(fresh)], optim=False, dist_types=H.PLAIN_DIST)

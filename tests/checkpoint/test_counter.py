@@ -1,0 +1,61 @@
+"""counter=True dumps and loads the admission counters: with a frequency
+threshold of 2, a key seen once before the dump and once after the load is
+admitted; without the counters (or in a model never dumped) it is not."""
+import torch
+
+import ckpt_helpers as H
+from dynamicemb import FrequencyAdmissionStrategy, KVCounter
+from dynamicemb.checkpoint import CheckpointError, DynamicEmbDump, DynamicEmbLoad
+
+ONCE = [101, 102, 103]  # seen once before the dump
+
+
+def _module():
+    return H.plain_module(admit_strategy=FrequencyAdmissionStrategy(threshold=2),
+                          admission_counter=KVCounter(capacity=64, bucket_capacity=16))
+
+
+def _see(m, keys_a, keys_b=()):
+    """One training step: table a sees keys_a, table b keys_b (one bag each)."""
+    indices = torch.tensor(list(keys_a) + list(keys_b), dtype=torch.int64)
+    offsets = torch.tensor([0, len(keys_a), len(keys_a) + len(keys_b)], dtype=torch.int64)
+    m.train()
+    m(indices, offsets).sum().backward()
+
+
+def _stored(m, t, keys):
+    keys = torch.tensor(keys, dtype=torch.int64)
+    return (m.storage.find(keys, torch.full_like(keys, t)) >= 0).tolist()
+
+
+def test_counters_round_trip(tmp_path):
+    m = _module()
+    _see(m, [1, 1], [2, 2])  # twice in one step: admitted at once
+    _see(m, ONCE, ONCE)
+    assert _stored(m, 0, [1] + ONCE) == [True, False, False, False]
+    path = str(tmp_path / "ckpt")
+    DynamicEmbDump(path, m, counter=True)
+
+    loaded = _module()
+    DynamicEmbLoad(path, loaded, counter=True)
+    assert _stored(loaded, 0, [1]) == [True] and _stored(loaded, 1, [2]) == [True]
+    _see(loaded, ONCE, ONCE)  # the second sighting: threshold reached
+    assert _stored(loaded, 0, ONCE) == [True] * 3 and _stored(loaded, 1, ONCE) == [True] * 3
+
+    # Reference: the counts did not come back without counter=True.
+    no_counts = _module()
+    DynamicEmbLoad(path, no_counts)
+    _see(no_counts, ONCE, ONCE)
+    assert _stored(no_counts, 0, ONCE) == [False] * 3
+
+
+def test_counter_load_needs_a_counter_dump(tmp_path):
+    m = _module()
+    _see(m, ONCE)
+    DynamicEmbDump(str(tmp_path / "ckpt"), m)
+    try:
+        DynamicEmbLoad(str(tmp_path / "ckpt"), _module(), counter=True)
+    except CheckpointError as e:
+        assert "table 'a'" in str(e) and "admission counters" in str(e)
+    else:
+        raise AssertionError("a dump without counters loaded with counter=True")

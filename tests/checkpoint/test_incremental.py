@@ -1,0 +1,76 @@
+"""incremental_dump returns exactly the keys touched since the threshold
+(TIMESTAMP and the (TIMESTAMP, LFU) pair: a time.monotonic_ns() reading;
+STEP: a step; LFU: a count), gathered from 2 ranks with pg, and its next
+thresholds select the following step's keys. get_score / set_score drive
+STEP and CUSTOMIZED scores."""
+from collections import Counter
+
+import pytest
+import torch
+
+import ckpt_helpers as H
+import scenarios
+from dynamicemb.incremental_dump import get_score, incremental_dump, set_score
+
+
+def _touched(table, seeds):
+    return {k for s in seeds for bag in H.global_batch(s)[H.feature(table)] for k in bag}
+
+
+def _counts(table, seeds):
+    return Counter(k for s in seeds for bag in H.global_batch(s)[H.feature(table)] for k in bag)
+
+
+@pytest.mark.parametrize("call", ["first", "second"])
+def test_incremental_dump_over_two_ranks(call):
+    ranks = scenarios.two_ranks()
+    r = ranks[0]["incremental"]
+    assert r["score"] == {"t_hash": 2}  # get_score: the STEP table's module step
+    step = 3 if call == "first" else 4
+    stored = {t: {k: v for e in r[call + "_entries"] for k, v in zip(e[t]["keys"].tolist(), e[t]["values"])}
+              for t in H.TABLES}
+    for t in H.TABLES:
+        keys, values = r[call][t]
+        for x in ranks[1:]:  # with pg, every rank receives every rank's rows
+            assert torch.equal(x["incremental"][call][t][0], keys) and torch.equal(x["incremental"][call][t][1], values)
+        assert len(set(keys.tolist())) == keys.numel(), f"{t}: a key returned twice"
+        if t == "t_rr":  # LFU: the keys seen at least twice so far
+            want = {k for k, c in _counts(t, range(1, step + 1)).items() if c >= 2}
+        else:  # the keys of this step's batch (all ranks' parts)
+            want = _touched(t, [step])
+        assert set(keys.tolist()) == want, f"{t}: {sorted(set(keys.tolist()) ^ want)[:8]} returned wrongly"
+        for k, v in zip(keys.tolist(), values):
+            assert torch.equal(v, stored[t][k]), f"{t}: value of key {k} is not the stored one"
+    # The next thresholds: the step after the current one, the LFU count unchanged.
+    nxt = r["next" if call == "first" else "next2"]
+    assert (nxt["t_hash"], nxt["t_rr"]) == (step + 1, 2)
+
+
+def test_get_and_set_score_step_and_customized():
+    S = H.S
+    m = H.plain_module(strategies=(S.STEP, S.CUSTOMIZED), names=("s", "c"))
+    set_score(m, {"c": 5})
+    H.plain_train(m, [1])  # step 1
+    assert get_score(m) == {"s": 1, "c": 5}
+    set_score(m, {"s": 10, "c": 7})
+    assert get_score(m) == {"s": 10, "c": 7}
+    H.plain_train(m, [2])  # step 11
+    e = H.entries(m)
+    for t, (before, after) in (("s", (1, 11)), ("c", (5, 7))):
+        fresh = H.plain_keys([2], ["s", "c"].index(t))
+        for k, score in zip(e[t]["keys"].tolist(), e[t]["scores"].tolist()):
+            assert score == (after if k in fresh else before), f"{t}: key {k} has score {score}"
+    got, nxt = incremental_dump(m, {"s": 11, "c": 7})
+    assert set(got["s"][0].tolist()) == H.plain_keys([2], 0)
+    assert set(got["c"][0].tolist()) == H.plain_keys([2], 1)
+    assert nxt == {"s": 12, "c": 7}
+    # One int sets every STEP and CUSTOMIZED table.
+    set_score(m, 3)
+    assert get_score(m) == {"s": 3, "c": 3}
+    ts = H.plain_module(strategies=(S.TIMESTAMP, S.STEP), names=("x", "y"))
+    with pytest.raises(ValueError, match="'x'.*only STEP and CUSTOMIZED"):
+        set_score(ts, {"x": 1})
+    # A misspelt table name is an error, not a silent no-op.
+    with pytest.raises(ValueError, match=r"no dynamic tables named \['typo'\]"):
+        set_score(m, {"typo": 1})
+    assert get_score(m) == {"s": 3, "c": 3}
