@@ -177,6 +177,34 @@ DE_HD int find_in_bucket(const uint8_t* digests, const int64_t* keys, int capaci
   return -1;
 }
 
+#if defined(__CUDACC__)
+// find_in_bucket for a 16-lane tile (cooperative_groups::thread_block_tile<16>):
+// lane l holds slot g + l of each group, so the 16 digests are one coalesced
+// load and group_match / group_free become ballots. Same result as the scalar
+// twin: the lowest matching slot of the first group with a match, the lowest
+// free slot up to the group that holds kEmpty. Every lane returns the result.
+template <bool kWantFree, class Tile>
+__device__ __forceinline__ int tile_find_in_bucket(const Tile& tile, const uint8_t* digests,
+                                                   const int64_t* keys, int capacity, uint8_t d,
+                                                   int64_t key, int* first_free) {
+  const int lane = static_cast<int>(tile.thread_rank());
+  if constexpr (kWantFree) *first_free = -1;
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    const uint8_t mine = digests[g + lane];
+    const uint32_t hit = tile.ballot(mine == d && keys[g + lane] == key);
+    if (hit) return g + lowest_bit(hit);
+    if constexpr (kWantFree) {
+      if (*first_free < 0) {
+        const uint32_t f = tile.ballot(mine < kFirstLiveDigest);
+        if (f) *first_free = g + lowest_bit(f);
+      }
+    }
+    if (tile.ballot(mine == kEmpty)) return -1;  // the used slots are a prefix
+  }
+  return -1;
+}
+#endif
+
 // The victim order: lower score first, then lower slot index.
 DE_HD bool better_victim(int64_t score, int slot, int64_t best_score, int best_slot) {
   return best_slot < 0 || score < best_score || (score == best_score && slot < best_slot);
@@ -197,6 +225,49 @@ DE_HD int pick_victim(const int64_t* scores, const int32_t* epochs, int capacity
     }
   }
   return best;
+}
+
+#if defined(__CUDACC__)
+// pick_victim for a 16-lane tile: each lane takes slots lane, lane + 16, ...,
+// then a butterfly reduction under better_victim. (score, slot) is a total
+// order, so the minimum equals the scalar scan's. Every lane returns it.
+template <class Tile>
+__device__ __forceinline__ int tile_pick_victim(const Tile& tile, const int64_t* scores,
+                                                const int32_t* epochs, int capacity,
+                                                int32_t call_epoch) {
+  int best = -1;
+  int64_t best_score = 0;
+  for (int i = static_cast<int>(tile.thread_rank()); i < capacity; i += kGroupSize) {
+    if (epochs[i] == call_epoch) continue;
+    if (better_victim(scores[i], i, best_score, best)) {
+      best = i;
+      best_score = scores[i];
+    }
+  }
+  for (int off = kGroupSize / 2; off > 0; off /= 2) {
+    const int other = tile.shfl_xor(best, off);
+    const int64_t other_score = tile.shfl_xor(best_score, off);
+    if (other >= 0 && better_victim(other_score, other, best_score, best)) {
+      best = other;
+      best_score = other_score;
+    }
+  }
+  return best;
+}
+#endif
+
+// ---- layout ------------------------------------------------------------------
+
+// The logical table owning global bucket b: the last t with tb[t] <= b, i.e.
+// std::upper_bound(tb, tb + num_tables + 1, b) - tb - 1.
+DE_HD int64_t table_of_bucket(const int64_t* tb, int64_t num_tables, int64_t b) {
+  int64_t lo = 0, hi = num_tables + 1;  // the first index with tb[i] > b lies in [lo, hi]
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (tb[mid] <= b) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo - 1;
 }
 
 }  // namespace table
