@@ -105,7 +105,9 @@ class HashTableStorage(EmbeddingStorage):
             self.groups.append((ht, tables))
             for lt, t in enumerate(tables):
                 self.group_of[t] = (gi, lt)
-        self._weights = [torch.empty(init_caps[t], self.dims[t] + state_widths[t], dtype=dtype, device=device)
+        # Zero-filled: the pages are touched here, not by the first training
+        # steps (as a static table's initialisation touches them).
+        self._weights = [torch.zeros(init_caps[t], self.dims[t] + state_widths[t], dtype=dtype, device=device)
                          for t in range(self.num_tables)]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
         self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
@@ -277,7 +279,7 @@ class HashTableStorage(EmbeddingStorage):
             if new_caps[lt] == caps[lt] and torch.equal(src, dst):
                 continue  # rows did not move
             w = self._weights[t]
-            moved = torch.empty(new_caps[lt], w.shape[1], dtype=w.dtype, device=w.device)
+            moved = torch.zeros(new_caps[lt], w.shape[1], dtype=w.dtype, device=w.device)
             moved[dst] = w[src]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)

@@ -202,7 +202,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 
 template <class W>
 void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
-  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<W>(init::value(a, seed, key, d, dim));
+  init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
   for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);  // fresh optimizer state
 }
 
@@ -234,31 +234,54 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 
 // ---- forward ---------------------------------------------------------------------------
 
+// Indices ahead of use whose rows are prefetched: enough misses in flight to
+// cover memory latency without thrashing the line fill buffers.
+constexpr int64_t kPrefetchAhead = 12;
+
+template <class W>
+void prefetch_row(const W* row, int64_t bytes) {
+  if (row == nullptr) return;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+}
+
 template <class W, class O>
 void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const int64_t* ukeys, const int64_t* inv,
                   const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
                   const std::vector<int64_t>& doff, int64_t total_d, O* out) {
   std::vector<const W*> w;
   for (const auto& x : R.w) w.push_back(x.data_ptr<W>());
-  // Adds scale * (row of index i) to acc: its stored row, or its initial value.
-  auto accumulate = [&](float* acc, int64_t t, int64_t i, float scale) {
-    const int64_t u = inv[i], r = rows[u], D = R.dim[t];
-    if (r >= 0) {
-      const W* row = w[t] + r * R.stride[t];
+  // The row of every index (nullptr: it has none and reads its initial
+  // value), resolved first so that the gather can prefetch ahead of use.
+  std::vector<const W*> src(bags.n);
+  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
+    for (int64_t j = jb; j < je; ++j) {
+      const int64_t t = bags.table[bags.feature(j)];
+      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
+        const int64_t r = rows[inv[i]];
+        src[i] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
+      }
+    }
+  });
+  // acc += scale * (row of index i); prefetches the row kPrefetchAhead on.
+  auto add = [&](float* acc, int64_t t, int64_t i, int64_t end, float scale) {
+    const int64_t D = R.dim[t];
+    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead], D * static_cast<int64_t>(sizeof(W)));
+    if (const W* row = src[i]) {
       for (int64_t d = 0; d < D; ++d) acc[d] += scale * static_cast<float>(row[d]);
     } else {
-      for (int64_t d = 0; d < D; ++d) acc[d] += scale * init::value(args[t], seed, ukeys[u], d, D);
+      init::fill_row(args[t], seed, ukeys[inv[i]], D, [&](int64_t d, float v) { acc[d] += scale * v; });
     }
   };
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
   if (pooling == kNone) {  // one output row per index
     at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
       std::vector<float> acc(max_d);
+      const int64_t end = bags.off[je];
       for (int64_t j = jb; j < je; ++j) {
         const int64_t t = bags.table[bags.feature(j)], D = R.dim[t];
         for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
           std::fill_n(acc.data(), D, 0.0f);
-          accumulate(acc.data(), t, i, 1.0f);
+          add(acc.data(), t, i, end, 1.0f);
           for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<O>(acc[d]);
         }
       }
@@ -267,10 +290,11 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
   }
   at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
     std::vector<float> acc(max_d);
+    const int64_t end = bags.off[je];
     for (int64_t j = jb; j < je; ++j) {
       const int64_t f = bags.feature(j), b = j % bags.B, t = bags.table[f], D = R.dim[t];
       std::fill_n(acc.data(), D, 0.0f);
-      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) accumulate(acc.data(), t, i, psw ? psw[i] : 1.0f);
+      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) add(acc.data(), t, i, end, psw ? psw[i] : 1.0f);
       const int64_t L = bags.length(j);
       const float scale = (pooling == kMean && L > 0) ? 1.0f / static_cast<float>(L) : 1.0f;
       O* o = out + b * total_d + doff[f];

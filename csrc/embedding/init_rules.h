@@ -44,10 +44,11 @@ DE_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
   *lo = static_cast<uint32_t>(p);
 }
 
-// The 32-bit output `n` of the stream of (seed, table, key).
-DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
+// Block `block` of the stream of (seed, table, key): its 32-bit outputs
+// 4 * block .. 4 * block + 3.
+DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, uint32_t out[4]) {
   uint32_t c[4] = {static_cast<uint32_t>(key), static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32),
-                   static_cast<uint32_t>(table), static_cast<uint32_t>(n >> 2)};
+                   static_cast<uint32_t>(table), static_cast<uint32_t>(block)};
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int r = 0; r < 10; ++r) {
     uint32_t hi0, lo0, hi1, lo1;
@@ -61,12 +62,22 @@ DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n)
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
-  return c[n & 3];
+  for (int i = 0; i < 4; ++i) out[i] = c[i];
 }
 
-// Uniform in the open interval (0, 1).
+// The 32-bit output `n` of the stream of (seed, table, key).
+DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
+  uint32_t out[4];
+  philox4(seed, table, key, n >> 2, out);
+  return out[n & 3];
+}
+
+// A 32-bit output as a uniform in the open interval (0, 1).
+DE_HD double unit(uint32_t x) { return (static_cast<double>(x) + 0.5) * (1.0 / 4294967296.0); }
+
+// Uniform in the open interval (0, 1): output `n` of the stream.
 DE_HD double uniform01(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
-  return (static_cast<double>(philox_u32(seed, table, key, n)) + 0.5) * (1.0 / 4294967296.0);
+  return unit(philox_u32(seed, table, key, n));
 }
 
 // ---- exact-operation math --------------------------------------------------------
@@ -107,10 +118,12 @@ DE_HD double cos_turns(double t) {
   return sign * sum;
 }
 
+// Box-Muller: a standard normal number from two uniforms.
+DE_HD double box_muller(double u1, double u2) { return sqrt(-2.0 * ln(u1)) * cos_turns(u2); }
+
 // Standard normal number `m` of the stream (Box-Muller on uniforms 2m, 2m+1).
 DE_HD double std_normal(uint64_t seed, int64_t table, int64_t key, uint64_t m) {
-  const double u1 = uniform01(seed, table, key, 2 * m), u2 = uniform01(seed, table, key, 2 * m + 1);
-  return sqrt(-2.0 * ln(u1)) * cos_turns(u2);
+  return box_muller(uniform01(seed, table, key, 2 * m), uniform01(seed, table, key, 2 * m + 1));
 }
 
 DE_HD int64_t floor_mod(int64_t a, int64_t b) {
@@ -141,6 +154,37 @@ DE_HD float value(const Args& a, uint64_t seed, int64_t key, int64_t j, int64_t 
     case kConstant:
     default:
       return static_cast<float>(a.value);
+  }
+}
+
+// The whole initial row, store(j, value) for j in [0, dim): exactly value()
+// element by element, but one Philox block serves 4 uniforms (UNIFORM) or 2
+// normals (NORMAL: element j uses outputs 2j, 2j+1), so a row costs a quarter
+// (half) of the blocks.
+template <class Store>
+DE_HD void fill_row(const Args& a, uint64_t seed, int64_t key, int64_t dim, Store store) {
+  uint32_t o[4];
+  switch (a.mode) {
+    case kUniform:
+      for (int64_t b = 0; 4 * b < dim; ++b) {
+        philox4(seed, a.stream, key, b, o);
+        for (int l = 0; l < 4 && 4 * b + l < dim; ++l)
+          store(4 * b + l, static_cast<float>(a.lower + (a.upper - a.lower) * unit(o[l])));
+      }
+      return;
+    case kNormal:
+      for (int64_t b = 0; 2 * b < dim; ++b) {
+        philox4(seed, a.stream, key, b, o);
+        store(2 * b, static_cast<float>(a.mean + a.std_dev * box_muller(unit(o[0]), unit(o[1]))));
+        if (2 * b + 1 < dim)
+          store(2 * b + 1, static_cast<float>(a.mean + a.std_dev * box_muller(unit(o[2]), unit(o[3]))));
+      }
+      return;
+    case kConstant:
+      for (int64_t j = 0; j < dim; ++j) store(j, static_cast<float>(a.value));
+      return;
+    default:
+      for (int64_t j = 0; j < dim; ++j) store(j, value(a, seed, key, j, dim));
   }
 }
 

@@ -410,6 +410,8 @@ struct InsertArgs {
   int8_t* res;
   int64_t* ev_key;    // the displaced key and score, by key position
   int64_t* ev_score;
+  const bool* evictable;  // per table, null: every table may evict
+  const int64_t* tids;    // null: every key in table 0
 };
 
 __global__ void insert_kernel(InsertArgs a, Segments segs) {
@@ -431,7 +433,9 @@ __global__ void insert_kernel(InsertArgs a, Segments segs) {
     if (s < 0) {
       s = free_slot;
       r = kInserted;
-      if (s < 0 && may_evict(a.strategy)) {
+      // Uniform over the tile (it depends on the key only): the collective
+      // victim search is entered by all lanes or none.
+      if (s < 0 && may_evict(a.strategy) && (!a.evictable || a.evictable[a.tids ? a.tids[i] : 0])) {
         s = tile_pick_victim(tile, a.sc + base, a.ep + base, cap, a.epoch);
         r = kEvicted;
       }
@@ -507,13 +511,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
     const Tensor& slot_timestamps, const Tensor& slot_epochs, const Tensor& table_buckets,
     const Tensor& sizes, const Tensor& counters, const Tensor& keys,
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
-    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch) {
+    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
+    const std::optional<Tensor>& evictable) {
   const c10::cuda::CUDAGuard guard(table_device(slot_keys));
   const Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_slots(slot_scores, at::kLong, "slot_scores", L);
   check_slots(slot_epochs, at::kInt, "slot_epochs", L);
+  if (evictable) {
+    check_tensor(*evictable, at::kBool, "evictable", L.dev);
+    TORCH_CHECK(evictable->numel() == L.num_tables, "dynamicemb: evictable must hold one flag per table");
+  }
   const bool with_ts = keeps_timestamps(strategy);
   if (with_ts) check_slots(slot_timestamps, at::kLong, "slot_timestamps", L);
   check_tensor(sizes, at::kLong, "sizes", L.dev);
@@ -550,7 +559,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
                      indices.data_ptr<int64_t>(),
                      results.data_ptr<int8_t>(),
                      ev_key.data_ptr<int64_t>(),
-                     ev_score.data_ptr<int64_t>()};
+                     ev_score.data_ptr<int64_t>(),
+                     evictable ? evictable->data_ptr<bool>() : nullptr,
+                     tids};
   insert_kernel<<<blocks_for(n, kTilesPerBlock), kBlock, 0, stream>>>(a, sorted.segments());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids every key is in table 0, so a layout error leaves every
