@@ -31,8 +31,10 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class _DynamicSharderMixin:
-    """ROW_WISE + CUSTOMIZED_KERNEL on every device. While planning, the
-    planner hides dynamic tables from TorchRec's planner (`_planning_exclude`)."""
+    """ROW_WISE on every device. While planning, the planner hides dynamic
+    tables from TorchRec's planner (`_planning_exclude`) and places them
+    itself; CUSTOMIZED_KERNEL is never offered to a planner's enumerator
+    (TorchRec's estimators reject it, which broke planning native tables)."""
 
     _planning_exclude: frozenset = frozenset()
 
@@ -50,8 +52,6 @@ class _DynamicSharderMixin:
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))
         if compute_device_type == "cpu" and EmbeddingComputeKernel.FUSED.value not in kernels:
             kernels.append(EmbeddingComputeKernel.FUSED.value)  # TorchRec's fused CPU kernels work RW too
-        if sharding_type == ShardingType.ROW_WISE.value and not self._planning_exclude:
-            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
         return kernels
 
 

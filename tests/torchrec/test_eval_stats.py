@@ -1,0 +1,93 @@
+"""Eval mode looks keys up without inserting them (missing keys read zeros);
+train mode inserts again; dynamicemb.table_stats is rank-local, and with a
+process group sums over the ranks."""
+import torch
+import torch.distributed as dist
+
+import dynamicemb
+import models
+from multiprocess import run_ranks
+
+TABLES = ["a_table", "b_table"]
+FEATURES = [t.replace("table", "feature") for t in TABLES]
+DIM = 4
+TRAIN_KEYS = list(range(0, 30))
+NEW_KEYS = list(range(1000, 1012))
+
+
+def _batch(rank, keys_per_bag):
+    """Per feature, one bag per entry of keys_per_bag: both ranks feed the
+    first feature the same keys (stored once), the second different ones."""
+    return {f: [[k + rank * 100 * (f == FEATURES[1]) for k in bag] for bag in keys_per_bag] for f in FEATURES}
+
+
+def _all_keys(world, keys_per_bag):
+    return {f: sorted({k for r in range(world) for bag in _batch(r, keys_per_bag)[f] for k in bag}) for f in FEATURES}
+
+
+def _sizes(model, pg=None):
+    return {t: s["size"] for t, s in dynamicemb.table_stats(model, pg).items()}
+
+
+def _check_stats_sum(model, pg):
+    local = dynamicemb.table_stats(model)
+    summed = dynamicemb.table_stats(model, pg)
+    every = [None] * pg.size()
+    dist.all_gather_object(every, local, group=pg)
+    assert set(summed) == set(TABLES)
+    for t in TABLES:
+        for k, v in summed[t].items():
+            assert v == sum(s[t][k] for s in every), (t, k, v, [s[t][k] for s in every])
+    return summed
+
+
+def _eval_stats(rank, world):
+    pg = models.rank_groups()[0]
+    results = {}
+    for kind in ("ebc", "ec"):
+        configs = (models.ebc_configs if kind == "ebc" else models.ec_configs)(TABLES, dim=DIM, num_embeddings=256)
+        model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+        train_bags = [TRAIN_KEYS[i::3] for i in range(3)]
+        models.loss_of(models.resolved(model(models.kjt(_batch(rank, train_bags))))).backward()
+        stored = _all_keys(world, train_bags)
+        summed = _check_stats_sum(model, pg)
+        for t, f in zip(TABLES, FEATURES):
+            assert summed[t]["size"] == summed[t]["inserted"] == len(stored[f]), (t, summed[t])
+        before = {t: models.stored_rows(model, t, torch.tensor(stored[f]), pg)[0] for t, f in zip(TABLES, FEATURES)}
+
+        # Eval: new keys read zeros and are not stored; known keys read their rows.
+        model.eval()
+        eval_bags = [NEW_KEYS[:4], [TRAIN_KEYS[0], NEW_KEYS[5]], []]
+        out = models.resolved(model(models.kjt(_batch(rank, eval_bags))))
+        assert _sizes(model, pg) == {t: summed[t]["size"] for t in TABLES}, "eval inserted keys"
+        assert dynamicemb.table_stats(model, pg) == summed, "eval changed the counters"
+        for t, f in zip(TABLES, FEATURES):
+            rows, _ = models.stored_rows(model, t, torch.tensor(stored[f]), pg)
+            assert torch.equal(rows, before[t]), f"{t}: eval changed rows"
+            known = _batch(rank, eval_bags)[f][1][0]
+            known_row = rows[stored[f].index(known), :DIM].to(torch.float32)
+            if kind == "ebc":
+                pooled = out[f]
+                assert torch.equal(pooled[0], torch.zeros(DIM)), f"{t}: missing keys did not read zeros"
+                torch.testing.assert_close(pooled[1], known_row, rtol=0, atol=1e-6)
+                assert torch.equal(pooled[2], torch.zeros(DIM))
+            else:
+                ids = out[f].values()  # one row per id: 4 missing, the known key, a missing one
+                assert torch.equal(ids[[0, 1, 2, 3, 5]], torch.zeros(5, DIM)), f"{t}: missing keys did not read zeros"
+                torch.testing.assert_close(ids[4], known_row, rtol=0, atol=1e-6)
+
+        # Train again: the same batch inserts the new keys.
+        model.train()
+        models.loss_of(models.resolved(model(models.kjt(_batch(rank, eval_bags))))).backward()
+        grown = _all_keys(world, train_bags + eval_bags)
+        assert _sizes(model, pg) == {t: len(grown[f]) for t, f in zip(TABLES, FEATURES)}, "train did not insert"
+        _check_stats_sum(model, pg)
+        results[kind] = _sizes(model)  # this rank's share
+    return results
+
+
+def test_eval_inserts_nothing_and_stats_sum_over_ranks():
+    per_rank = run_ranks(_eval_stats, 2)
+    for kind in ("ebc", "ec"):
+        # Both ranks hold part of each table (routing spreads the keys).
+        assert all(per_rank[r][kind][t] > 0 for r in range(2) for t in TABLES), per_rank

@@ -1,0 +1,157 @@
+"""DynamicEmbeddingShardingPlanner (no process group needed: plan() on a
+module on meta): huge dynamic tables plan ROW_WISE / CUSTOMIZED_KERNEL with
+per-rank capacities, native tables get TorchRec's own plan, storage estimates
+include optimizer state, and misuse fails with the table's name."""
+import pytest
+import torch
+import torchrec
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+import models
+from dynamicemb import DynamicEmbTableOptions
+from dynamicemb.optimizer import EmbOptimType
+from dynamicemb.planner import (
+    DynamicEmbeddingShardingPlanner,
+    DynamicEmbParameterConstraints,
+    get_sharded_table_capacity,
+    get_table_value_bytes,
+)
+from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
+
+HUGE = 2**40
+WORLD = 4
+
+
+def _configs():
+    return (models.ebc_configs(["huge_table"], dim=64, num_embeddings=HUGE)
+            + models.ebc_configs(["small_table", "other_table"], dim=16, num_embeddings=1000))
+
+
+def _sharders(fused=models.SGD):
+    return [DynamicEmbeddingBagCollectionSharder(fused_params=fused),
+            DynamicEmbeddingCollectionSharder(fused_params=fused)]
+
+
+def _planner(configs, constraints, world=WORLD, ddr_cap=2**60, optimizer=EmbOptimType.EXACT_SGD):
+    topology = Topology(world_size=world, compute_device="cpu", ddr_cap=ddr_cap)
+    return DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints, optimizer=optimizer)
+
+
+def _ebc(configs):
+    return torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+
+def test_huge_dynamic_table_plans_row_wise_with_per_rank_capacity():
+    configs = _configs()
+    plan = _planner(configs, models.dynamic_constraints(["huge_table"])).plan(_ebc(configs), _sharders())
+    ps = plan.plan[""]["huge_table"]
+    assert (ps.sharding_type, ps.compute_kernel) == ("row_wise", "customized_kernel")
+    assert ps.ranks == list(range(WORLD))
+    cap = get_sharded_table_capacity(HUGE, WORLD)
+    assert cap == HUGE // WORLD  # 2**38 rows: already whole buckets
+    assert ps.dynamicemb_options.max_capacity == cap
+    assert (ps.dynamicemb_options.dim, ps.dynamicemb_options.embedding_dtype) == (64, torch.float32)
+    shards = ps.sharding_spec.shards
+    assert [s.shard_offsets for s in shards] == [[r * HUGE // WORLD, 0] for r in range(WORLD)]
+    assert all(s.shard_sizes == [HUGE // WORLD, 64] for s in shards)
+
+
+def test_native_tables_get_torchrecs_plan():
+    configs = _configs()
+    ours = _planner(configs, models.dynamic_constraints(["huge_table"])).plan(_ebc(configs), _sharders()).plan[""]
+    natives = configs[1:]
+    stock = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60))
+    theirs = stock.plan(_ebc(natives), _sharders()).plan[""]
+    assert set(ours) == {"huge_table", "small_table", "other_table"}
+    for c in natives:
+        a, b = ours[c.name], theirs[c.name]
+        assert (a.sharding_type, a.compute_kernel, a.ranks) == (b.sharding_type, b.compute_kernel, b.ranks), c.name
+        assert a.compute_kernel != "customized_kernel"
+
+
+def test_only_native_tables_plan_as_torchrec_does():
+    natives = _configs()[1:]
+    ours = _planner(natives, {}).plan(_ebc(natives), _sharders()).plan[""]
+    theirs = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60)
+                                      ).plan(_ebc(natives), _sharders()).plan[""]
+    assert {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in ours.items()} == \
+        {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in theirs.items()}
+
+
+@pytest.mark.parametrize("optimizer,width", [
+    (EmbOptimType.EXACT_SGD, 16), (EmbOptimType.ADAM, 48),  # Adam: value + two moments
+    (EmbOptimType.EXACT_ADAGRAD, 32), (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 17)])
+def test_value_bytes_include_optimizer_state(optimizer, width):
+    assert get_table_value_bytes(1000, 16, torch.float32, optimizer) == 1000 * width * 4
+    assert get_table_value_bytes(1000, 16, torch.float16, optimizer) == 1000 * width * 2
+    assert get_table_value_bytes(1000, 16, torch.float32, optimizer, training=False) == 1000 * 16 * 4
+
+
+def test_planner_charges_dynamic_tables_with_their_optimizer():
+    configs = models.ebc_configs(["d_table"], dim=8, num_embeddings=4096)
+    sgd = _planner(configs, models.dynamic_constraints(["d_table"]), world=2).dynamic_bytes_per_rank()["d_table"]
+    adam = _planner(configs, models.dynamic_constraints(["d_table"]), world=2,
+                    optimizer=EmbOptimType.ADAM).dynamic_bytes_per_rank()["d_table"]
+    rows = get_sharded_table_capacity(4096, 2)
+    assert adam - sgd == rows * 2 * 8 * 4  # the two Adam moments, float32
+
+
+def test_sharded_capacity_rounds_to_whole_buckets():
+    assert get_sharded_table_capacity(1000, 3) == 384  # ceil(1000 / 3) = 334 -> 3 buckets of 128
+    assert get_sharded_table_capacity(1000, 3, bucket_capacity=16) == 336
+    assert get_sharded_table_capacity(2**62, 8) == 2**59
+
+
+# ---- misuse ------------------------------------------------------------------------------
+
+
+def _error(configs, constraints, **kw) -> str:
+    with pytest.raises(ValueError) as e:
+        _planner(configs, constraints, **kw).plan(_ebc(configs), _sharders())
+    return str(e.value)
+
+
+def test_dynamic_table_must_be_row_wise():
+    configs = models.ebc_configs(["d_table"])
+    c = DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=["table_wise"])
+    msg = _error(configs, {"d_table": c})
+    assert "d_table" in msg and "ROW_WISE" in msg
+
+
+def test_unknown_dist_type_names_the_table():
+    msg = _error(models.ebc_configs(["d_table"]), models.dynamic_constraints(["d_table"], dist_type="modulo"))
+    assert "d_table" in msg and "modulo" in msg
+
+
+@pytest.mark.parametrize("option,value,word", [
+    ("dim", 16, "dim"), ("embedding_dtype", torch.float16, "dtype")])
+def test_options_contradicting_the_config_name_the_table(option, value, word):
+    msg = _error(models.ebc_configs(["d_table"], dim=8), models.dynamic_constraints(["d_table"], **{option: value}))
+    assert "d_table" in msg and word in msg and str(value) in msg
+
+
+def test_constraints_for_unknown_table():
+    msg = _error(models.ebc_configs(["d_table"]), models.dynamic_constraints(["typo_table"]))
+    assert "typo_table" in msg
+
+
+def test_dynamic_table_needs_our_sharder():
+    configs = models.ebc_configs(["d_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]))
+    with pytest.raises(ValueError, match="d_table.*dynamicemb.shard"):
+        planner.plan(_ebc(configs), [EmbeddingBagCollectionSharder(fused_params=models.SGD)])
+
+
+def test_not_enough_memory_names_the_tables():
+    configs = models.ebc_configs(["d_table"], dim=64, num_embeddings=HUGE)
+    msg = _error(configs, models.dynamic_constraints(["d_table"]), ddr_cap=2**30)
+    assert "d_table" in msg and "DDR" in msg
+
+
+def test_explicit_max_capacity_is_kept():
+    configs = models.ebc_configs(["d_table"], dim=8, num_embeddings=HUGE)
+    c = models.dynamic_constraints(["d_table"], max_capacity=1024, init_capacity=256)
+    plan = _planner(configs, c, ddr_cap=2**30).plan(_ebc(configs), _sharders())
+    o = plan.plan[""]["d_table"].dynamicemb_options
+    assert (o.max_capacity, o.init_capacity, o.num_embeddings) == (1024, 256, HUGE)
