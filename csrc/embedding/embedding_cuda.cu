@@ -1,0 +1,720 @@
+// CUDA kernels of the embedding layer. embedding_cpu.cpp defines the
+// semantics; these reproduce them, bit for bit where the float order allows:
+//
+// - emb_unique: sort-based. Two stable sorts (by key, then by table) bring
+//   equal (table, key) pairs together with their occurrences in input order,
+//   so a group's first element is its first occurrence. Groups are then
+//   ordered by (hash part, first occurrence) with one int64 sort key: the
+//   CPU's order (64 hash parts when n >= 4096, else one).
+// - emb_init_rows / emb_forward read initial values through init::value
+//   (exact double math; nvcc -fmad=false keeps it exact).
+// - emb_forward: one warp per bag (pooled) or per index (NONE), lanes over
+//   the dims (coalesced), each element summed over the bag's indices in
+//   input order as the CPU does; explicit __fadd_rn / __fmul_rn so the sums
+//   never contract into FMAs.
+// - emb_backward_update: occurrences grouped per unique key by a stable sort
+//   of inverse; one warp per unique key sums its gradient in input order,
+//   then applies the optimizer rule to the row in place. Row-wise Adagrad
+//   sums the squared gradient in element order (warp_sum_in_order), as the
+//   CPU's sequential loop.
+//
+// Validation matches the CPU's checks and messages; checks of device data
+// (offsets, row ranges) cost one synchronizing copy of an error record.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "common/cuda_helpers.cuh"
+#include "embedding/init_rules.h"
+#include "embedding/optimizer_rules.h"
+#include "table/table_rules.h"
+
+namespace dynamicemb {
+namespace embedding {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+using c10::IntArrayRef;
+using namespace dynamicemb::cuda;
+
+enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
+
+// Elements per lane of a row chunk: a warp covers kChunk dims at a time.
+constexpr int kPerLane = 8;
+constexpr int64_t kChunk = kPerLane * kWarp;
+
+// Per-table facts the kernels need (uploaded per call).
+struct TableDev {
+  void* w;  // [rows, stride] in the storage dtype
+  int64_t dim, stride, rows;
+  init::Args init;
+};
+// Per feature: its table and first column in the pooled output.
+struct FeatureDev {
+  int64_t table, col;
+};
+
+// The initial value of one element: one out-of-line copy of init::value (a
+// rare path; inlined into every kernel instantiation it would dominate the
+// code size and compile time).
+__device__ __noinline__ float initial_value(const init::Args* a, uint64_t seed, int64_t key, int64_t d, int64_t D) {
+  return init::value(*a, seed, key, d, D);
+}
+
+// ---- validation (the CPU's checks, on a CUDA device) ----------------------------------------
+
+void check_1d(const Tensor& t, at::ScalarType dtype, const char* name, at::Device dev) {
+  TORCH_CHECK(t.device() == dev, "dynamicemb: ", name, " must be on ", dev, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
+}
+
+struct Bags {
+  const int64_t* off;  // device
+  int64_t F, B, n;
+  std::vector<int64_t> table;  // per feature
+  int64_t num_bags() const { return F * B; }
+};
+
+__global__ void check_offsets_kernel(const int64_t* off, int64_t nb, int64_t* err) {
+  if (thread_begin() == 0) {
+    err[1] = off[0];
+    err[2] = off[nb];
+  }
+  for (int64_t j = thread_begin(); j < nb; j += thread_stride())
+    if (off[j + 1] < off[j]) flag_min(&err[0], j);
+}
+
+Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables, at::Device dev,
+                cudaStream_t stream) {
+  check_1d(offsets, at::kLong, "offsets", dev);
+  const int64_t F = static_cast<int64_t>(feature_table.size());
+  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
+  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
+              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
+  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
+  for (int64_t f = 0; f < F; ++f) {
+    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
+                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
+    bags.table.push_back(feature_table[f]);
+  }
+  const int64_t nb = bags.num_bags();
+  ErrorSlots err(3, dev, stream);  // first non-decreasing violation, off[0], off[nb]
+  check_offsets_kernel<<<grid_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const std::vector<int64_t> e = err.read();
+  TORCH_CHECK(e[1] == 0, "dynamicemb: offsets must start at 0, got ", e[1]);
+  TORCH_CHECK(e[2] == n, "dynamicemb: offsets end at ", e[2], " but there are ", n, " indices");
+  if (e[0] != kNoError) {
+    const auto v = download(bags.off + e[0], 2, true, stream);
+    TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", e[0] + 1, "] = ", v[1],
+                " < offsets[", e[0], "])");
+  }
+  return bags;
+}
+
+struct Rows {
+  std::vector<Tensor> w;
+  std::vector<int64_t> dim, stride;
+  at::ScalarType dtype;
+  at::Device device;
+};
+
+Rows check_rows(TensorList weights, IntArrayRef dims) {
+  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
+              " weight tensors for ", dims.size(), " tables");
+  Rows r{{}, {}, {}, weights[0].scalar_type(), weights[0].device()};
+  TORCH_CHECK(r.device.is_cuda(), "dynamicemb: weights must be on a CUDA device, got ", r.device);
+  for (size_t t = 0; t < weights.size(); ++t) {
+    const Tensor& w = weights[t];
+    TORCH_CHECK(w.device() == r.device && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
+                "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
+                r.device);
+    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
+    r.w.push_back(w);
+    r.dim.push_back(dims[t]);
+    r.stride.push_back(w.size(1));
+  }
+  return r;
+}
+
+// init_params may live on the host (as the module keeps it) or on the device.
+std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables, cudaStream_t stream) {
+  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&
+                  params.size(0) == num_tables && params.size(1) == init::kArgsWidth,
+              "dynamicemb: init_params must be a contiguous float64 [num_tables, ", init::kArgsWidth, "] tensor");
+  TORCH_CHECK(params.device().is_cpu() || params.device().is_cuda(),
+              "dynamicemb: init_params must be on the CPU or a CUDA device");
+  const std::vector<double> host =
+      download(params.data_ptr<double>(), params.numel(), params.device().is_cuda(), stream);
+  std::vector<init::Args> a;
+  for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(host.data() + t * init::kArgsWidth));
+  return a;
+}
+
+std::vector<TableDev> table_facts(const Rows& R, const std::vector<init::Args>& args) {
+  std::vector<TableDev> tabs;
+  for (size_t t = 0; t < R.w.size(); ++t)
+    tabs.push_back(TableDev{R.w[t].data_ptr(), R.dim[t], R.stride[t], R.w[t].size(0),
+                            args.empty() ? init::Args{} : args[t]});
+  return tabs;
+}
+
+std::vector<FeatureDev> feature_facts(const Bags& bags, const std::vector<int64_t>& col) {
+  std::vector<FeatureDev> feats;
+  for (int64_t f = 0; f < bags.F; ++f) feats.push_back(FeatureDev{bags.table[f], col[f]});
+  return feats;
+}
+
+const float* opt_weights(const std::optional<Tensor>& psw, int64_t n, at::Device dev) {
+  if (!psw) return nullptr;
+  check_1d(*psw, at::kFloat, "per_sample_weights", dev);
+  TORCH_CHECK(psw->numel() == n, "dynamicemb: per_sample_weights has ", psw->numel(), " entries for ", n,
+              " indices");
+  return psw->data_ptr<float>();
+}
+
+// ---- unique ------------------------------------------------------------------------------------
+
+// The table of every index (from its bag's feature).
+__global__ void index_tables_kernel(const int64_t* off, int64_t nb, int64_t B, const int64_t* feature_table,
+                                    int64_t n, int64_t* tid) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) tid[i] = feature_table[bag_of(off, nb, i) / B];
+}
+
+// head[j] = 1 where sorted pair j differs from pair j - 1 (a new group).
+__global__ void group_heads_kernel(const int64_t* skey, const int64_t* stid, int64_t n, int64_t* head) {
+  for (int64_t j = thread_begin(); j < n; j += thread_stride())
+    head[j] = j == 0 || skey[j] != skey[j - 1] || (stid && stid[j] != stid[j - 1]);
+}
+
+// Per group g (group id = seg[j] - 1 at its head j): where it starts.
+__global__ void group_starts_kernel(const int64_t* head, const int64_t* seg, int64_t n, int64_t* start) {
+  for (int64_t j = thread_begin(); j < n; j += thread_stride())
+    if (head[j]) start[seg[j] - 1] = j;
+}
+
+// Per group: its first occurrence (the first of its sorted elements: the sorts
+// are stable), its count, and the CPU's order key (hash part, first occurrence).
+__global__ void group_order_kernel(const int64_t* start, int64_t G, int64_t n, const int64_t* pos,
+                                   const int64_t* key, const int64_t* tid, bool partitioned, int64_t* first,
+                                   int64_t* count, int64_t* order_key) {
+  constexpr int kPartBits = 6;  // as unique_cpu
+  for (int64_t g = thread_begin(); g < G; g += thread_stride()) {
+    const int64_t s = start[g], e = g + 1 < G ? start[g + 1] : n, f = pos[s];
+    first[g] = f;
+    count[g] = e - s;
+    const uint64_t hash =
+        table::fmix64(static_cast<uint64_t>(key[f]) ^ table::fmix64(static_cast<uint64_t>(tid[f]) + 1));
+    const int64_t part = partitioned ? static_cast<int64_t>(hash >> (64 - kPartBits)) : 0;
+    order_key[g] = (part << (64 - kPartBits)) | f;  // f < n < 2^58
+  }
+}
+
+// Unique u = the u-th group in order: its key, table, count; rank[g] = u.
+__global__ void emit_unique_kernel(const int64_t* order, int64_t G, const int64_t* first, const int64_t* count,
+                                   const int64_t* key, const int64_t* tid, int64_t* ukeys, int64_t* utids,
+                                   int64_t* ucounts, int64_t* rank) {
+  for (int64_t u = thread_begin(); u < G; u += thread_stride()) {
+    const int64_t g = order[u], f = first[g];
+    ukeys[u] = key[f];
+    utids[u] = tid[f];
+    ucounts[u] = count[g];
+    rank[g] = u;
+  }
+}
+
+__global__ void emit_inverse_kernel(const int64_t* pos, const int64_t* seg, const int64_t* rank, int64_t n,
+                                    int64_t* inverse) {
+  for (int64_t j = thread_begin(); j < n; j += thread_stride()) inverse[pos[j]] = rank[seg[j] - 1];
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, const Tensor& offsets,
+                                                       IntArrayRef feature_table, int64_t num_tables) {
+  TORCH_CHECK(indices.device().is_cuda(), "dynamicemb: indices must be on a CUDA device, got ", indices.device());
+  const at::Device dev = indices.device();
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  check_1d(indices, at::kLong, "indices", dev);
+  const int64_t n = indices.numel();
+  const Bags bags = check_bags(n, offsets, feature_table, num_tables, dev, stream);
+  TORCH_CHECK(n < (int64_t{1} << 58), "dynamicemb: too many indices (", n, ")");
+  const auto L = indices.options();
+  Tensor inverse = at::empty({n}, L);
+  if (n == 0) return {at::empty({0}, L), at::empty({0}, L), inverse, at::empty({0}, L)};
+
+  const Tensor ftab = upload(bags.table, dev, stream);
+  Tensor tid = at::empty({n}, L);
+  index_tables_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      bags.off, bags.num_bags(), bags.B, device_ptr<int64_t>(ftab), n, tid.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  // Equal pairs together, in input order: stable by key, then stable by table
+  // (skipped when every feature reads one table).
+  auto [skey, pos] = stable_sort(indices);
+  std::optional<Tensor> stid;
+  if (std::set<int64_t>(bags.table.begin(), bags.table.end()).size() > 1) {
+    auto [st, by_table] = stable_sort(tid.index_select(0, pos));
+    stid = st;
+    pos = pos.index_select(0, by_table);
+    skey = skey.index_select(0, by_table);
+  }
+  Tensor head = at::empty({n}, L);
+  group_heads_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      skey.data_ptr<int64_t>(), stid ? stid->data_ptr<int64_t>() : nullptr, n, head.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Tensor seg = at::cumsum(head, 0);  // group id + 1 of every sorted element
+  const int64_t G = download_one(seg.data_ptr<int64_t>() + n - 1, stream);
+
+  Tensor start = at::empty({G}, L), first = at::empty({G}, L), count = at::empty({G}, L),
+         order_key = at::empty({G}, L);
+  group_starts_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(head.data_ptr<int64_t>(),
+                                                                        seg.data_ptr<int64_t>(), n,
+                                                                        start.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  group_order_kernel<<<grid_for(G, kThreads), kThreads, 0, stream>>>(
+      start.data_ptr<int64_t>(), G, n, pos.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
+      tid.data_ptr<int64_t>(), n >= 4096, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
+      order_key.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Tensor order = std::get<1>(stable_sort(order_key));  // keys are distinct
+
+  Tensor ukeys = at::empty({G}, L), utids = at::empty({G}, L), ucounts = at::empty({G}, L),
+         rank = at::empty({G}, L);
+  emit_unique_kernel<<<grid_for(G, kThreads), kThreads, 0, stream>>>(
+      order.data_ptr<int64_t>(), G, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
+      indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(), utids.data_ptr<int64_t>(),
+      ucounts.data_ptr<int64_t>(), rank.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  emit_inverse_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      pos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {ukeys, utids, inverse, ucounts};
+}
+
+// ---- initial rows ----------------------------------------------------------------------------
+
+// One warp per row, lanes over its elements: the initial weights, then zeros
+// (fresh optimizer state). Bad (table, row) pairs are skipped and recorded.
+template <class W>
+__global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t* rows, const int64_t* tids,
+                                 const int64_t* keys, int64_t n, uint64_t seed, int64_t* err) {
+  const int lane = lane_id();
+  for (int64_t i = warp_begin(); i < n; i += warp_stride()) {
+    const int64_t r = rows[i], t = tids[i];
+    if (r < 0) continue;
+    if (t < 0 || t >= T || r >= tabs[t].rows) {
+      if (lane == 0) flag_min(err, i);
+      continue;
+    }
+    const TableDev& tab = tabs[t];  // a reference: the init args stay in global memory
+    W* row = static_cast<W*>(tab.w) + r * tab.stride;
+    const int64_t key = keys[i];
+    for (int64_t d = lane; d < tab.stride; d += kWarp)
+      row[d] = d < tab.dim ? static_cast<W>(initial_value(&tab.init, seed, key, d, tab.dim)) : static_cast<W>(0.0f);
+  }
+}
+
+void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
+                    IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+  const Rows R = check_rows(weights, dims);
+  const c10::cuda::CUDAGuard guard(R.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(R.device.index());
+  check_1d(rows, at::kLong, "rows", R.device);
+  check_1d(table_ids, at::kLong, "table_ids", R.device);
+  check_1d(keys, at::kLong, "keys", R.device);
+  const int64_t n = rows.numel();
+  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
+  const int64_t T = static_cast<int64_t>(R.w.size());
+  const auto args = init_args(init_params, T, stream);
+  if (n == 0) return;
+  const Tensor tabs = upload(table_facts(R, args), R.device, stream);
+  ErrorSlots err(1, R.device, stream);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows_cuda", [&] {
+    init_rows_kernel<scalar_t><<<grid_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
+        device_ptr<TableDev>(tabs), T, rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(),
+        keys.data_ptr<int64_t>(), n, static_cast<uint64_t>(seed), err.ptr());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  const int64_t bad = err.read()[0];
+  if (bad != kNoError) {
+    const int64_t r = download_one(rows.data_ptr<int64_t>() + bad, stream);
+    const int64_t t = download_one(table_ids.data_ptr<int64_t>() + bad, stream);
+    TORCH_CHECK(false, "dynamicemb: row ", r, " of table ", t, " is out of range");
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+
+// acc + scale * v, rounded after each operation (the CPU's -ffp-contract=off).
+__device__ __forceinline__ float mul_add(float acc, float scale, float v) {
+  return __fadd_rn(acc, __fmul_rn(scale, v));
+}
+
+// The forward kernels' register budget: the rare initial-value call would
+// otherwise set it (~110) for the whole kernel and halve the resident warps.
+constexpr int kForwardBlocksPerSM = 4;
+
+// Pooled (SUM / MEAN): one warp per bag, lanes over a kChunk-wide slice of the
+// dims. The lanes fetch up to 32 of the bag's indices at once (row, key,
+// weight), then every element adds them one by one in input order.
+template <class W, class O>
+__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
+    forward_pooled_kernel(const TableDev* tabs, const FeatureDev* feats, const int64_t* off, int64_t nb, int64_t B,
+                          const int64_t* rows, const int64_t* ukeys, const int64_t* inv, const float* psw, bool mean,
+                          uint64_t seed, int64_t total_d, O* out) {
+  const int lane = lane_id();
+  for (int64_t j = warp_begin(); j < nb; j += warp_stride()) {
+    const FeatureDev feat = feats[j / B];
+    const TableDev& tab = tabs[feat.table];
+    const W* w = static_cast<const W*>(tab.w);
+    const int64_t D = tab.dim, beg = off[j], end = off[j + 1], L = end - beg;
+    const float scale = (mean && L > 0) ? __fdiv_rn(1.0f, static_cast<float>(L)) : 1.0f;
+    O* o = out + (j % B) * total_d + feat.col;
+    for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+      float acc[kPerLane];
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) acc[k] = 0.0f;
+      for (int64_t i0 = beg; i0 < end; i0 += kWarp) {
+        int64_t r = -1, key = 0;
+        float s = 0.0f;
+        if (i0 + lane < end) {
+          const int64_t i = i0 + lane, u = inv[i];
+          r = rows[u];
+          key = r < 0 ? ukeys[u] : 0;
+          s = psw ? psw[i] : 1.0f;
+        }
+        const int cnt = end - i0 < kWarp ? static_cast<int>(end - i0) : kWarp;
+        for (int q = 0; q < cnt; ++q) {
+          const int64_t rq = __shfl_sync(kFullMask, r, q);
+          const float sq = __shfl_sync(kFullMask, s, q);
+          if (rq >= 0) {  // warp-uniform
+            const W* row = w + rq * tab.stride;
+#pragma unroll
+            for (int k = 0; k < kPerLane; ++k) {
+              const int64_t d = d0 + k * kWarp + lane;
+              if (d < D) acc[k] = mul_add(acc[k], sq, static_cast<float>(row[d]));
+            }
+          } else {  // no row: the key's initial value
+            const int64_t kq = __shfl_sync(kFullMask, key, q);
+#pragma unroll
+            for (int k = 0; k < kPerLane; ++k) {
+              const int64_t d = d0 + k * kWarp + lane;
+              if (d < D) acc[k] = mul_add(acc[k], sq, initial_value(&tab.init, seed, kq, d, D));
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t d = d0 + k * kWarp + lane;
+        if (d < D) o[d] = static_cast<O>(__fmul_rn(acc[k], scale));
+      }
+    }
+  }
+}
+
+// Pooling NONE: one warp per index, lanes over its row (0 + 1 * v, as the
+// CPU's accumulation, which turns -0 into +0).
+template <class W, class O>
+__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
+    forward_none_kernel(const TableDev* tabs, const FeatureDev* feats, const int64_t* off, int64_t nb, int64_t B,
+                        const int64_t* rows, const int64_t* ukeys, const int64_t* inv, int64_t n, uint64_t seed,
+                        O* out) {
+  const int lane = lane_id();
+  for (int64_t i = warp_begin(); i < n; i += warp_stride()) {
+    const TableDev& tab = tabs[feats[bag_of(off, nb, i) / B].table];
+    const int64_t u = inv[i], r = rows[u], D = tab.dim;
+    O* o = out + i * D;
+    if (r >= 0) {
+      const W* row = static_cast<const W*>(tab.w) + r * tab.stride;
+      for (int64_t d = lane; d < D; d += kWarp)
+        o[d] = static_cast<O>(mul_add(0.0f, 1.0f, static_cast<float>(row[d])));
+    } else {
+      const int64_t key = ukeys[u];
+      for (int64_t d = lane; d < D; d += kWarp)
+        o[d] = static_cast<O>(mul_add(0.0f, 1.0f, initial_value(&tab.init, seed, key, d, D)));
+    }
+  }
+}
+
+Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
+                    const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
+                    const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
+                    int64_t seed, at::ScalarType output_dtype) {
+  const Rows R = check_rows(weights, dims);
+  const at::Device dev = R.device;
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  check_1d(rows, at::kLong, "rows", dev);
+  check_1d(unique_keys, at::kLong, "unique_keys", dev);
+  check_1d(inverse, at::kLong, "inverse", dev);
+  TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
+  const int64_t n = inverse.numel();
+  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
+  const float* psw = opt_weights(per_sample_weights, n, dev);
+  TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
+  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()), stream);
+  std::vector<int64_t> doff(bags.F + 1, 0);
+  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
+  const auto opts = at::TensorOptions().dtype(output_dtype).device(dev);
+  Tensor out;
+  if (pooling == kNone) {
+    const int64_t D = R.dim[bags.table[0]];
+    for (int64_t f = 0; f < bags.F; ++f)
+      TORCH_CHECK(R.dim[bags.table[f]] == D, "dynamicemb: pooling NONE needs one dim for all features (feature ", f,
+                  " has ", R.dim[bags.table[f]], ", feature 0 has ", D, ")");
+    TORCH_CHECK(!psw, "dynamicemb: per_sample_weights are not supported with pooling NONE");
+    out = at::empty({n, D}, opts);
+  } else {
+    out = at::empty({bags.B, doff[bags.F]}, opts);
+  }
+  const int64_t items = pooling == kNone ? n : bags.num_bags();
+  if (items == 0 || out.numel() == 0) return out;
+  const Tensor tabs = upload(table_facts(R, args), dev, stream);
+  const Tensor feats = upload(feature_facts(bags, doff), dev, stream);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward_cuda", [&] {
+    using W = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_forward_cuda_out", [&] {
+      const unsigned grid = grid_for(items, kWarpsPerBlock);
+      if (pooling == kNone) {
+        forward_none_kernel<W, scalar_t><<<grid, kThreads, 0, stream>>>(
+            device_ptr<TableDev>(tabs), device_ptr<FeatureDev>(feats), bags.off, bags.num_bags(), bags.B,
+            rows.data_ptr<int64_t>(), unique_keys.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(), n,
+            static_cast<uint64_t>(seed), out.data_ptr<scalar_t>());
+      } else {
+        forward_pooled_kernel<W, scalar_t><<<grid, kThreads, 0, stream>>>(
+            device_ptr<TableDev>(tabs), device_ptr<FeatureDev>(feats), bags.off, bags.num_bags(), bags.B,
+            rows.data_ptr<int64_t>(), unique_keys.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(), psw,
+            pooling == kMean, static_cast<uint64_t>(seed), doff[bags.F], out.data_ptr<scalar_t>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+// ---- backward + fused optimizer ------------------------------------------------------------------
+
+// The bag of every index (pooled backward).
+__global__ void index_bags_kernel(const int64_t* off, int64_t nb, int64_t n, int64_t* bag) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) bag[i] = bag_of(off, nb, i);
+}
+
+// Where the gradient of one occurrence comes from, as backward_update_cpu.
+struct GradSource {
+  const float* grad;
+  const int64_t* occ;  // positions of the indices, grouped by unique key, input order within
+  const int64_t* bag;  // bag of every index (pooled)
+  const int64_t* off;
+  const FeatureDev* feats;
+  const float* psw;
+  int64_t B, total_d;
+  bool none, mean;
+
+  // g[k] (element d0 + k * 32 + lane) = sum over occurrences [beg, end) in
+  // order of scale * (their output gradient), from 0, rounded per step.
+  __device__ __forceinline__ void sum(float (&g)[kPerLane], int64_t d0, int64_t D, int64_t beg, int64_t end,
+                                      int lane) const {
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) g[k] = 0.0f;
+    for (int64_t j0 = beg; j0 < end; j0 += kWarp) {
+      int64_t go = 0;
+      float s = 0.0f;
+      if (j0 + lane < end) {
+        const int64_t i = occ[j0 + lane];
+        s = psw ? psw[i] : 1.0f;
+        if (none) {
+          go = i * D;
+        } else {
+          const int64_t jb = bag[i];
+          go = (jb % B) * total_d + feats[jb / B].col;
+          if (mean) s = __fdiv_rn(s, static_cast<float>(off[jb + 1] - off[jb]));
+        }
+      }
+      const int cnt = end - j0 < kWarp ? static_cast<int>(end - j0) : kWarp;
+      for (int q = 0; q < cnt; ++q) {
+        const int64_t gq = __shfl_sync(kFullMask, go, q);
+        const float sq = __shfl_sync(kFullMask, s, q);
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int64_t d = d0 + k * kWarp + lane;
+          if (d < D) g[k] = mul_add(g[k], sq, grad[gq + d]);
+        }
+      }
+    }
+  }
+};
+
+// One warp per unique key with a row: its gradient chunk by chunk, then the
+// optimizer rule on the row in place (update_row of the CPU).
+template <class W>
+__global__ void backward_update_kernel(GradSource src, const TableDev* tabs, const int64_t* rows, const int64_t* utids,
+                                       const int64_t* occ_begin, int64_t U, int64_t kind, optim::Params p,
+                                       optim::AdamBias bias) {
+  const int lane = lane_id();
+  for (int64_t u = warp_begin(); u < U; u += warp_stride()) {
+    const int64_t r = rows[u];
+    if (r < 0) continue;
+    const TableDev& tab = tabs[utids[u]];
+    const int64_t D = tab.dim, beg = occ_begin[u], end = occ_begin[u + 1];
+    W* row = static_cast<W*>(tab.w) + r * tab.stride;
+    float g[kPerLane];
+    if (kind == optim::kRowwiseAdagrad) {
+      // Pass 1: the decayed gradient's squares, summed in element order. A
+      // row wider than one chunk sums its gradient again in pass 2 (same
+      // order, same values) instead of staging it.
+      float sum_sq = 0.0f;
+      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+        src.sum(g, d0, D, beg, end, lane);
+        float sq[kPerLane];
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int64_t d = d0 + k * kWarp + lane;
+          g[k] = d < D ? mul_add(g[k], p.weight_decay, static_cast<float>(row[d])) : 0.0f;
+          sq[k] = __fmul_rn(g[k], g[k]);
+        }
+        sum_sq = warp_sum_in_order(sum_sq, sq, d0, D);
+      }
+      const float m = optim::rowwise_adagrad_state(static_cast<float>(row[D]), sum_sq, D);
+      const float mult = optim::rowwise_adagrad_multiplier(m, p);
+      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+        if (D > kChunk) {
+          src.sum(g, d0, D, beg, end, lane);
+#pragma unroll
+          for (int k = 0; k < kPerLane; ++k) {
+            const int64_t d = d0 + k * kWarp + lane;
+            if (d < D) g[k] = mul_add(g[k], p.weight_decay, static_cast<float>(row[d]));
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int64_t d = d0 + k * kWarp + lane;
+          if (d < D) row[d] = static_cast<W>(__fsub_rn(static_cast<float>(row[d]), __fmul_rn(mult, g[k])));
+        }
+      }
+      __syncwarp();  // every lane has read row[D]
+      if (lane == 0) row[D] = static_cast<W>(m);
+      continue;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+      src.sum(g, d0, D, beg, end, lane);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int64_t d = d0 + k * kWarp + lane;
+        if (d >= D) continue;
+        switch (kind) {
+          case optim::kSgd:
+            row[d] = static_cast<W>(optim::sgd(static_cast<float>(row[d]), g[k], p));
+            break;
+          case optim::kAdagrad: {
+            float w = row[d], m = row[D + d];
+            optim::adagrad(&w, &m, g[k], p);
+            row[d] = static_cast<W>(w);
+            row[D + d] = static_cast<W>(m);
+            break;
+          }
+          case optim::kAdam: {
+            float w = row[d], m1 = row[D + d], m2 = row[2 * D + d];
+            optim::adam(&w, &m1, &m2, g[k], p, bias);
+            row[d] = static_cast<W>(w);
+            row[D + d] = static_cast<W>(m1);
+            row[2 * D + d] = static_cast<W>(m2);
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+void backward_update_cuda(const Tensor& grad_output, TensorList weights, const Tensor& rows,
+                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
+                          IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
+                          int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
+                          double weight_decay, int64_t step) {
+  const Rows R = check_rows(weights, dims);
+  const at::Device dev = R.device;
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  check_1d(rows, at::kLong, "rows", dev);
+  check_1d(unique_table_ids, at::kLong, "unique_table_ids", dev);
+  check_1d(inverse, at::kLong, "inverse", dev);
+  const int64_t U = rows.numel(), n = inverse.numel();
+  TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
+  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
+  const float* psw = opt_weights(per_sample_weights, n, dev);
+  TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
+                  grad_output.dim() == 2,
+              "dynamicemb: grad_output must be a contiguous float32 2-D tensor on ", dev);
+  TORCH_CHECK(optimizer >= optim::kSgd && optimizer <= optim::kRowwiseAdagrad, "dynamicemb: unknown optimizer ",
+              optimizer);
+  for (int64_t t = 0; t < (int64_t)R.w.size(); ++t)
+    TORCH_CHECK(R.stride[t] >= R.dim[t] + optim::state_width(optimizer, R.dim[t]), "dynamicemb: table ", t,
+                " rows have no room for the optimizer state");
+  std::vector<int64_t> doff(bags.F + 1, 0);
+  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
+  const int64_t total_d = pooling == kNone ? R.dim[bags.table[0]] : doff[bags.F];
+  TORCH_CHECK(grad_output.size(1) == total_d && grad_output.size(0) == (pooling == kNone ? n : bags.B),
+              "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
+  const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
+                        static_cast<float>(beta2), static_cast<float>(weight_decay), step};
+  // Host-side, as the CPU: device powf may differ from the host's in the last bit.
+  const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
+  if (U == 0) return;
+
+  // The occurrences of each unique key, in input order (stable sort of inverse).
+  const auto L = inverse.options();
+  Tensor occ = at::empty({0}, L), sorted_inv = at::empty({0}, L), bag = at::empty({0}, L);
+  if (n > 0) std::tie(sorted_inv, occ) = stable_sort(inverse);
+  const Tensor occ_begin = segment_begins(sorted_inv, U, stream);
+  if (pooling != kNone && n > 0) {
+    bag = at::empty({n}, L);
+    index_bags_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(bags.off, bags.num_bags(), n,
+                                                                       bag.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const Tensor tabs = upload(table_facts(R, {}), dev, stream);
+  const Tensor feats = upload(feature_facts(bags, doff), dev, stream);
+  const GradSource src{grad_output.data_ptr<float>(),
+                       occ.data_ptr<int64_t>(),
+                       bag.data_ptr<int64_t>(),
+                       bags.off,
+                       device_ptr<FeatureDev>(feats),
+                       psw,
+                       bags.B,
+                       total_d,
+                       pooling == kNone,
+                       pooling == kMean};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward_cuda", [&] {
+    backward_update_kernel<scalar_t><<<grid_for(U, kWarpsPerBlock), kThreads, 0, stream>>>(
+        src, device_ptr<TableDev>(tabs), rows.data_ptr<int64_t>(), unique_table_ids.data_ptr<int64_t>(),
+        occ_begin.data_ptr<int64_t>(), U, optimizer, p, bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
+  m.impl("emb_unique", &unique_cuda);
+  m.impl("emb_init_rows", &init_rows_cuda);
+  m.impl("emb_forward", &forward_cuda);
+  m.impl("emb_backward_update", &backward_update_cuda);
+}
+
+}  // namespace embedding
+}  // namespace dynamicemb
