@@ -23,6 +23,7 @@
 #include "common/parallel_cpu.h"
 #include "embedding/init_rules.h"
 #include "embedding/optimizer_rules.h"
+#include "embedding/row_math_cpu.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -236,7 +237,7 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 
 // Indices ahead of use whose rows are prefetched: enough misses in flight to
 // cover memory latency without thrashing the line fill buffers.
-constexpr int64_t kPrefetchAhead = 12;
+constexpr int64_t kPrefetchAhead = 48;
 
 template <class W>
 void prefetch_row(const W* row, int64_t bytes) {
@@ -267,7 +268,7 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
     const int64_t D = R.dim[t];
     if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead], D * static_cast<int64_t>(sizeof(W)));
     if (const W* row = src[i]) {
-      for (int64_t d = 0; d < D; ++d) acc[d] += scale * static_cast<float>(row[d]);
+      add_scaled(acc, row, scale, D);
     } else {
       init::fill_row(args[t], seed, ukeys[inv[i]], D, [&](int64_t d, float v) { acc[d] += scale * v; });
     }
@@ -422,7 +423,12 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     at::parallel_for(0, U, 64, [&](int64_t ub, int64_t ue) {
       std::vector<float> g(max_d);
+      constexpr int64_t kAhead = 4;  // rows being updated are scattered: fetch ahead
       for (int64_t u = ub; u < ue; ++u) {
+        if (u + kAhead < ue && r[u + kAhead] >= 0) {
+          const int64_t ta = ut[u + kAhead];
+          prefetch_row(w[ta] + r[u + kAhead] * R.stride[ta], R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)));
+        }
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
         std::fill_n(g.data(), D, 0.0f);
@@ -437,7 +443,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
             go = grad + (jb % bags.B) * total_d + doff[bags.feature(jb)];
             if (pooling == kMean) scale /= static_cast<float>(bags.length(jb));
           }
-          for (int64_t d = 0; d < D; ++d) g[d] += scale * go[d];
+          add_scaled(g.data(), go, scale, D);
         }
         update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
       }
