@@ -156,27 +156,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
                                 [&](int64_t i) { return static_cast<int64_t>(hash[i] >> (64 - kPartBits)); });
   Tensor inverse = at::empty({n}, indices.options());
   int64_t* inv = inverse.data_ptr<int64_t>();
-  // Per part: first-occurrence positions and counts of its unique pairs.
+  // Per part: first-occurrence positions and counts of its unique pairs. The
+  // probe table holds the pair itself, so a probe touches one entry.
+  struct Entry {
+    int64_t key;
+    int32_t tid;
+    int32_t id;  // -1: empty
+  };
   std::vector<std::vector<int64_t>> first(sp.parts()), count(sp.parts());
   sp.for_each_part([&](int64_t p) {
     const int64_t m = sp.end(p) - sp.begin(p);
     int64_t cap = 16;
     while (cap < 2 * m) cap <<= 1;
-    std::vector<int64_t> slot(cap, -1);  // local unique id
+    std::vector<Entry> table(cap, Entry{0, 0, -1});
+    auto& fp = first[p];
+    auto& cp = count[p];
+    fp.reserve(m);
+    cp.reserve(m);
     for (int64_t j = sp.begin(p); j < sp.end(p); ++j) {
       const int64_t i = sp.pos(j);
+      const int64_t k = key[i];
+      const int32_t t = static_cast<int32_t>(tid[i]);
       for (uint64_t h = hash[i] & (cap - 1);; h = (h + 1) & (cap - 1)) {
-        const int64_t u = slot[h];
-        if (u < 0) {
-          slot[h] = inv[i] = static_cast<int64_t>(first[p].size());
-          first[p].push_back(i);
-          count[p].push_back(1);
+        Entry& e = table[h];
+        if (e.id < 0) {
+          e = Entry{k, t, static_cast<int32_t>(fp.size())};
+          inv[i] = e.id;
+          fp.push_back(i);
+          cp.push_back(1);
           break;
         }
-        const int64_t f = first[p][u];
-        if (key[f] == key[i] && tid[f] == tid[i]) {
-          inv[i] = u;
-          ++count[p][u];
+        if (e.key == k && e.tid == t) {
+          inv[i] = e.id;
+          ++cp[e.id];
           break;
         }
       }
@@ -410,13 +422,27 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
                         static_cast<float>(beta2), static_cast<float>(weight_decay), step};
   const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
-  const std::vector<int64_t> bag = bags.bag_of();
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();
   const float* grad = grad_output.data_ptr<float>();
   // The occurrences of each unique key, in input order (deterministic sums).
   const cpu::StablePartition occ(n, U, [&](int64_t i) { return inv[i]; });
+  // The gradient slice and scale of every index, resolved per bag.
+  std::vector<const float*> gsrc(n);
+  std::vector<float> gscale(n);
+  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
+    for (int64_t j = jb; j < je; ++j) {
+      const int64_t f = bags.feature(j), L = bags.length(j);
+      const float* go = grad + (j % bags.B) * total_d + doff[f];
+      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
+        gsrc[i] = pooling == kNone ? grad + i * R.dim[bags.table[f]] : go;
+        float scale = psw ? psw[i] : 1.0f;
+        if (pooling == kMean) scale /= static_cast<float>(L);
+        gscale[i] = scale;
+      }
+    }
+  });
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward", [&] {
     std::vector<scalar_t*> w;
@@ -434,16 +460,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         std::fill_n(g.data(), D, 0.0f);
         for (int64_t j = (U == 1 ? 0 : occ.begin(u)); j < (U == 1 ? n : occ.end(u)); ++j) {
           const int64_t i = occ.pos(j);
-          const float* go;
-          float scale = psw ? psw[i] : 1.0f;
-          if (pooling == kNone) {
-            go = grad + i * D;
-          } else {
-            const int64_t jb = bag[i];
-            go = grad + (jb % bags.B) * total_d + doff[bags.feature(jb)];
-            if (pooling == kMean) scale /= static_cast<float>(bags.length(jb));
-          }
-          add_scaled(g.data(), go, scale, D);
+          add_scaled(g.data(), gsrc[i], gscale[i], D);
         }
         update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
       }
