@@ -201,6 +201,15 @@ def busy_warning(threads: int) -> Optional[str]:
     return None
 
 
+def _thp_mode() -> Optional[str]:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+        return mode[mode.index("[") + 1:mode.index("]")]
+    except (OSError, ValueError):
+        return None
+
+
 def env_info(device: torch.device) -> Dict[str, Any]:
     info = {
         "torch": torch.__version__,
@@ -213,6 +222,10 @@ def env_info(device: torch.device) -> Dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "units": "Mkeys/s = 2^20 keys/s, Gkeys/s = 2^30 keys/s",
         "loadavg_start": loadavg(),
+        # Huge pages matter for random access over GiB-sized tensors: PyTorch
+        # madvises its CPU allocations >= 2 MiB when THP_MEM_ALLOC_ENABLE=1.
+        "thp_mode": _thp_mode(),
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
