@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/parallel_cpu.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -120,115 +121,45 @@ Placed place_keys(const int64_t* keys, const int64_t* tids, int64_t n, const Lay
 }
 
 // Runs fn(pos) for every key so that the keys of one bucket go in input
-// order while different buckets go in parallel: a stable counting sort of key
-// positions by part (a contiguous range of buckets), then one task per part.
+// order while different buckets go in parallel: key positions partitioned
+// (stably) by part, a contiguous range of buckets, then one task per part.
 class BucketOrder {
  public:
-  BucketOrder(int64_t n, const int64_t* bucket, int64_t num_buckets) : n_(n) {
-    const int64_t threads = at::get_num_threads();
-    if (n < kSerialBelow || threads == 1) return;  // one part, input order
-    parts_ = std::min<int64_t>({num_buckets, 64 * threads, n / 64});
-    if (parts_ <= 1) { parts_ = 1; return; }
-    const int64_t P = parts_;
-    auto part = [&](int64_t i) { return bucket[i] * P / num_buckets; };
-    const int64_t chunks = std::min<int64_t>(4 * threads, (n + 8191) / 8192);
-    const int64_t chunk_len = (n + chunks - 1) / chunks;
-    std::vector<int64_t> off(chunks * P, 0);
-    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t i = c * chunk_len, e = std::min(n, i + chunk_len); i < e; ++i)
-          ++off[c * P + part(i)];
-    });
-    begin_.assign(P + 1, 0);
-    int64_t run = 0;
-    for (int64_t p = 0; p < P; ++p) {
-      begin_[p] = run;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t cnt = off[c * P + p];
-        off[c * P + p] = run;
-        run += cnt;
-      }
-    }
-    begin_[P] = run;
-    order_.resize(n);
-    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t i = c * chunk_len, e = std::min(n, i + chunk_len); i < e; ++i)
-          order_[off[c * P + part(i)]++] = i;
-    });
-  }
+  BucketOrder(int64_t n, const int64_t* bucket, int64_t num_buckets)
+      : sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
 
   // fn(pos) processes one key; ahead(pos) may prefetch for a key soon due.
   template <class Fn, class Ahead>
   void run(Fn fn, Ahead ahead) const {
     constexpr int64_t kAhead = 8;
-    if (parts_ == 1) {
-      for (int64_t i = 0; i < n_; ++i) {
-        if (i + kAhead < n_) ahead(i + kAhead);
-        fn(i);
+    sp_.for_each_part([&](int64_t p) {
+      const int64_t e = sp_.end(p);
+      for (int64_t j = sp_.begin(p); j < e; ++j) {
+        if (j + kAhead < e) ahead(sp_.pos(j + kAhead));
+        fn(sp_.pos(j));
       }
-      return;
-    }
-    at::parallel_for(0, parts_, 1, [&](int64_t pb, int64_t pe) {
-      for (int64_t p = pb; p < pe; ++p)
-        for (int64_t j = begin_[p]; j < begin_[p + 1]; ++j) {
-          if (j + kAhead < begin_[p + 1]) ahead(order_[j + kAhead]);
-          fn(order_[j]);
-        }
     });
   }
 
  private:
-  int64_t n_;
-  int64_t parts_ = 1;
-  std::vector<int64_t> begin_, order_;
+  // Small calls (or one thread) run in input order as one part.
+  int64_t parts(int64_t n, int64_t num_buckets) {
+    const int64_t threads = at::get_num_threads();
+    parts_ = (n < kSerialBelow || threads == 1) ? 1 : std::max<int64_t>(1, std::min<int64_t>({num_buckets, 64 * threads, n / 64}));
+    return parts_;
+  }
+
+  int64_t parts_ = 1;  // set before sp_ is built (declared first)
+  cpu::StablePartition sp_;
 };
 
 // Per-table counts of the classes cls(i) in [0, K) (negative: not counted).
 template <class Cls>
-std::vector<int64_t> tally(int64_t n, const int64_t* tids, int64_t T, int K, Cls cls) {
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16384));
-  const int64_t chunk_len = (n + chunks - 1) / chunks;
-  std::vector<int64_t> acc(chunks * T * K, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c)
-      for (int64_t i = c * chunk_len, e = std::min(n, i + chunk_len); i < e; ++i) {
-        const int k = cls(i);
-        if (k >= 0) ++acc[(c * T + (tids ? tids[i] : 0)) * K + k];
-      }
-  });
-  std::vector<int64_t> out(T * K, 0);
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t j = 0; j < T * K; ++j) out[j] += acc[c * T * K + j];
-  return out;
+std::vector<int64_t> tally_by_table(int64_t n, const int64_t* tids, int64_t T, int K, Cls cls) {
+  return cpu::tally(n, T, K, [&](int64_t i) { return tids ? tids[i] : 0; }, cls);
 }
 
-// Order-preserving stream compaction: counts keep(i) per chunk, calls
-// alloc(total), then emit(i, out_pos) for each kept i in input order.
-template <class Keep, class Alloc, class Emit>
-int64_t compact(int64_t n, Keep keep, Alloc alloc, Emit emit) {
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(4 * at::get_num_threads(), n / 16384));
-  const int64_t chunk_len = std::max<int64_t>(1, (n + chunks - 1) / chunks);
-  std::vector<int64_t> start(chunks + 1, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t k = 0;
-      for (int64_t i = c * chunk_len, e = std::min(n, i + chunk_len); i < e; ++i) k += keep(i);
-      start[c + 1] = k;
-    }
-  });
-  for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
-  alloc(start[chunks]);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t o = start[c];
-      for (int64_t i = c * chunk_len, e = std::min(n, i + chunk_len); i < e; ++i)
-        if (keep(i)) emit(i, o++);
-    }
-  });
-  return start[chunks];
-}
+using cpu::compact;
 
 Tensor new_tensor(int64_t n, at::ScalarType dtype) {
   return at::empty({n}, at::TensorOptions().dtype(dtype));
@@ -426,7 +357,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
 
   // Counters: inserted (new keys stored, by a free slot or by evicting),
   // evicted, failed; the size grows by the keys that took a free slot.
-  const std::vector<int64_t> cnt = tally(n, tids, L.num_tables, 4, [&](int64_t i) { return int(res[i]); });
+  const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 4, [&](int64_t i) { return int(res[i]); });
   int64_t* sz = sizes.data_ptr<int64_t>();
   int64_t* ctr = counters.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) {
@@ -483,7 +414,7 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
             if (s >= 0) sd[base + s] = kErased;
           },
           [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
-  const std::vector<int64_t> cnt = tally(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
+  const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
   int64_t* sz = sizes.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];
   return erased;
