@@ -198,32 +198,52 @@ std::tuple<Tensor, Tensor> lookup_cpu(const Tensor& slot_keys, const Tensor& slo
   int64_t* out = indices.data_ptr<int64_t>();
   bool* fnd = found.data_ptr<bool>();
   std::atomic<int64_t> bad{-1};
-  // Blocks of keys: hash and prefetch the whole block's buckets, then scan, so
-  // that the cache misses of a block overlap.
+  // A three-stage pipeline over blocks of 16 keys, so that the misses of a
+  // lookup overlap with other keys' work: block k+2 is hashed and its digest
+  // lines prefetched, block k+1's digests are scanned and the candidate key
+  // line prefetched, block k is searched (both lines now cached).
   at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
     constexpr int64_t B = 16;
-    int64_t base[B];
-    uint8_t dg[B];
-    for (int64_t i0 = b; i0 < e; i0 += B) {
-      const int64_t m = std::min(B, e - i0);
-      for (int64_t j = 0; j < m; ++j) {
-        const int64_t t = tids ? tids[i0 + j] : 0;
-        if (t < 0 || t >= L.num_tables) {
-          bad.store(i0 + j, std::memory_order_relaxed);
-          base[j] = -1;
-          continue;
+    int64_t base[3][B];
+    uint8_t dg[3][B];
+    const int64_t blocks = (e - b + B - 1) / B;
+    auto size_of = [&](int64_t blk) { return std::min(B, e - (b + blk * B)); };
+    for (int64_t blk = 0; blk < blocks + 2; ++blk) {
+      if (blk < blocks) {  // stage 1: hash, prefetch the bucket's digests
+        int64_t* bs = base[blk % 3];
+        uint8_t* ds = dg[blk % 3];
+        const int64_t i0 = b + blk * B;
+        for (int64_t j = 0; j < size_of(blk); ++j) {
+          const int64_t t = tids ? tids[i0 + j] : 0;
+          if (t < 0 || t >= L.num_tables) {
+            bad.store(i0 + j, std::memory_order_relaxed);
+            bs[j] = -1;
+            continue;
+          }
+          const uint64_t h = key_hash(k[i0 + j]);
+          bs[j] = (L.tb[t] + bucket_in_table(h, L.tb[t + 1] - L.tb[t])) * L.cap;
+          ds[j] = digest_of(h);
+          prefetch_bucket(sd, bs[j], L.cap);
         }
-        const uint64_t h = key_hash(k[i0 + j]);
-        base[j] = (L.tb[t] + bucket_in_table(h, L.tb[t + 1] - L.tb[t])) * L.cap;
-        dg[j] = digest_of(h);
-        prefetch_bucket(sd, base[j], L.cap);
       }
-      for (int64_t j = 0; j < m; ++j) {
-        const int s = base[j] < 0 ? -1
-                                  : find_in_bucket<false>(sd + base[j], sk + base[j], L.cap, dg[j],
-                                                          k[i0 + j], nullptr);
-        out[i0 + j] = s >= 0 ? base[j] + s : -1;
-        fnd[i0 + j] = s >= 0;
+      if (blk >= 1 && blk - 1 < blocks) {  // stage 2: prefetch the candidate's key
+        const int64_t* bs = base[(blk - 1) % 3];
+        const uint8_t* ds = dg[(blk - 1) % 3];
+        for (int64_t j = 0; j < size_of(blk - 1); ++j) {
+          if (bs[j] < 0) continue;
+          const int c = first_digest_match(sd + bs[j], L.cap, ds[j]);
+          if (c >= 0) prefetch(sk + bs[j] + c);
+        }
+      }
+      if (blk >= 2) {  // stage 3: search
+        const int64_t* bs = base[(blk - 2) % 3];
+        const uint8_t* ds = dg[(blk - 2) % 3];
+        const int64_t i0 = b + (blk - 2) * B;
+        for (int64_t j = 0; j < size_of(blk - 2); ++j) {
+          const int s = bs[j] < 0 ? -1 : find_in_bucket<false>(sd + bs[j], sk + bs[j], L.cap, ds[j], k[i0 + j], nullptr);
+          out[i0 + j] = s >= 0 ? bs[j] + s : -1;
+          fnd[i0 + j] = s >= 0;
+        }
       }
     }
   });

@@ -205,6 +205,17 @@ __device__ __forceinline__ int tile_find_in_bucket(const Tile& tile, const uint8
 }
 #endif
 
+// The first live slot whose digest is `d` (the slot find_in_bucket checks
+// first), or -1: lets a caller prefetch that slot's key ahead of the search.
+DE_HD int first_digest_match(const uint8_t* digests, int capacity, uint8_t d) {
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    const uint32_t m = group_match(digests + g, d);
+    if (m) return g + lowest_bit(m);
+    if (group_match(digests + g, kEmpty)) return -1;
+  }
+  return -1;
+}
+
 // The victim order: lower score first, then lower slot index.
 DE_HD bool better_victim(int64_t score, int slot, int64_t best_score, int best_slot) {
   return best_slot < 0 || score < best_score || (score == best_score && slot < best_slot);
