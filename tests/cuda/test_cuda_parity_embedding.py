@@ -1,0 +1,149 @@
+"""CUDA kernels vs the CPU kernels (which define the semantics): the emb_* and
+route_* ops on the same inputs give bit-identical results. Skipped without a
+GPU; DYNAMICEMB_PARITY_DEVICE=cpu runs them CPU against CPU (cuda_parity.py)."""
+import pytest
+import torch
+
+from cuda_parity import DEV, PARITY_MARKS, same
+from dynamicemb._ops import ops
+
+pytestmark = PARITY_MARKS
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def batch(gen, F, B, max_len, key_range):
+    lengths = torch.randint(0, max_len + 1, (F * B,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.randint(-key_range // 4, key_range, (int(offsets[-1]),), generator=gen)
+    return indices, offsets
+
+
+def init_params(modes, streams=None):
+    rows = []
+    for t, m in enumerate(modes):  # mode, mean, std_dev, lower, upper, value, stream
+        rows.append([m, 0.1, 0.5, -0.4, 0.6, 0.25, t if streams is None else streams[t]])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n_scale", [1, 40])  # one hash part / 64 parts (n >= 4096)
+@pytest.mark.parametrize("feature_table", [[0, 0], [0, 1, 0]])
+def test_unique(n_scale, feature_table):
+    gen = torch.Generator().manual_seed(n_scale)
+    idx, off = batch(gen, len(feature_table), 30 * n_scale, 8, 300)
+    ref = ops.emb_unique(idx, off, feature_table, 2)
+    got = ops.emb_unique(idx.to(DEV), off.to(DEV), feature_table, 2)
+    for a, b in zip(ref, got):
+        same(a, b)
+
+
+def setup_rows(gen, dims, state, dtype, caps=64):
+    return [torch.randn(caps, d + s, generator=gen).to(dtype) for d, s in zip(dims, state)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_init_rows(dtype):
+    gen = torch.Generator().manual_seed(1)
+    dims, n = [5, 40, 300, 8, 3], 50
+    weights = setup_rows(gen, dims, [1, 40, 0, 2, 6], dtype)
+    rows = torch.randint(-1, 64, (n,), generator=gen)
+    tids = torch.randint(0, len(dims), (n,), generator=gen)
+    keys = torch.randint(-2**62, 2**62, (n,), generator=gen)
+    keep = torch.ones(n, dtype=torch.bool)  # one key per (table, row): no write races
+    seen = set()
+    for i in range(n):
+        keep[i] = (int(tids[i]), int(rows[i])) not in seen
+        seen.add((int(tids[i]), int(rows[i])))
+    rows, tids, keys = rows[keep], tids[keep], keys[keep]
+    params = init_params([0, 1, 2, 3, 4])
+    cuda_w = [w.to(DEV) for w in weights]
+    ops.emb_init_rows(weights, rows, tids, keys, dims, params, 7)
+    ops.emb_init_rows(cuda_w, rows.to(DEV), tids.to(DEV), keys.to(DEV), dims, params, 7)
+    for a, b in zip(weights, cuda_w):
+        same(a, b)
+
+
+def lookup_inputs(gen, feature_table, num_tables, B, dims, dtype, state=None, missing=0.2):
+    idx, off = batch(gen, len(feature_table), B, 6, 200)
+    ukeys, utids, inverse, counts = ops.emb_unique(idx, off, feature_table, num_tables)
+    weights = setup_rows(gen, dims, state or [0] * num_tables, dtype, caps=512)
+    rows = torch.randperm(512, generator=gen)[:ukeys.numel()]
+    rows[torch.rand(ukeys.numel(), generator=gen) < missing] = -1
+    return idx, off, ukeys, utids, inverse, weights, rows
+
+
+@pytest.mark.parametrize("pooling", [0, 1, 2], ids=["sum", "mean", "none"])
+@pytest.mark.parametrize("wdtype", DTYPES)
+@pytest.mark.parametrize("odtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("psw", [False, True])
+def test_forward(pooling, wdtype, odtype, psw):
+    if pooling == 2 and psw:
+        pytest.skip("per_sample_weights need pooling")
+    gen = torch.Generator().manual_seed(2)
+    feature_table = [0, 1, 0]
+    dims = [24, 24] if pooling == 2 else [7, 300]  # 300 > one 256-wide chunk
+    idx, off, ukeys, utids, inverse, weights, rows = lookup_inputs(gen, feature_table, 2, 20, dims, wdtype)
+    w = torch.randn(idx.numel(), generator=gen) if psw else None
+    params = init_params([0, 2])
+    ref = ops.emb_forward(weights, rows, ukeys, inverse, off, feature_table, dims, w, pooling, params, 3, odtype)
+    got = ops.emb_forward([x.to(DEV) for x in weights], rows.to(DEV), ukeys.to(DEV), inverse.to(DEV), off.to(DEV),
+                          feature_table, dims, None if w is None else w.to(DEV), pooling, params, 3, odtype)
+    same(ref, got)
+
+
+STATE = {0: lambda d: 0, 1: lambda d: 2 * d, 2: lambda d: d, 3: lambda d: 1}
+
+
+@pytest.mark.parametrize("optimizer", [0, 1, 2, 3], ids=["sgd", "adam", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", [0, 1, 2], ids=["sum", "mean", "none"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("psw", [False, True])
+def test_backward_update(optimizer, pooling, wdtype, psw):
+    if pooling == 2 and psw:
+        pytest.skip("per_sample_weights need pooling")
+    gen = torch.Generator().manual_seed(3)
+    feature_table = [0, 1, 0]
+    dims = [24, 24] if pooling == 2 else [7, 300]
+    state = [STATE[optimizer](d) for d in dims]
+    idx, off, ukeys, utids, inverse, weights, rows = lookup_inputs(gen, feature_table, 2, 20, dims, wdtype, state)
+    for w, d in zip(weights, dims):  # non-negative optimizer state
+        w[:, d:] = w[:, d:].abs()
+    w_ps = torch.randn(idx.numel(), generator=gen) if psw else None
+    out_shape = (idx.numel(), dims[0]) if pooling == 2 else ((off.numel() - 1) // 3, sum(dims[t] for t in feature_table))
+    grad = torch.randn(out_shape, generator=gen)
+    cuda_w = [x.to(DEV) for x in weights]
+    args = (pooling, optimizer, 0.05, 1e-3, 0.9, 0.99, 0.01, 3)
+    ops.emb_backward_update(grad, weights, rows, utids, inverse, off, feature_table, dims, w_ps, *args)
+    ops.emb_backward_update(grad.to(DEV), cuda_w, rows.to(DEV), utids.to(DEV), inverse.to(DEV), off.to(DEV),
+                            feature_table, dims, None if w_ps is None else w_ps.to(DEV), *args)
+    for a, b in zip(weights, cuda_w):
+        same(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_route_keys(world, with_weights):
+    gen = torch.Generator().manual_seed(world)
+    rules, params = [0, 1, 2, 3], [37, 1, 1, 1000]
+    lengths = torch.randint(0, 5, (4 * 25,), generator=gen)
+    values = torch.randint(-2**40, 2**40, (int(lengths.sum()),), generator=gen)
+    values[::7] = torch.randint(0, 37 * world, (values[::7].numel(),), generator=gen)
+    w = torch.rand(values.numel(), generator=gen) if with_weights else None
+    ref = ops.route_keys(lengths, values, w, rules, params, world)
+    got = ops.route_keys(lengths.to(DEV), values.to(DEV), None if w is None else w.to(DEV), rules, params, world)
+    for a, b in zip(ref, got):
+        same(a, b)
+
+
+@pytest.mark.parametrize("rule,param", [(0, 37), (1, 1), (2, 1), (3, 1000)])
+def test_route_owners(rule, param):
+    keys = torch.randint(-2**62, 2**62, (1000,), generator=torch.Generator().manual_seed(rule))
+    same(ops.route_owners(keys, rule, param, 5), ops.route_owners(keys.to(DEV), rule, param, 5))
+
+
+def test_bad_offsets_raise_like_cpu():
+    idx = torch.arange(4)
+    off = torch.tensor([0, 3, 2, 4])
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        ops.emb_unique(idx.to(DEV), off.to(DEV), [0], 1)
+    with pytest.raises(RuntimeError, match="negative length"):
+        ops.route_keys(torch.tensor([2, -1, 3]).to(DEV), idx.to(DEV), None, [1], [1], 2)
