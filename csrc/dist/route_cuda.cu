@@ -19,7 +19,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common/cuda_helpers.cuh"
+#include "common/cuda_utils.cuh"
 #include "dist/route_rules.h"
 
 namespace dynamicemb {
@@ -88,7 +88,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cuda(const Tensor& lengths, con
   const Tensor ends = at::cumsum(lengths, 0);
   {
     ErrorSlots err(2, dev, stream);
-    check_lengths_kernel<<<grid_for(bags, kThreads), kThreads, 0, stream>>>(
+    check_lengths_kernel<<<blocks_for(bags, kThreads), kThreads, 0, stream>>>(
         lengths.data_ptr<int64_t>(), ends.data_ptr<int64_t>(), bags, err.ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const std::vector<int64_t> e = err.read();
@@ -111,14 +111,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cuda(const Tensor& lengths, con
   const Tensor rule_dev = upload(std::vector<int64_t>(rules.begin(), rules.end()), dev, stream);
   const Tensor param_dev = upload(std::vector<int64_t>(params.begin(), params.end()), dev, stream);
   Tensor rank = at::empty({n}, values.options()), key = at::empty({n}, values.options());
-  owners_by_bag_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  owners_by_bag_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       ends.data_ptr<int64_t>(), bags, B, device_ptr<int64_t>(rule_dev), device_ptr<int64_t>(param_dev), world,
       values.data_ptr<int64_t>(), n, rank.data_ptr<int64_t>(), key.data_ptr<int64_t>(), out_len.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Stable by rank = ordered by (rank, bag), input order within a bag.
   std::optional<Tensor> order;
   if (world > 1) order = std::get<1>(stable_sort(rank));
-  scatter_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  scatter_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       order ? order->data_ptr<int64_t>() : nullptr, key.data_ptr<int64_t>(), w, n, out_val.data_ptr<int64_t>(),
       w ? out_w.data_ptr<float>() : nullptr, permute.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -146,8 +146,8 @@ Tensor owners_cuda(const Tensor& keys, int64_t rule, int64_t param, int64_t worl
   Tensor out = at::empty_like(keys);
   const int64_t n = keys.numel();
   if (n == 0) return out;
-  owners_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(keys.data_ptr<int64_t>(), n, rule, param, world,
-                                                                out.data_ptr<int64_t>());
+  owners_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(keys.data_ptr<int64_t>(), n, rule, param, world,
+                                                                  out.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -36,7 +36,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common/cuda_helpers.cuh"
+#include "common/cuda_utils.cuh"
 #include "embedding/init_rules.h"
 #include "embedding/optimizer_rules.h"
 #include "table/table_rules.h"
@@ -113,13 +113,13 @@ Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int
   }
   const int64_t nb = bags.num_bags();
   ErrorSlots err(3, dev, stream);  // first non-decreasing violation, off[0], off[nb]
-  check_offsets_kernel<<<grid_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
+  check_offsets_kernel<<<blocks_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const std::vector<int64_t> e = err.read();
   TORCH_CHECK(e[1] == 0, "dynamicemb: offsets must start at 0, got ", e[1]);
   TORCH_CHECK(e[2] == n, "dynamicemb: offsets end at ", e[2], " but there are ", n, " indices");
   if (e[0] != kNoError) {
-    const auto v = download(bags.off + e[0], 2, true, stream);
+    const auto v = download(bags.off + e[0], 2, stream);
     TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", e[0] + 1, "] = ", v[1],
                 " < offsets[", e[0], "])");
   }
@@ -159,7 +159,7 @@ std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables, cuda
   TORCH_CHECK(params.device().is_cpu() || params.device().is_cuda(),
               "dynamicemb: init_params must be on the CPU or a CUDA device");
   const std::vector<double> host =
-      download(params.data_ptr<double>(), params.numel(), params.device().is_cuda(), stream);
+      download(params.data_ptr<double>(), params.numel(), stream, params.device().is_cuda());
   std::vector<init::Args> a;
   for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(host.data() + t * init::kArgsWidth));
   return a;
@@ -258,7 +258,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
 
   const Tensor ftab = upload(bags.table, dev, stream);
   Tensor tid = at::empty({n}, L);
-  index_tables_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  index_tables_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       bags.off, bags.num_bags(), bags.B, device_ptr<int64_t>(ftab), n, tid.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -273,19 +273,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
     skey = skey.index_select(0, by_table);
   }
   Tensor head = at::empty({n}, L);
-  group_heads_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  group_heads_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       skey.data_ptr<int64_t>(), stid ? stid->data_ptr<int64_t>() : nullptr, n, head.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const Tensor seg = at::cumsum(head, 0);  // group id + 1 of every sorted element
-  const int64_t G = download_one(seg.data_ptr<int64_t>() + n - 1, stream);
+  const int64_t G = download(seg.data_ptr<int64_t>() + n - 1, 1, stream)[0];
 
   Tensor start = at::empty({G}, L), first = at::empty({G}, L), count = at::empty({G}, L),
          order_key = at::empty({G}, L);
-  group_starts_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(head.data_ptr<int64_t>(),
-                                                                        seg.data_ptr<int64_t>(), n,
-                                                                        start.data_ptr<int64_t>());
+  group_starts_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+      head.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), n, start.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  group_order_kernel<<<grid_for(G, kThreads), kThreads, 0, stream>>>(
+  group_order_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
       start.data_ptr<int64_t>(), G, n, pos.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
       tid.data_ptr<int64_t>(), n >= 4096, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
       order_key.data_ptr<int64_t>());
@@ -294,12 +293,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
 
   Tensor ukeys = at::empty({G}, L), utids = at::empty({G}, L), ucounts = at::empty({G}, L),
          rank = at::empty({G}, L);
-  emit_unique_kernel<<<grid_for(G, kThreads), kThreads, 0, stream>>>(
+  emit_unique_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
       order.data_ptr<int64_t>(), G, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
       indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(), utids.data_ptr<int64_t>(),
       ucounts.data_ptr<int64_t>(), rank.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  emit_inverse_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       pos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {ukeys, utids, inverse, ucounts};
@@ -344,15 +343,15 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
   const Tensor tabs = upload(table_facts(R, args), R.device, stream);
   ErrorSlots err(1, R.device, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows_cuda", [&] {
-    init_rows_kernel<scalar_t><<<grid_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
+    init_rows_kernel<scalar_t><<<blocks_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
         device_ptr<TableDev>(tabs), T, rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(),
         keys.data_ptr<int64_t>(), n, static_cast<uint64_t>(seed), err.ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   const int64_t bad = err.read()[0];
   if (bad != kNoError) {
-    const int64_t r = download_one(rows.data_ptr<int64_t>() + bad, stream);
-    const int64_t t = download_one(table_ids.data_ptr<int64_t>() + bad, stream);
+    const int64_t r = download(rows.data_ptr<int64_t>() + bad, 1, stream)[0];
+    const int64_t t = download(table_ids.data_ptr<int64_t>() + bad, 1, stream)[0];
     TORCH_CHECK(false, "dynamicemb: row ", r, " of table ", t, " is out of range");
   }
 }
@@ -489,7 +488,7 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward_cuda", [&] {
     using W = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_forward_cuda_out", [&] {
-      const unsigned grid = grid_for(items, kWarpsPerBlock);
+      const unsigned grid = blocks_for(items, kWarpsPerBlock);
       if (pooling == kNone) {
         forward_none_kernel<W, scalar_t><<<grid, kThreads, 0, stream>>>(
             device_ptr<TableDev>(tabs), device_ptr<FeatureDev>(feats), bags.off, bags.num_bags(), bags.B,
@@ -683,7 +682,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   const Tensor occ_begin = segment_begins(sorted_inv, U, stream);
   if (pooling != kNone && n > 0) {
     bag = at::empty({n}, L);
-    index_bags_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(bags.off, bags.num_bags(), n,
+    index_bags_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(bags.off, bags.num_bags(), n,
                                                                        bag.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -700,7 +699,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                        pooling == kNone,
                        pooling == kMean};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward_cuda", [&] {
-    backward_update_kernel<scalar_t><<<grid_for(U, kWarpsPerBlock), kThreads, 0, stream>>>(
+    backward_update_kernel<scalar_t><<<blocks_for(U, kWarpsPerBlock), kThreads, 0, stream>>>(
         src, device_ptr<TableDev>(tabs), rows.data_ptr<int64_t>(), unique_table_ids.data_ptr<int64_t>(),
         occ_begin.data_ptr<int64_t>(), U, optimizer, p, bias);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -56,10 +56,12 @@ namespace {
 namespace cg = cooperative_groups;
 using at::Tensor;
 using cuda::blocks_for;
+using cuda::download;
+using cuda::ErrorSlots;
 using cuda::kNoError;
+using cuda::kThreads;  // threads per block
 
-constexpr int kBlock = 256;                     // threads per block
-constexpr int kTilesPerBlock = kBlock / kGroupSize;
+constexpr int kTilesPerBlock = kThreads / kGroupSize;
 
 // ---- validation ------------------------------------------------------------------
 
@@ -155,9 +157,9 @@ struct PlaceArgs {
 };
 
 PlaceArgs place_args(const Layout& L, const Tensor& keys, const std::optional<Tensor>& tids,
-                     const Tensor& flags) {
+                     const ErrorSlots& flags) {
   return PlaceArgs{keys.data_ptr<int64_t>(), opt_ptr(tids), L.tb, L.num_tables, L.num_buckets,
-                   flags.data_ptr<int64_t>()};
+                   flags.ptr()};
 }
 
 // Global bucket of key i (-1 when it has none; then `report` flags why).
@@ -165,12 +167,12 @@ __device__ __forceinline__ int32_t place_key(const PlaceArgs& a, int64_t i, uint
                                              bool report) {
   const int64_t t = a.tids ? a.tids[i] : 0;
   if (t < 0 || t >= a.num_tables) {
-    if (report) cuda::flag_position(&a.flags[0], i);
+    if (report) cuda::flag_min(&a.flags[0], i);
     return -1;
   }
   const int64_t lo = a.tb[t], hi = a.tb[t + 1];
   if (lo < 0 || hi <= lo || hi > a.num_buckets) {  // never reads or writes out of bounds
-    if (report) cuda::flag_position(&a.flags[1], i);
+    if (report) cuda::flag_min(&a.flags[1], i);
     return -1;
   }
   const uint64_t h = key_hash(a.keys[i]);
@@ -186,16 +188,12 @@ __global__ void place_kernel(PlaceArgs a, int64_t n, int32_t* bucket, uint8_t* d
   digest[i] = d;
 }
 
-Tensor new_flags(const at::Device& dev) {
-  return at::full({2}, kNoError, at::TensorOptions().dtype(at::kLong).device(dev));
-}
-
 // Raises the CPU's error for a flagged table id, or a layout mismatch.
-void check_flags(const Tensor& flags, const std::optional<Tensor>& table_ids, const Layout& L,
+void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const Layout& L,
                  cudaStream_t stream) {
-  const std::vector<int64_t> f = cuda::to_host(flags.data_ptr<int64_t>(), 2, stream);
+  const std::vector<int64_t> f = flags.read();
   if (f[0] != kNoError) {
-    const int64_t t = cuda::to_host(table_ids->data_ptr<int64_t>() + f[0], 1, stream)[0];
+    const int64_t t = download(table_ids->data_ptr<int64_t>() + f[0], 1, stream)[0];
     TORCH_CHECK(false, "dynamicemb: table id ", t, " (key position ", f[0],
                 ") is out of range [0, ", L.num_tables, ")");
   }
@@ -207,14 +205,14 @@ void check_flags(const Tensor& flags, const std::optional<Tensor>& table_ids, co
 struct Placed {
   Tensor bucket;  // int32 [n], -1: no bucket (only with a flagged error)
   Tensor digest;  // uint8 [n]
-  Tensor flags;
+  ErrorSlots flags;  // the two flags of PlaceArgs
 };
 
 Placed place_keys(const Layout& L, const Tensor& keys, const std::optional<Tensor>& table_ids,
                   cudaStream_t stream) {
   const int64_t n = keys.numel();
-  Placed p{new_tensor(n, at::kInt, L.dev), new_tensor(n, at::kByte, L.dev), new_flags(L.dev)};
-  place_kernel<<<blocks_for(n, kBlock), kBlock, 0, stream>>>(
+  Placed p{new_tensor(n, at::kInt, L.dev), new_tensor(n, at::kByte, L.dev), ErrorSlots(2, L.dev, stream)};
+  place_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       place_args(L, keys, table_ids, p.flags), n, p.bucket.data_ptr<int32_t>(),
       p.digest.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -242,7 +240,7 @@ struct SortedKeys {
 };
 
 SortedKeys sort_by_bucket(const Tensor& bucket) {
-  auto [sorted, order] = at::sort(bucket, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto [sorted, order] = cuda::stable_sort(bucket);
   return SortedKeys{sorted, order};
 }
 
@@ -305,8 +303,8 @@ std::tuple<Tensor, Tensor> lookup_cuda(const Tensor& slot_keys, const Tensor& sl
   Tensor found = new_tensor(n, at::kBool, L.dev);
   if (n == 0) return {indices, found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Tensor flags = new_flags(L.dev);
-  lookup_kernel<<<blocks_for(n, kTilesPerBlock), kBlock, 0, stream>>>(
+  const ErrorSlots flags(2, L.dev, stream);
+  lookup_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
       LookupArgs{place_args(L, keys, table_ids, flags), n, L.cap, slot_keys.data_ptr<int64_t>(),
                  slot_digests.data_ptr<uint8_t>(), indices.data_ptr<int64_t>(),
                  found.data_ptr<bool>()});
@@ -385,7 +383,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cuda(
                       with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr,
                       indices.data_ptr<int64_t>(),
                       found.data_ptr<bool>()};
-  lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kBlock, 0, stream>>>(a, sorted.segments());
+  lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {indices, found};
 }
@@ -562,12 +560,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
                      ev_score.data_ptr<int64_t>(),
                      evictable ? evictable->data_ptr<bool>() : nullptr,
                      tids};
-  insert_kernel<<<blocks_for(n, kTilesPerBlock), kBlock, 0, stream>>>(a, sorted.segments());
+  insert_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids every key is in table 0, so a layout error leaves every
   // key without a bucket and the slots untouched: raise it before the tally.
   if (!table_ids) check_flags(P.flags, table_ids, L, stream);
-  tally_insert_kernel<<<blocks_for(n, kBlock), kBlock, 0, stream>>>(
+  tally_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       a.res, tids, n, sizes.data_ptr<int64_t>(), counters.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -576,7 +574,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
   Tensor e_keys = new_tensor(m, at::kLong, L.dev), e_tids = new_tensor(m, at::kLong, L.dev);
   Tensor e_idx = new_tensor(m, at::kLong, L.dev), e_scores = new_tensor(m, at::kLong, L.dev);
   if (m > 0) {
-    gather_evicted_kernel<<<blocks_for(m, kBlock), kBlock, 0, stream>>>(
+    gather_evicted_kernel<<<blocks_for(m, kThreads), kThreads, 0, stream>>>(
         pos.data_ptr<int64_t>(), m, a.ev_key, a.ev_score, tids, a.out, e_keys.data_ptr<int64_t>(),
         e_tids.data_ptr<int64_t>(), e_idx.data_ptr<int64_t>(), e_scores.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -634,13 +632,13 @@ Tensor erase_cuda(const Tensor& slot_keys, const Tensor& slot_digests, const Ten
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Placed P = place_keys(L, keys, table_ids, stream);
   const SortedKeys sorted = sort_by_bucket(P.bucket);
-  erase_kernel<<<blocks_for(n, kTilesPerBlock), kBlock, 0, stream>>>(
+  erase_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
       EraseArgs{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), L.cap,
                 slot_keys.data_ptr<int64_t>(), slot_digests.data_ptr<uint8_t>(),
                 erased.data_ptr<bool>()},
       sorted.segments());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  tally_erase_kernel<<<blocks_for(n, kBlock), kBlock, 0, stream>>>(
+  tally_erase_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       erased.data_ptr<bool>(), opt_ptr(table_ids), n, sizes.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return erased;
@@ -677,7 +675,7 @@ std::tuple<Tensor, Tensor, Tensor> export_range_cuda(const Tensor& slot_keys,
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
   // Export syncs anyway: check the layout exactly as the CPU does.
-  L.num_buckets = cuda::to_host(L.tb + L.num_tables, 1, stream)[0];
+  L.num_buckets = download(L.tb + L.num_tables, 1, stream)[0];
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   if (filter_scores) check_slots(*filter_scores, at::kLong, "filter_scores", L);
@@ -686,7 +684,7 @@ std::tuple<Tensor, Tensor, Tensor> export_range_cuda(const Tensor& slot_keys,
   const int64_t range = end - begin;
   Tensor keep = new_tensor(range, at::kBool, L.dev);
   if (range > 0) {
-    export_mask_kernel<<<blocks_for(range, kBlock), kBlock, 0, stream>>>(
+    export_mask_kernel<<<blocks_for(range, kThreads), kThreads, 0, stream>>>(
         slot_digests.data_ptr<uint8_t>(), opt_ptr(filter_scores), begin, range, threshold,
         keep.data_ptr<bool>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -696,7 +694,7 @@ std::tuple<Tensor, Tensor, Tensor> export_range_cuda(const Tensor& slot_keys,
   Tensor keys = new_tensor(m, at::kLong, L.dev), tids = new_tensor(m, at::kLong, L.dev);
   Tensor idx = new_tensor(m, at::kLong, L.dev);
   if (m > 0) {
-    export_gather_kernel<<<blocks_for(m, kBlock), kBlock, 0, stream>>>(
+    export_gather_kernel<<<blocks_for(m, kThreads), kThreads, 0, stream>>>(
         pos.data_ptr<int64_t>(), m, begin, slot_keys.data_ptr<int64_t>(), L.tb, L.num_tables, L.cap,
         keys.data_ptr<int64_t>(), tids.data_ptr<int64_t>(), idx.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -755,9 +753,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cuda(
   check_tensor(new_table_buckets, at::kLong, "new_table_buckets", O.dev);
   TORCH_CHECK(new_table_buckets.dim() == 1 && new_table_buckets.numel() >= 2,
               "dynamicemb: table_buckets must be 1-D with num_tables + 1 entries");
-  const std::vector<int64_t> otb = cuda::to_host(O.tb, O.num_tables + 1, stream);
-  const std::vector<int64_t> ntb = cuda::to_host(new_table_buckets.data_ptr<int64_t>(),
-                                                 new_table_buckets.numel(), stream);
+  const std::vector<int64_t> otb = download(O.tb, O.num_tables + 1, stream);
+  const std::vector<int64_t> ntb =
+      download(new_table_buckets.data_ptr<int64_t>(), new_table_buckets.numel(), stream);
   const int64_t T = O.num_tables;
   TORCH_CHECK(static_cast<int64_t>(ntb.size()) - 1 == T,
               "dynamicemb: grow cannot change the number of tables");
@@ -797,7 +795,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cuda(
                        with_ts ? nt.data_ptr<int64_t>() : nullptr,
                        fill.data_ptr<int32_t>(),
                        dest.data_ptr<int64_t>()};
-    rehash_kernel<<<blocks_for(O.num_buckets, kBlock), kBlock, 0, stream>>>(a);
+    rehash_kernel<<<blocks_for(O.num_buckets, kThreads), kThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // The moves in old index order.
