@@ -1,14 +1,30 @@
 """Inspect a checkpoint: python -m dynamicemb.checkpoint PATH [--no-verify]
 
 Prints the manifest summary (tables, rows per rank, dims, optimizer, sizes)
-and verifies every file's size and checksum (exit status 1 if one fails)."""
+and verifies every file's size and checksum (exit status 1 if one fails).
+Also lists PATH.tmp-* / PATH.old-* siblings: left by dumps that died (or still
+being written); delete them when no dump to PATH is running."""
 import argparse
+import os
 import sys
+import time
 
-from dynamicemb.checkpoint.format import CheckpointError, read_manifest, verify_files
+from dynamicemb.checkpoint.format import MANIFEST, CheckpointError, read_manifest, stale_siblings, verify_files
 
 _OPTIMIZERS = {0: "EXACT_SGD", 1: "ADAM", 2: "EXACT_ADAGRAD", 3: "EXACT_ROWWISE_ADAGRAD"}
 _STRATEGIES = {0: "TIMESTAMP", 1: "STEP", 2: "CUSTOMIZED", 3: "LFU", 4: "NO_EVICTION", 5: "(TIMESTAMP, LFU)"}
+
+
+def _list_stale(path: str) -> None:
+    for d in stale_siblings(path):
+        try:
+            size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(d) for n in ns)
+            age = (time.time() - os.path.getmtime(d)) / 3600
+        except OSError:  # removed meanwhile
+            continue
+        what = "a complete dump" if os.path.exists(os.path.join(d, MANIFEST)) else "a partial dump"
+        print(f"stale: {d} ({what}, {size / 2**20:.1f} MiB, modified {age:.1f} h ago; "
+              f"delete it if no dump to this path is running)")
 
 
 def main(argv=None) -> int:
@@ -17,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("path")
     ap.add_argument("--no-verify", action="store_true", help="skip the checksums")
     args = ap.parse_args(argv)
+    _list_stale(args.path)
     try:
         m = read_manifest(args.path)
     except CheckpointError as e:

@@ -1,18 +1,24 @@
 """DynamicEmbDump: every rank writes its shard of every dynamic table in
-parallel, in chunks, into a temporary directory beside PATH; once all ranks
-have finished, rank 0 writes the manifest and publishes the directory with a
-rename. A dump that dies midway leaves PATH as it was."""
+parallel, in chunks, into PATH.tmp-<id> beside PATH, fsyncing each file; once
+all ranks have finished, rank 0 writes the manifest, fsyncs the directories
+and publishes with a rename (an existing PATH: an atomic exchange, see
+_publish), then fsyncs the parent. A dump that dies midway leaves PATH as it
+was, and its PATH.tmp-<id> (or PATH.old-<id>) behind: dumps never remove such
+siblings, as another dump may be writing them; `python -m dynamicemb.checkpoint
+PATH` lists them, and they can be deleted when no dump to PATH is running."""
+import ctypes
+import errno
 import os
 import shutil
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from dynamicemb.checkpoint.format import FORMAT_VERSION, part_name, write_manifest, write_part
+from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, fsync_dir, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 
 DEFAULT_CHUNK_ROWS = 1 << 18
@@ -41,20 +47,28 @@ def _counter_parts(ref, chunk_rows):
 
 def _write_shard(root, rank, tables, optim, counter, chunk_rows, now, parts_of=None) -> Dict[str, dict]:
     """Writes this rank's files; returns per table its file entries and rows."""
-    out = {}
+    out, syncer = {}, Syncer()
+    try:
+        _write_tables(root, rank, tables, optim, counter, chunk_rows, now, parts_of, syncer, out)
+    finally:
+        syncer.wait()  # every file durable (or closed, on an error)
+    return out
+
+
+def _write_tables(root, rank, tables, optim, counter, chunk_rows, now, parts_of, syncer, out):
     for name, ref in tables.items():
         files, rows = [], 0
         source = parts_of[name] if parts_of is not None else _shard_parts(name, ref, optim, now, chunk_rows)
         for k, part in enumerate(source):
-            files.append(dict(write_part(root, part_name(name, rank, "part", k), part), rank=rank, kind="part"))
+            files.append(dict(write_part(root, part_name(name, rank, "part", k), part, syncer), rank=rank,
+                              kind="part"))
             rows += files[-1]["rows"]
         if counter:
             csrc = parts_of[name + "\0counter"] if parts_of is not None else _counter_parts(ref, chunk_rows)
             for k, part in enumerate(csrc):
-                files.append(dict(write_part(root, part_name(name, rank, "counter", k), part), rank=rank,
-                                  kind="counter"))
+                files.append(dict(write_part(root, part_name(name, rank, "counter", k), part, syncer),
+                                  rank=rank, kind="counter"))
         out[name] = {"files": files, "rows": rows}
-    return out
 
 
 def _manifest(metas: Dict[str, dict], shards: List[Dict[str, dict]], world, optim, counter) -> dict:
@@ -71,16 +85,72 @@ def _manifest(metas: Dict[str, dict], shards: List[Dict[str, dict]], world, opti
             "tables": mt}
 
 
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_RENAMEAT2 = _renameat2()
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths atomically (Linux renameat2); False where unsupported."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):  # old kernel, or a filesystem without exchange
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
+    """Moves the finished tmp directory to path. Replacing an existing path
+    swaps the two atomically, so that a crash leaves the old or the new dump
+    at path; where renameat2(RENAME_EXCHANGE) is unavailable it falls back to
+    path -> path.old-<id>, tmp -> path, leaving no dump at path for a crash
+    between the two renames (the old one is then in path.old-<id>)."""
+    parent = os.path.dirname(path)
     old = None
-    if os.path.exists(path):
-        if not allow_overwrite:
-            raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+    elif not allow_overwrite:
+        raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+    elif _exchange(tmp, path):
+        old = tmp  # the old dump, now at tmp
+    else:
         old = f"{path}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
-    os.rename(tmp, path)
+        os.rename(tmp, path)
+    fsync_dir(parent)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# Non-blocking dumps: one background gloo group per set of ranks, made on the
+# first non-blocking dump (collectively) and reused; the last dump's thread.
+_BACKGROUND = {"world": None, "groups": {}, "created": 0, "last": None}
+
+
+def _background_group(pg: Optional[dist.ProcessGroup]):
+    world = dist.group.WORLD
+    if _BACKGROUND["world"] is not world:  # a new default group: the old groups are gone
+        _BACKGROUND.update(world=world, groups={})
+    ranks: Tuple[int, ...] = tuple(dist.get_process_group_ranks(pg if pg is not None else world))
+    group = _BACKGROUND["groups"].get(ranks)
+    if group is None:
+        # A subgroup's ranks make it alone (the others do not call the dump).
+        local = len(ranks) < dist.get_world_size()
+        group = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=local)
+        _BACKGROUND["groups"][ranks] = group
+        _BACKGROUND["created"] += 1
+    return group
 
 
 class DumpHandle:
@@ -104,7 +174,11 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
                    allow_overwrite: bool = False, blocking: bool = True, chunk_rows: int = DEFAULT_CHUNK_ROWS):
     """Dumps the model's dynamic tables to `path` (API.md §4). With
     blocking=False, returns a DumpHandle; the dump holds the tables' state at
-    the call while training goes on."""
+    the call while training goes on. Any dump first waits for this process's
+    previous non-blocking dump to finish (its errors stay with its handle)."""
+    last = _BACKGROUND["last"]
+    if last is not None:
+        last.join()
     path = os.path.abspath(path)
     rank, world = rank_world(pg)
     distributed = dist.is_initialized() and world > 1
@@ -130,6 +204,10 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
             shards = [mine]
         if rank == 0:
             write_manifest(tmp, _manifest(metas, shards, world, optim, counter))
+            # The files' directory entries, then the directory's own.
+            for d in sorted({os.path.dirname(f["file"]) for s in shards for t in s.values() for f in t["files"]}):
+                fsync_dir(os.path.join(tmp, d))
+            fsync_dir(tmp)
             _publish(tmp, path, allow_overwrite)
         if distributed:
             dist.barrier(group=group)
@@ -138,14 +216,13 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         finish()
         return None
     # Snapshot now (one pass, cloned), write in the background on a group of
-    # its own so that training's collectives do not interleave with ours.
+    # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
         snapshot[name] = [{k: v.clone() for k, v in p.items()} for p in _shard_parts(name, ref, optim, now, chunk_rows)]
         if counter:
             snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in _counter_parts(ref, chunk_rows)]
-    group = (dist.new_group(ranks=dist.get_process_group_ranks(pg) if pg is not None else None, backend="gloo")
-             if distributed else None)
+    group = _background_group(pg) if distributed else None
     errors: list = []
 
     def run():
@@ -156,4 +233,5 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
 
     thread = threading.Thread(target=run, name="dynamicemb-dump", daemon=True)
     thread.start()
+    _BACKGROUND["last"] = thread
     return DumpHandle(thread, errors)

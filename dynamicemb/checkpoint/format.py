@@ -9,13 +9,16 @@ Each part is a standard safetensors file (readable without dynamicemb) holding
 one chunk of one rank's shard. Scores that are clock readings (TIMESTAMP,
 NO_EVICTION, the pair's access times) are stored as ages in ns at dump time,
 so that another host's clock does not matter. The manifest lists every file
-with its row count, size and CRC-32.
+with its row count, size and CRC-32. Every file is fsynced before the manifest
+is written and the directory published.
 """
+import glob
 import json
 import os
 import struct
 import zlib
-from typing import Dict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
 
 import torch
 from safetensors import safe_open
@@ -42,10 +45,33 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor]) -> dict:
+class Syncer:
+    """fsyncs and closes written files on one background thread, so that a
+    file's flush to disk overlaps the writing of the next; wait() returns once
+    all are durable (and re-raises an error)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynamicemb-fsync")
+        self._pending = []
+
+    def submit(self, f) -> None:
+        def sync():
+            with f:
+                os.fsync(f.fileno())
+        self._pending.append(self._pool.submit(sync))
+
+    def wait(self) -> None:
+        try:
+            for p in self._pending:
+                p.result()
+        finally:
+            self._pool.shutdown()
+
+
+def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor], syncer: Optional[Syncer] = None) -> dict:
     """Writes one safetensors file, streaming each tensor's bytes (no second
-    copy of the chunk in memory) and checksumming them as they go; returns the
-    file's manifest entry."""
+    copy of the chunk in memory) and checksumming them as they go, then fsyncs
+    it (on the syncer's thread when given); returns its manifest entry."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     header, offset = {}, 0
     for k, v in tensors.items():
@@ -58,13 +84,23 @@ def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor]) -> dict:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     prefix = struct.pack("<Q", len(head)) + head
     crc = zlib.crc32(prefix)
-    with open(path, "wb") as f:
+    f = open(path, "wb")
+    try:
         f.write(prefix)
         for v in tensors.values():
             if v.numel():
                 raw = _raw(v)
                 crc = zlib.crc32(raw, crc)
                 f.write(raw)
+        f.flush()
+    except BaseException:
+        f.close()
+        raise
+    if syncer is not None:
+        syncer.submit(f)
+    else:
+        with f:
+            os.fsync(f.fileno())  # durable before the manifest names it
     return {"file": rel, "rows": int(next(iter(tensors.values())).shape[0]), "bytes": len(prefix) + offset,
             "crc32": crc}
 
@@ -77,9 +113,9 @@ def _file_crc(path: str) -> int:
     return crc
 
 
-def read_part(root: str, entry: dict, table: str) -> Dict[str, torch.Tensor]:
-    """Reads one file of the manifest, refusing a missing, truncated or
-    corrupted one with a message naming the table and the file."""
+def check_file(root: str, entry: dict, table: str, crc: bool = True) -> str:
+    """Refuses a missing, truncated (size) or, with crc, corrupted file of the
+    manifest with a message naming the table and the file; returns its path."""
     path = os.path.join(root, entry["file"])
     if not os.path.exists(path):
         raise CheckpointError(f"table {table!r}: file {path} is missing")
@@ -87,10 +123,24 @@ def read_part(root: str, entry: dict, table: str) -> Dict[str, torch.Tensor]:
     if size != entry["bytes"]:
         raise CheckpointError(f"table {table!r}: file {path} has {size} bytes, the manifest says "
                               f"{entry['bytes']} (truncated or replaced)")
-    if _file_crc(path) != entry["crc32"]:
+    if crc and _file_crc(path) != entry["crc32"]:
         raise CheckpointError(f"table {table!r}: file {path} fails its checksum (corrupted)")
-    with safe_open(path, framework="pt") as f:
+    return path
+
+
+def read_part(root: str, entry: dict, table: str, crc: bool = True) -> Dict[str, torch.Tensor]:
+    """Reads one file of the manifest after check_file (crc=False: the caller
+    verified it already)."""
+    with safe_open(check_file(root, entry, table, crc), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(root: str, manifest: dict) -> None:
@@ -123,14 +173,13 @@ def verify_files(root: str, manifest: dict) -> int:
     total = 0
     for name, table in manifest["tables"].items():
         for entry in table["files"]:
-            path = os.path.join(root, entry["file"])
-            if not os.path.exists(path):
-                raise CheckpointError(f"table {name!r}: file {path} is missing")
-            if os.path.getsize(path) != entry["bytes"]:
-                raise CheckpointError(f"table {name!r}: file {path} has {os.path.getsize(path)} bytes, "
-                                      f"the manifest says {entry['bytes']}")
-            crc = _file_crc(path)
-            if crc != entry["crc32"]:
-                raise CheckpointError(f"table {name!r}: file {path} fails its checksum (corrupted)")
+            check_file(root, entry, name)
             total += entry["bytes"]
     return total
+
+
+def stale_siblings(path: str) -> List[str]:
+    """PATH.tmp-* / PATH.old-* directories: left by dumps that died (or are
+    running right now); see dump.py."""
+    base = glob.escape(os.path.abspath(path))
+    return sorted(glob.glob(base + ".tmp-*") + glob.glob(base + ".old-*"))

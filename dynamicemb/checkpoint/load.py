@@ -1,6 +1,7 @@
 """DynamicEmbLoad: loads a dump into a model of any world size. Each rank
-keeps exactly the keys its routing assigns to it; every file is checked
-against the manifest (size, checksum) before use."""
+keeps exactly the keys its routing assigns to it. Every file a rank reads is
+checked against the manifest (size, checksum) before any row is loaded, and a
+damaged one refuses the load on every rank: the model is left unchanged."""
 import os
 import time
 from typing import Optional, Sequence
@@ -8,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dynamicemb.checkpoint.format import CheckpointError, read_manifest, read_part
+from dynamicemb.checkpoint.format import CheckpointError, check_file, read_manifest, read_part
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage import RowBatch
@@ -41,6 +42,8 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     tables = model_tables(model, table_names)
     now = time.monotonic_ns()
     steps = {}
+    distributed = dist.is_initialized() and world > 1
+    files, same_layouts = {}, {}
     # Every table is checked against the manifest before any row is loaded,
     # so that a mismatch refuses the load without changing the model.
     for name, ref in tables.items():
@@ -51,21 +54,38 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         _check_table(name, ref, meta, optim, path)
         if counter and not meta["has_counter"]:
             raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
+        # Keys go where the *model's* routing sends them. Same world size and
+        # routing (continuous routing also depends on num_embeddings): this
+        # rank's keys are exactly dump rank `rank`'s, in its files alone.
+        same_layouts[name] = same = manifest["world_size"] == world and (
+            meta["dist_type"] != "continuous" or meta["num_embeddings"] == ref.options.num_embeddings)
+        files[name] = [e for e in meta["files"]
+                       if not (same and e["rank"] != rank) and (e["kind"] != "counter" or counter)]
+    # Every file this rank reads is verified (streamed, 8 MiB at a time) before
+    # any row is loaded; one rank's damaged file refuses the load on all ranks.
+    error = None
+    try:
+        for name, entries in files.items():
+            for entry in entries:
+                check_file(path, entry, name)
+    except CheckpointError as e:
+        error = str(e)
+    if distributed:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=pg)
+        bad = next((r for r, e in enumerate(errors) if e is not None), None)
+        if bad is not None:
+            raise CheckpointError(errors[bad] if bad == rank else f"{errors[bad]} (found by rank {bad})")
+    elif error is not None:
+        raise CheckpointError(error)
     for name, ref in tables.items():
         meta = manifest["tables"][name]
         strategy = meta["score_strategy"]
-        # Keys go where the *model's* routing sends them. Same world size and
-        # routing (continuous routing also depends on num_embeddings): this
-        # rank's keys are exactly dump rank `rank`'s.
         num_embeddings = ref.options.num_embeddings
-        same_layout = manifest["world_size"] == world and (
-            meta["dist_type"] != "continuous" or meta["num_embeddings"] == num_embeddings)
-        for entry in meta["files"]:
-            if same_layout and entry["rank"] != rank or entry["kind"] == "counter" and not counter:
-                continue
-            part = read_part(path, entry, name)
+        for entry in files[name]:
+            part = read_part(path, entry, name, crc=False)
             keys = part["keys"]
-            if not same_layout and world > 1:
+            if not same_layouts[name] and world > 1:
                 keep = owners(keys, meta["dist_type"], world, num_embeddings) == rank
                 part = {k: v[keep] for k, v in part.items()}
                 keys = part["keys"]
@@ -84,5 +104,5 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         module.step = meta["step"]
         if optim:
             module.optimizer_step = meta["optimizer_step"]
-    if dist.is_initialized() and world > 1:
+    if distributed:
         dist.barrier(group=pg)

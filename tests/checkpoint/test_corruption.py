@@ -1,11 +1,13 @@
 """Damaged checkpoints and checkpoints of another model are refused with a
-CheckpointError naming the table and the file; optim=False loads values
+CheckpointError naming the table and the file, before any row is loaded (a
+damaged *last* file leaves the model unchanged); optim=False loads values
 into a model with another optimizer."""
 import json
 import os
 import shutil
 
 import pytest
+import torch
 
 import ckpt_helpers as H
 from dynamicemb import EmbOptimType
@@ -34,37 +36,48 @@ def _manifest(path):
         return json.load(f)
 
 
-def _second_part_of_b(path):
-    """A part file of table 'b' (not its first), and its absolute path."""
-    entries = [e for e in _manifest(path)["tables"]["b"]["files"] if e["kind"] == "part"]
+def _last_file(path):
+    """The last file a load reads (table 'b' is loaded last), and its absolute path."""
+    entries = _manifest(path)["tables"]["b"]["files"]
     assert len(entries) >= 2
-    return entries[1]["file"], os.path.join(path, entries[1]["file"])
+    return entries[-1]["file"], os.path.join(path, entries[-1]["file"])
+
+
+def _refused_unchanged(path, match):
+    """The load is refused before any row changes: a trained model stays as it was."""
+    m = H.plain_module()
+    H.plain_train(m, [7, 8])
+    before = H.entries(m)
+    with pytest.raises(CheckpointError, match=match):
+        DynamicEmbLoad(path, m)
+    after = H.entries(m)
+    assert before["_modules"] == after["_modules"]
+    for t in ("a", "b"):
+        for k, v in before[t].items():
+            assert v is None and after[t][k] is None or torch.equal(v, after[t][k]), f"{t}.{k} changed"
 
 
 def test_truncated_file(copy):
-    rel, full = _second_part_of_b(copy)
+    rel, full = _last_file(copy)
     with open(full, "r+b") as f:
         f.truncate(os.path.getsize(full) - 5)
-    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*(truncated|bytes)"):
-        DynamicEmbLoad(copy, H.plain_module())
+    _refused_unchanged(copy, r"table 'b'.*" + rel + ".*(truncated|bytes)")
 
 
 def test_flipped_byte(copy):
-    rel, full = _second_part_of_b(copy)
+    rel, full = _last_file(copy)
     with open(full, "r+b") as f:
         f.seek(os.path.getsize(full) - 3)  # in the tensor data: the header still parses
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*checksum"):
-        DynamicEmbLoad(copy, H.plain_module())
+    _refused_unchanged(copy, r"table 'b'.*" + rel + ".*checksum")
 
 
 def test_missing_file(copy):
-    rel, full = _second_part_of_b(copy)
+    rel, full = _last_file(copy)
     os.remove(full)
-    with pytest.raises(CheckpointError, match=r"table 'b'.*" + rel + ".*missing"):
-        DynamicEmbLoad(copy, H.plain_module())
+    _refused_unchanged(copy, r"table 'b'.*" + rel + ".*missing")
 
 
 def test_missing_or_invalid_manifest(copy):
