@@ -32,6 +32,27 @@ class RowBatch(NamedTuple):
     timestamps: Optional[torch.Tensor]  # access times of the (TIMESTAMP, LFU) pair
 
 
+class RowBlocks:
+    """Rows `rows` of `source` ([slots, width]), gathered block by block on
+    demand: bounded memory for streaming a large export to disk."""
+
+    BLOCK_BYTES = 4 << 20
+
+    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
+        self.source, self.rows = source, rows
+        self.dtype = source.dtype
+        self.shape = (rows.numel(), source.shape[1])
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        """Contiguous CPU tensors whose concatenation is the rows, in order."""
+        step = max(1, self.BLOCK_BYTES // max(1, self.shape[1] * self.source.element_size()))
+        for i in range(0, self.shape[0], step):
+            yield self.source.index_select(0, self.rows[i:i + step]).cpu()
+
+    def materialize(self) -> torch.Tensor:
+        return self.source.index_select(0, self.rows)
+
+
 @dataclass
 class FindOrInsertResult:
     rows: torch.Tensor  # table-local row per key, -1 when the key has no row
@@ -353,19 +374,23 @@ class HashTableStorage(EmbeddingStorage):
         g, _ = self.group_of[table_id]
         return self.groups[g][0].strategy
 
-    def export_rows(self, table_id: int, batch_size: int = 1 << 16) -> Iterator[RowBatch]:
+    def export_rows(self, table_id: int, batch_size: int = 1 << 16, lazy: bool = False) -> Iterator[RowBatch]:
         """Every entry of one table, in slot order: keys, values, optimizer
         state, scores (and the (TIMESTAMP, LFU) access times), each batch
-        read in one pass over the same slots."""
+        read in one pass over the same slots. With lazy, values and optimizer
+        state are RowBlocks read block by block when consumed (a dump streams
+        them to disk without holding a batch's rows in memory)."""
         g, lt = self.group_of[table_id]
         ht = self.groups[g][0]
         begin, dim = int(self._slot_begin[g][lt]), self.dims[table_id]
         w = self._weights[table_id]
         for b in ht.export(batch_size=batch_size, table_id=lt):
             rows = b.indices - begin
-            # Values and state gathered apart: each comes out contiguous, once.
             ts = ht.slot_timestamps[b.indices] if ht.slot_timestamps.numel() else None
-            yield RowBatch(b.keys, w[:, :dim].index_select(0, rows), w[:, dim:].index_select(0, rows), b.scores, ts)
+            values, state = RowBlocks(w[:, :dim], rows), RowBlocks(w[:, dim:], rows)
+            if not lazy:  # each gathered apart: each comes out contiguous, once
+                values, state = values.materialize(), state.materialize()
+            yield RowBatch(b.keys, values, state, b.scores, ts)
 
     def load_rows(self, table_id: int, batch: RowBatch) -> None:
         """Stores entries exactly as exported (values, optimizer state or zeros

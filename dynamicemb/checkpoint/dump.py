@@ -27,7 +27,7 @@ DEFAULT_CHUNK_ROWS = 1 << 18
 def _shard_parts(name, ref, optim, now, chunk_rows):
     """One pass over a table's shard: the tensors of each part file."""
     strategy = ref.storage.strategy(ref.index)
-    for b in ref.storage.export_rows(ref.index, chunk_rows):
+    for b in ref.storage.export_rows(ref.index, chunk_rows, lazy=True):  # rows streamed by write_part
         part = {"keys": b.keys, "values": b.values,
                 "scores": now - b.scores if clock_scored(strategy) else b.scores}
         if optim:
@@ -35,6 +35,11 @@ def _shard_parts(name, ref, optim, now, chunk_rows):
         if b.timestamps is not None and has_timestamps(strategy):
             part["timestamps"] = now - b.timestamps
         yield part
+
+
+def _copy(v) -> torch.Tensor:
+    """A snapshot of a part's tensor (or of its lazily read rows)."""
+    return v.clone() if isinstance(v, torch.Tensor) else v.materialize()
 
 
 def _counter_parts(ref, chunk_rows):
@@ -219,7 +224,7 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
-        snapshot[name] = [{k: v.clone() for k, v in p.items()} for p in _shard_parts(name, ref, optim, now, chunk_rows)]
+        snapshot[name] = [{k: _copy(v) for k, v in p.items()} for p in _shard_parts(name, ref, optim, now, chunk_rows)]
         if counter:
             snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in _counter_parts(ref, chunk_rows)]
     group = _background_group(pg) if distributed else None

@@ -14,11 +14,12 @@ is written and the directory published.
 """
 import glob
 import json
+import math
 import os
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from safetensors import safe_open
@@ -68,14 +69,23 @@ class Syncer:
             self._pool.shutdown()
 
 
-def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor], syncer: Optional[Syncer] = None) -> dict:
+def _blocks(v) -> Iterator[torch.Tensor]:
+    """The CPU blocks of a tensor, or of a RowBlocks (storage.py) read on demand."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    else:
+        yield from v.blocks()
+
+
+def write_part(root: str, rel: str, tensors: Dict[str, Any], syncer: Optional[Syncer] = None) -> dict:
     """Writes one safetensors file, streaming each tensor's bytes (no second
-    copy of the chunk in memory) and checksumming them as they go, then fsyncs
-    it (on the syncer's thread when given); returns its manifest entry."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    copy of the chunk in memory; a RowBlocks is gathered a block at a time)
+    and checksumming them as they go, then fsyncs it (on the syncer's thread
+    when given); returns its manifest entry."""
+    tensors = {k: v.detach().cpu().contiguous() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     header, offset = {}, 0
     for k, v in tensors.items():
-        n = v.numel() * v.element_size()
+        n = math.prod(v.shape) * v.dtype.itemsize
         header[k] = {"dtype": _DTYPES[v.dtype], "shape": list(v.shape), "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -88,10 +98,12 @@ def write_part(root: str, rel: str, tensors: Dict[str, torch.Tensor], syncer: Op
     try:
         f.write(prefix)
         for v in tensors.values():
-            if v.numel():
-                raw = _raw(v)
-                crc = zlib.crc32(raw, crc)
-                f.write(raw)
+            for block in _blocks(v):
+                if block.numel():
+                    raw = _raw(block)
+                    crc = zlib.crc32(raw, crc)
+                    f.write(raw)
+                    del raw, block  # free the block before gathering the next
         f.flush()
     except BaseException:
         f.close()
