@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/parallel_cpu.h"
+#include "dist/route_checks.h"
 #include "dist/route_rules.h"
 
 namespace dynamicemb {
@@ -28,18 +29,7 @@ using c10::IntArrayRef;
 std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, const Tensor& values,
                                                      const std::optional<Tensor>& weights, IntArrayRef rules,
                                                      IntArrayRef params, int64_t world) {
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && values.scalar_type() == at::kLong && lengths.dim() == 1 &&
-                  values.dim() == 1 && lengths.is_contiguous() && values.is_contiguous(),
-              "dynamicemb: route takes contiguous 1-D int64 lengths and values");
-  TORCH_CHECK(world >= 1, "dynamicemb: world size must be >= 1");
-  const int64_t F = static_cast<int64_t>(rules.size());
-  TORCH_CHECK(F > 0 && static_cast<int64_t>(params.size()) == F && lengths.numel() % F == 0,
-              "dynamicemb: route needs one rule and param per feature; lengths hold ", lengths.numel(),
-              " entries for ", F, " features");
-  for (int64_t f = 0; f < F; ++f)
-    TORCH_CHECK(rules[f] == kHashRoundRobin || rules[f] == kRoundRobin ||
-                    ((rules[f] == kBlock || rules[f] == kContinuous) && params[f] > 0),
-                "dynamicemb: feature ", f, ": bad routing rule ", rules[f], " / param ", params[f]);
+  const int64_t F = check_route_args(lengths, values, rules, params, world);
   const int64_t bags = lengths.numel(), B = bags / F, n = values.numel();
   const int64_t* len = lengths.data_ptr<int64_t>();
   std::vector<int64_t> off(bags + 1, 0);
@@ -48,12 +38,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, cons
     off[j + 1] = off[j] + len[j];
   }
   TORCH_CHECK(off[bags] == n, "dynamicemb: lengths sum to ", off[bags], " but there are ", n, " values");
-  const float* w = nullptr;
-  if (weights) {
-    TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->is_contiguous() && weights->numel() == n,
-                "dynamicemb: weights must be contiguous float32 with one entry per value");
-    w = weights->data_ptr<float>();
-  }
+  const float* w = checked_weights(weights, values);
   const int64_t* v = values.data_ptr<int64_t>();
   // Destination bucket (rank, feature, bag) and routed key of every value.
   std::vector<int64_t> bucket(n), key(n);
@@ -94,9 +79,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, cons
 
 // The owning rank of each key under one rule (checkpoint resharding, tests).
 Tensor owners_cpu(const Tensor& keys, int64_t rule, int64_t param, int64_t world) {
-  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous(),
-              "dynamicemb: keys must be a contiguous 1-D int64 tensor");
-  TORCH_CHECK(world >= 1, "dynamicemb: world size must be >= 1");
+  check_owner_args(keys, rule, param, world);
   Tensor out = at::empty_like(keys);
   const int64_t* k = keys.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/cuda_utils.cuh"
+#include "dist/route_checks.h"
 #include "dist/route_rules.h"
 
 namespace dynamicemb {
@@ -67,23 +68,11 @@ __global__ void scatter_kernel(const int64_t* order, const int64_t* key, const f
 std::tuple<Tensor, Tensor, Tensor, Tensor> route_cuda(const Tensor& lengths, const Tensor& values,
                                                       const std::optional<Tensor>& weights, IntArrayRef rules,
                                                       IntArrayRef params, int64_t world) {
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && values.scalar_type() == at::kLong && lengths.dim() == 1 &&
-                  values.dim() == 1 && lengths.is_contiguous() && values.is_contiguous(),
-              "dynamicemb: route takes contiguous 1-D int64 lengths and values");
+  const int64_t F = check_route_args(lengths, values, rules, params, world);
   const at::Device dev = values.device();
-  TORCH_CHECK(dev.is_cuda() && lengths.device() == dev, "dynamicemb: route takes lengths and values on one CUDA "
-              "device, got ", lengths.device(), " and ", dev);
+  TORCH_CHECK(dev.is_cuda(), "dynamicemb: route on CUDA takes CUDA tensors, got ", dev);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
-  TORCH_CHECK(world >= 1, "dynamicemb: world size must be >= 1");
-  const int64_t F = static_cast<int64_t>(rules.size());
-  TORCH_CHECK(F > 0 && static_cast<int64_t>(params.size()) == F && lengths.numel() % F == 0,
-              "dynamicemb: route needs one rule and param per feature; lengths hold ", lengths.numel(),
-              " entries for ", F, " features");
-  for (int64_t f = 0; f < F; ++f)
-    TORCH_CHECK(rules[f] == kHashRoundRobin || rules[f] == kRoundRobin ||
-                    ((rules[f] == kBlock || rules[f] == kContinuous) && params[f] > 0),
-                "dynamicemb: feature ", f, ": bad routing rule ", rules[f], " / param ", params[f]);
   const int64_t bags = lengths.numel(), B = bags / F, n = values.numel();
   const Tensor ends = at::cumsum(lengths, 0);
   {
@@ -95,13 +84,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cuda(const Tensor& lengths, con
     TORCH_CHECK(e[0] == kNoError, "dynamicemb: negative length at bag ", e[0]);
     TORCH_CHECK(e[1] == n, "dynamicemb: lengths sum to ", e[1], " but there are ", n, " values");
   }
-  const float* w = nullptr;
-  if (weights) {
-    TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->is_contiguous() && weights->numel() == n &&
-                    weights->device() == dev,
-                "dynamicemb: weights must be contiguous float32 with one entry per value, on ", dev);
-    w = weights->data_ptr<float>();
-  }
+  const float* w = checked_weights(weights, values);
   Tensor out_len = at::zeros({world * bags}, lengths.options());
   Tensor out_val = at::empty({n}, values.options());
   Tensor out_w = w ? at::empty({n}, weights->options()) : at::empty({0}, values.options().dtype(at::kFloat));
@@ -135,12 +118,7 @@ __global__ void owners_kernel(const int64_t* keys, int64_t n, int64_t rule, int6
 
 // The owning rank of each key under one rule (checkpoint resharding, tests).
 Tensor owners_cuda(const Tensor& keys, int64_t rule, int64_t param, int64_t world) {
-  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous(),
-              "dynamicemb: keys must be a contiguous 1-D int64 tensor");
-  TORCH_CHECK(world >= 1, "dynamicemb: world size must be >= 1");
-  // The CPU would divide by zero here (undefined); the device would return garbage.
-  TORCH_CHECK(!((rule == kBlock || rule == kContinuous) && param <= 0), "dynamicemb: bad routing rule ", rule,
-              " / param ", param);
+  check_owner_args(keys, rule, param, world);
   const c10::cuda::CUDAGuard guard(keys.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(keys.device().index());
   Tensor out = at::empty_like(keys);

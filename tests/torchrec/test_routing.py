@@ -151,3 +151,22 @@ def test_keys_stored_on_their_owner_rank():
     assert strided == [reference_owner(k, "hash_roundrobin", 2, NUM_EMBEDDINGS) for k in STRIDED]
     share = strided.count(0) / len(strided)
     assert 0.35 <= share <= 0.65, f"hash_roundrobin put {share:.0%} of strided keys on rank 0"
+
+
+def test_route_ops_refuse_bad_input():
+    """Both routing ops check their arguments (shared host checks, route_checks.h)
+    before any key is routed: a bad rule parameter would otherwise divide by zero."""
+    lengths, values = torch.tensor([1, 1]), torch.tensor([5, 6])
+    cases = [
+        (lambda: ops.route_keys(lengths, values.to(torch.int32), None, [ROUTE_BLOCK], [4], 2), "int64"),
+        (lambda: ops.route_keys(lengths, values, None, [ROUTE_BLOCK], [0], 2), "feature 0: bad routing rule"),
+        (lambda: ops.route_keys(lengths, values, None, [ROUTE_BLOCK, ROUTE_BLOCK], [4], 2), "one rule and param"),
+        (lambda: ops.route_keys(lengths, values, None, [ROUTE_BLOCK], [4], 0), "world size"),
+        (lambda: ops.route_keys(lengths, values, torch.ones(3), [ROUTE_BLOCK], [4], 2), "weights"),
+        (lambda: ops.route_keys(torch.tensor([2, 1]), values, None, [ROUTE_BLOCK], [4], 2), "lengths sum to 3"),
+        (lambda: ops.route_owners(values, ROUTE_BLOCK, 0, 2), "bad routing rule"),
+        (lambda: ops.route_owners(values.view(2, 1), ROUTE_BLOCK, 4, 2), "1-D int64"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
