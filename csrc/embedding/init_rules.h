@@ -83,8 +83,11 @@ DE_HD double uniform01(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
 // ---- exact-operation math --------------------------------------------------------
 
 // ln(x) for x > 0: x = m * 2^e with m in [sqrt(1/2), sqrt(2)), then
-// ln(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172.
+// ln(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172: the series
+// s * sum_k s^2k / (2k + 1) by Horner, 11 terms (the rest < 1e-19), with the
+// coefficients as literals (no division per term: these dominate NORMAL).
 DE_HD double ln(double x) {
+  constexpr double kC[11] = {1.0, 0.3333333333333333, 0.2, 0.14285714285714285, 0.1111111111111111, 0.09090909090909091, 0.07692307692307693, 0.06666666666666667, 0.058823529411764705, 0.05263157894736842, 0.047619047619047616};
   int e;
   double m = frexp(x, &e);  // m in [0.5, 1)
   if (m < 0.70710678118654752440) {
@@ -92,16 +95,15 @@ DE_HD double ln(double x) {
     e -= 1;
   }
   const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
-  double term = s, sum = 0.0;
-  for (int k = 1; k <= 31; k += 2) {
-    sum = sum + term / k;
-    term = term * s2;
-  }
-  return 2.0 * sum + e * 0.69314718055994530942;
+  double sum = kC[10];
+  for (int k = 9; k >= 0; --k) sum = sum * s2 + kC[k];
+  return 2.0 * (s * sum) + e * 0.69314718055994530942;
 }
 
-// cos(2 pi t) for t in [0, 1].
+// cos(2 pi t) for t in [0, 1]: reduced to a in [0, pi/2], then the Taylor
+// series sum_k (-1)^k a^2k / (2k)! by Horner, 12 terms (the rest < 1e-19).
 DE_HD double cos_turns(double t) {
+  constexpr double kC[12] = {1.0, -0.5, 0.041666666666666664, -0.001388888888888889, 2.48015873015873e-05, -2.755731922398589e-07, 2.08767569878681e-09, -1.1470745597729725e-11, 4.779477332387385e-14, -1.5619206968586225e-16, 4.110317623312165e-19, -8.896791392450574e-22};
   double y = t - static_cast<double>(static_cast<int64_t>(t + 0.5));  // [-0.5, 0.5]
   if (y < 0) y = -y;
   double sign = 1.0;
@@ -110,11 +112,8 @@ DE_HD double cos_turns(double t) {
     sign = -1.0;
   }
   const double a = 6.28318530717958647693 * y, a2 = a * a;  // [0, pi/2]
-  double term = 1.0, sum = 0.0;
-  for (int k = 0; k < 13; ++k) {
-    sum = sum + term;
-    term = -term * a2 / ((2 * k + 1) * (2 * k + 2));
-  }
+  double sum = kC[11];
+  for (int k = 10; k >= 0; --k) sum = sum * a2 + kC[k];
   return sign * sum;
 }
 
