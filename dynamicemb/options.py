@@ -91,6 +91,20 @@ class DynamicEmbTableOptions:
     # The table's global row count (TorchRec's num_embeddings), for the
     # default initializer bounds; filled by the planner when None.
     num_embeddings: Optional[int] = None
+    # Ranks the table is sharded over (filled by the planner): each rank's
+    # share of global_hbm_for_values is global_hbm_for_values / num_shards.
+    num_shards: int = 1
+
+    @property
+    def local_hbm_for_values(self) -> int:
+        """This rank's bytes of accelerator memory for values (0: no limit)."""
+        return self.global_hbm_for_values // max(1, self.num_shards)
+
+    def values_on_device(self, value_bytes: int) -> bool:
+        """Whether values of `value_bytes` at max_capacity (and their
+        optimizer state) stay in accelerator memory; False: the table's rows
+        live in pinned host memory, read and updated in place by the kernels."""
+        return self.global_hbm_for_values == 0 or value_bytes <= self.local_hbm_for_values
 
     def validate(self, name: str) -> None:
         """Raises ValueError naming the table for options that cannot work."""
@@ -113,5 +127,11 @@ class DynamicEmbTableOptions:
             bad(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
         if self.dist_type not in ("hash_roundrobin", "roundrobin", "continuous"):
             bad(f"unknown dist_type {self.dist_type!r}; use 'hash_roundrobin', 'roundrobin' or 'continuous'")
+        if self.global_hbm_for_values < 0:
+            bad(f"global_hbm_for_values must be >= 0 bytes, got {self.global_hbm_for_values}")
+        if self.caching and self.global_hbm_for_values > 0:
+            bad("caching=True (a device cache in front of host storage) is not supported yet; with "
+                "caching=False a table that does not fit global_hbm_for_values keeps its values in pinned "
+                "host memory that the kernels read and update in place")
         if (self.admit_strategy is None) != (self.admission_counter is None):
             bad("admit_strategy and admission_counter must be given together")

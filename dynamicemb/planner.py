@@ -73,7 +73,7 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
     max_cap = options.max_capacity or get_sharded_table_capacity(config.num_embeddings, world_size,
                                                                  options.bucket_capacity)
     out = dataclasses.replace(options, dim=config.embedding_dim, embedding_dtype=dtype, max_capacity=max_cap,
-                              num_embeddings=config.num_embeddings)
+                              num_embeddings=config.num_embeddings, num_shards=world_size)
     out.validate(name)
     return out
 
@@ -110,21 +110,32 @@ class DynamicEmbeddingShardingPlanner:
     def dynamic_bytes_per_rank(self) -> Dict[str, int]:
         """Our storage estimate of each dynamic table on one rank: values and
         optimizer state at max_capacity plus the hash table."""
-        return {n: get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, self._optimizer, o.training)
-                + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+        return {n: self._value_bytes(o) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+
+    def _value_bytes(self, o: DynamicEmbTableOptions) -> int:
+        return get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, self._optimizer, o.training)
 
     def _reserve_dynamic_storage(self) -> None:
-        need = sum(self.dynamic_bytes_per_rank().values())
+        """Takes our tables' bytes out of every rank's budget: on a CUDA
+        topology the hash tables and the values that fit global_hbm_for_values
+        from HBM, the other values (the host tier) from DDR."""
         on_device = self._topology.compute_device == "cuda"
-        for d in self._topology.devices:
-            have = d.storage.hbm if on_device else d.storage.ddr
-            if need > have:
-                raise ValueError(f"dynamic tables need {need} bytes per rank ({self.dynamic_bytes_per_rank()}), "
-                                 f"more than rank {d.rank}'s {'HBM' if on_device else 'DDR'} ({have} bytes)")
-            if on_device:
-                d.storage.hbm -= need
+        hbm = ddr = 0
+        for o in self.options.values():
+            values, table = self._value_bytes(o), o.max_capacity * _TABLE_BYTES_PER_SLOT
+            if not on_device:
+                ddr += values + table
+            elif o.values_on_device(values):
+                hbm += values + table
             else:
-                d.storage.ddr -= need
+                hbm, ddr = hbm + table, ddr + values
+        for d in self._topology.devices:
+            for kind, need, have in (("HBM", hbm, d.storage.hbm), ("DDR", ddr, d.storage.ddr)):
+                if need > have:
+                    raise ValueError(f"dynamic tables need {need} bytes of {kind} per rank "
+                                     f"({self.dynamic_bytes_per_rank()}), more than rank {d.rank} has ({have} bytes)")
+            d.storage.hbm -= hbm
+            d.storage.ddr -= ddr
 
     # ---- plans -------------------------------------------------------------------------
 

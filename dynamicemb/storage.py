@@ -39,7 +39,7 @@ class RowBlocks:
     BLOCK_BYTES = 4 << 20
 
     def __init__(self, source: torch.Tensor, rows: torch.Tensor):
-        self.source, self.rows = source, rows
+        self.source, self.rows = source, rows.to(source.device)  # the host tier's rows are on the host
         self.dtype = source.dtype
         self.shape = (rows.numel(), source.shape[1])
 
@@ -126,9 +126,13 @@ class HashTableStorage(EmbeddingStorage):
             self.groups.append((ht, tables))
             for lt, t in enumerate(tables):
                 self.group_of[t] = (gi, lt)
-        # Zero-filled: the pages are touched here, not by the first training
-        # steps (as a static table's initialisation touches them).
-        self._weights = [torch.zeros(init_caps[t], self.dims[t] + state_widths[t], dtype=dtype, device=device)
+        # The host tier: on a CUDA device, a table whose values do not fit its
+        # share of global_hbm_for_values keeps its rows in pinned host memory,
+        # which the kernels read and update in place (mapped, no copies).
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.host_tier = [device.type == "cuda" and not o.values_on_device(
+            self.max_caps[t] * (self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
+        self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
                          for t in range(self.num_tables)]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
         self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
@@ -154,6 +158,14 @@ class HashTableStorage(EmbeddingStorage):
             k += 1
         max_b = -(-max_b // (1 << k)) << k
         return (max_b >> k) * bc, max_b * bc
+
+    def _new_rows(self, t: int, rows: int, width: int) -> torch.Tensor:
+        """Zero-filled rows of table t in its tier: the pages are touched
+        here, not by the first training steps (as a static table's
+        initialisation touches them)."""
+        if self.host_tier[t]:
+            return torch.zeros(rows, width, dtype=self.dtype, pin_memory=True)
+        return torch.zeros(rows, width, dtype=self.dtype, device=self.device)
 
     def _group_slot_begin(self, g: int) -> torch.Tensor:
         ht, _ = self.groups[g]
@@ -300,8 +312,8 @@ class HashTableStorage(EmbeddingStorage):
             if new_caps[lt] == caps[lt] and torch.equal(src, dst):
                 continue  # rows did not move
             w = self._weights[t]
-            moved = torch.zeros(new_caps[lt], w.shape[1], dtype=w.dtype, device=w.device)
-            moved[dst] = w[src]
+            moved = self._new_rows(t, new_caps[lt], w.shape[1])
+            moved[dst.to(w.device)] = w[src.to(w.device)]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
         return old_idx, new_idx
@@ -411,8 +423,8 @@ class HashTableStorage(EmbeddingStorage):
         ht.slot_scores[idx] = batch.scores.to(device=self.device, dtype=torch.int64)
         if batch.timestamps is not None and ht.slot_timestamps.numel():
             ht.slot_timestamps[idx] = batch.timestamps.to(device=self.device, dtype=torch.int64)
-        rows = self._rows(g, idx, lts)
         w, dim = self._weights[table_id], self.dims[table_id]
+        rows = self._rows(g, idx, lts).to(w.device)
         w[rows, :dim] = batch.values.to(device=w.device, dtype=w.dtype)
         if batch.optimizer_state is None or batch.optimizer_state.shape[1] == 0:
             w[rows, dim:] = 0
@@ -426,7 +438,8 @@ class HashTableStorage(EmbeddingStorage):
         ht = self.groups[g][0]
         begin = int(self._slot_begin[g][lt])
         for b in ht.export(threshold=threshold, batch_size=batch_size, table_id=lt):
-            yield b.keys, self._weights[table_id][b.indices - begin], b.scores
+            w = self._weights[table_id]
+            yield b.keys, w[(b.indices - begin).to(w.device)], b.scores
 
     def stats(self, table_id):
         g, lt = self.group_of[table_id]

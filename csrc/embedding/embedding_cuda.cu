@@ -133,22 +133,35 @@ struct Rows {
   at::Device device;
 };
 
-Rows check_rows(TensorList weights, IntArrayRef dims) {
+// The op runs on the device of `rows`. A table's weights are on that device,
+// or in pinned host memory (the host tier, storage.py): the kernels then read
+// and update the rows in place through the mapped device pointer.
+Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
   TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
               " weight tensors for ", dims.size(), " tables");
-  Rows r{{}, {}, {}, weights[0].scalar_type(), weights[0].device()};
-  TORCH_CHECK(r.device.is_cuda(), "dynamicemb: weights must be on a CUDA device, got ", r.device);
+  Rows r{{}, {}, {}, weights[0].scalar_type(), rows.device()};
+  TORCH_CHECK(r.device.is_cuda(), "dynamicemb: rows must be on a CUDA device, got ", r.device);
   for (size_t t = 0; t < weights.size(); ++t) {
     const Tensor& w = weights[t];
-    TORCH_CHECK(w.device() == r.device && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
+    TORCH_CHECK((w.device() == r.device || (w.is_cpu() && w.is_pinned())) && w.dim() == 2 && w.is_contiguous() &&
+                    w.scalar_type() == r.dtype,
                 "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
-                r.device);
+                r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
     TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
     r.w.push_back(w);
     r.dim.push_back(dims[t]);
     r.stride.push_back(w.size(1));
   }
   return r;
+}
+
+// The address the kernels use for a table's rows: the device pointer of
+// pinned host memory (mapped; the same address under unified addressing).
+void* kernel_ptr(const Tensor& w) {
+  if (w.is_cuda() || w.numel() == 0) return w.data_ptr();
+  void* dev = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&dev, w.data_ptr(), 0));
+  return dev;
 }
 
 // init_params may live on the host (as the module keeps it) or on the device.
@@ -168,7 +181,7 @@ std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables, cuda
 std::vector<TableDev> table_facts(const Rows& R, const std::vector<init::Args>& args) {
   std::vector<TableDev> tabs;
   for (size_t t = 0; t < R.w.size(); ++t)
-    tabs.push_back(TableDev{R.w[t].data_ptr(), R.dim[t], R.stride[t], R.w[t].size(0),
+    tabs.push_back(TableDev{kernel_ptr(R.w[t]), R.dim[t], R.stride[t], R.w[t].size(0),
                             args.empty() ? init::Args{} : args[t]});
   return tabs;
 }
@@ -329,7 +342,7 @@ __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t*
 
 void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
                     IntArrayRef dims, const Tensor& init_params, int64_t seed) {
-  const Rows R = check_rows(weights, dims);
+  const Rows R = check_rows(weights, dims, rows);
   const c10::cuda::CUDAGuard guard(R.device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(R.device.index());
   check_1d(rows, at::kLong, "rows", R.device);
@@ -454,7 +467,7 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
                     const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
                     const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
                     int64_t seed, at::ScalarType output_dtype) {
-  const Rows R = check_rows(weights, dims);
+  const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
@@ -645,7 +658,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                           IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
                           int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
                           double weight_decay, int64_t step) {
-  const Rows R = check_rows(weights, dims);
+  const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());

@@ -155,3 +155,38 @@ def test_explicit_max_capacity_is_kept():
     plan = _planner(configs, c, ddr_cap=2**30).plan(_ebc(configs), _sharders())
     o = plan.plan[""]["d_table"].dynamicemb_options
     assert (o.max_capacity, o.init_capacity, o.num_embeddings) == (1024, 256, HUGE)
+
+
+# ---- the host tier (global_hbm_for_values) ----------------------------------------------
+
+
+def test_values_over_the_hbm_budget_are_charged_to_host_memory():
+    """On a CUDA topology a table's hash table always takes HBM; its values
+    (and optimizer state) take HBM when they fit the table's per-rank share of
+    global_hbm_for_values (or no budget is set), else DDR: the host tier."""
+    configs = models.ebc_configs(["big_table", "fits_table", "free_table"], dim=16, num_embeddings=4096)
+    world, rows = 2, get_sharded_table_capacity(4096, 2)
+    values = get_table_value_bytes(rows, 16)
+    constraints = {**models.dynamic_constraints(["big_table"], global_hbm_for_values=world * values - 2),
+                   **models.dynamic_constraints(["fits_table"], global_hbm_for_values=world * values),
+                   **models.dynamic_constraints(["free_table"])}
+    hbm, ddr = 2**40, 2**41
+    topology = Topology(world_size=world, compute_device="cuda", hbm_cap=hbm, ddr_cap=ddr)
+    planner = DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints)
+    opts = planner.options
+    assert all(o.num_shards == world for o in opts.values())
+    assert opts["big_table"].local_hbm_for_values == values - 1
+    assert not opts["big_table"].values_on_device(values) and opts["fits_table"].values_on_device(values)
+    assert opts["free_table"].values_on_device(values)
+    table = rows * 21  # hash table bytes per rank (keys, digests, scores, epochs)
+    for d in planner._topology.devices:
+        assert hbm - d.storage.hbm == 3 * table + 2 * values
+        assert ddr - d.storage.ddr == values
+
+
+def test_host_tier_refusals_name_the_table():
+    with pytest.raises(ValueError, match="t_table.*global_hbm_for_values must be >= 0"):
+        DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=-1).validate("t_table")
+    with pytest.raises(ValueError, match="t_table.*caching=True"):
+        DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=1 << 20,
+                               caching=True).validate("t_table")
