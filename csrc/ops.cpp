@@ -40,6 +40,9 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor slot_timestamps, Tensor old_table_buckets, Tensor new_table_buckets, "
       "int bucket_capacity) -> (Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
       "Tensor slot_timestamps, Tensor old_indices, Tensor new_indices)");
+  // The clock of the clock-scored strategies (TIMESTAMP, NO_EVICTION, the
+  // pair's access time) on the device of `like`: [1] int64 ns.
+  m.def("table_clock(Tensor like) -> Tensor");
 
   // Embedding layer (csrc/embedding): bags in TBE layout (offsets [F * B + 1]),
   // rows are table-local (-1: no row; the key reads its initial value).

@@ -44,6 +44,11 @@ def _export_range_fake(slot_keys, slot_digests, filter_scores, table_buckets, be
     return tuple(slot_keys.new_empty(m) for _ in range(3))
 
 
+@torch.library.register_fake(_lib + "table_clock")
+def _table_clock_fake(like):
+    return like.new_empty(1, dtype=torch.int64)
+
+
 @torch.library.register_fake(_lib + "table_rehash")
 def _rehash_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, old_table_buckets,
                  new_table_buckets, bucket_capacity):

@@ -3,10 +3,11 @@
 incremental_dump(model, score_threshold) returns, per table, the keys and
 values whose score is at or above the threshold: for TIMESTAMP (and
 NO_EVICTION, and the (TIMESTAMP, LFU) pair's access time) the threshold is a
-time.monotonic_ns() reading, so the result is the keys touched since then;
+reading of the table's clock (ScoredHashTable.now(): time.monotonic_ns() on
+the CPU, the GPU's global timer on CUDA), so the result is the keys touched
+since then (the returned next threshold is such a reading);
 for STEP it is a step. It also returns the threshold to pass next time.
 """
-import time
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -33,9 +34,9 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
                      ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
     """({table: (keys, values)}, {table: next threshold}). With `pg`, every
     rank receives the keys and values of all ranks (concatenated in rank order)."""
-    now = time.monotonic_ns()
     out, nxt = {}, {}
     for name, ref in model_tables(model).items():
+        now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
         threshold = _per_table(score_threshold, name)
         storage, t = ref.storage, ref.index
         keys, values = [], []

@@ -381,6 +381,10 @@ class HashTableStorage(EmbeddingStorage):
 
     # ---- checkpoint state ------------------------------------------------------------------------
 
+    def now(self, table_id: int) -> int:
+        """The clock of a table's hash table (ScoredHashTable.now)."""
+        return self.groups[self.group_of[table_id][0]][0].now()
+
     def strategy(self, table_id: int) -> int:
         """The score strategy code (types.strategy_code) of a table."""
         g, _ = self.group_of[table_id]

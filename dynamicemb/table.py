@@ -4,7 +4,6 @@ A thin Python view over slot tensors; every operation is one vectorised op of
 the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
-import time
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -49,7 +48,7 @@ class ScoredHashTable:
     a sequence of per-table capacities, each a multiple of ``bucket_capacity``.
 
     Scores, by strategy (``scores`` argument of insert / lookup):
-      TIMESTAMP, NO_EVICTION: ``time.monotonic_ns()`` of the call (ignored).
+      TIMESTAMP, NO_EVICTION: the table's clock at the call, ``now()`` (ignored).
       STEP: the step (an int; default ``self.step``).
       CUSTOMIZED: an int for all keys or an int64 tensor per key (required).
       LFU and (TIMESTAMP, LFU): access count, incremented by ``scores`` (an int
@@ -159,7 +158,7 @@ class ScoredHashTable:
         """(call score, per-key scores) for the kernels, per the strategy."""
         s = self.strategy
         if s in (_S.TIMESTAMP, _S.NO_EVICTION):
-            return time.monotonic_ns(), None
+            return self.now(), None
         if s == _S.STEP:
             if isinstance(scores, torch.Tensor):
                 raise TypeError("STEP scores take one step number (an int) per call")
@@ -171,7 +170,12 @@ class ScoredHashTable:
                 return scores, None
             return 0, self._per_key(scores, n, "scores")
         # LFU, (TIMESTAMP, LFU): frequencies; the call score is the clock.
-        return time.monotonic_ns(), self._per_key(scores, n, "scores")
+        return self.now(), self._per_key(scores, n, "scores")
+
+    def now(self) -> int:
+        """The table's clock in ns, which the clock strategies score with:
+        time.monotonic_ns() on the CPU, the GPU's global timer on CUDA."""
+        return int(ops.table_clock(self.slot_scores).item())
 
     def _next_epoch(self) -> int:
         self._epoch += 1

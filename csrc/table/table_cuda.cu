@@ -16,9 +16,9 @@
 //  - table_export_range: a live mask over the range, compacted in slot order.
 //  - table_rehash: one thread per old bucket re-inserts its live slots in slot
 //    order into the new buckets it scales to (only it writes those).
-// Scores come from the host (call_score; Python passes time.monotonic_ns() for
-// the clock strategies): the GPU timer is never read, so CPU and CUDA tables
-// and the host thresholds of incremental dumps share one clock.
+// A call's clock score comes in as call_score: Python reads the table clock
+// (table_clock, clock_cuda.cu: the GPU global timer) once per call, so every
+// key of a call gets the same score, as on the CPU (one rule for both).
 //
 // Errors: out-of-range table ids are flagged on the device (lowest position)
 // and raised on the host with the CPU message before any slot changes (a

@@ -24,9 +24,11 @@ from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tab
 DEFAULT_CHUNK_ROWS = 1 << 18
 
 
-def _shard_parts(name, ref, optim, now, chunk_rows):
-    """One pass over a table's shard: the tensors of each part file."""
+def _shard_parts(name, ref, optim, chunk_rows):
+    """One pass over a table's shard: the tensors of each part file. Clock
+    scores become ages against the table's own clock (GPU time on CUDA)."""
     strategy = ref.storage.strategy(ref.index)
+    now = ref.storage.now(ref.index)
     for b in ref.storage.export_rows(ref.index, chunk_rows, lazy=True):  # rows streamed by write_part
         part = {"keys": b.keys, "values": b.values,
                 "scores": now - b.scores if clock_scored(strategy) else b.scores}
@@ -50,20 +52,20 @@ def _counter_parts(ref, chunk_rows):
         yield {"keys": b.keys, "counts": b.scores}
 
 
-def _write_shard(root, rank, tables, optim, counter, chunk_rows, now, parts_of=None) -> Dict[str, dict]:
+def _write_shard(root, rank, tables, optim, counter, chunk_rows, parts_of=None) -> Dict[str, dict]:
     """Writes this rank's files; returns per table its file entries and rows."""
     out, syncer = {}, Syncer()
     try:
-        _write_tables(root, rank, tables, optim, counter, chunk_rows, now, parts_of, syncer, out)
+        _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, syncer, out)
     finally:
         syncer.wait()  # every file durable (or closed, on an error)
     return out
 
 
-def _write_tables(root, rank, tables, optim, counter, chunk_rows, now, parts_of, syncer, out):
+def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, syncer, out):
     for name, ref in tables.items():
         files, rows = [], 0
-        source = parts_of[name] if parts_of is not None else _shard_parts(name, ref, optim, now, chunk_rows)
+        source = parts_of[name] if parts_of is not None else _shard_parts(name, ref, optim, chunk_rows)
         for k, part in enumerate(source):
             files.append(dict(write_part(root, part_name(name, rank, "part", k), part, syncer), rank=rank,
                               kind="part"))
@@ -197,11 +199,10 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     if distributed:
         dist.broadcast_object_list(token, src=dist.get_global_rank(pg, 0) if pg else 0, group=pg)
     tmp = f"{path}.tmp-{token[0]}"
-    now = time.monotonic_ns()
 
     def finish(parts_of=None, group=pg):
         os.makedirs(tmp, exist_ok=True)
-        mine = _write_shard(tmp, rank, tables, optim, counter, chunk_rows, now, parts_of)
+        mine = _write_shard(tmp, rank, tables, optim, counter, chunk_rows, parts_of)
         shards = [None] * world
         if distributed:
             dist.all_gather_object(shards, mine, group=group)
@@ -224,7 +225,7 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
-        snapshot[name] = [{k: _copy(v) for k, v in p.items()} for p in _shard_parts(name, ref, optim, now, chunk_rows)]
+        snapshot[name] = [{k: _copy(v) for k, v in p.items()} for p in _shard_parts(name, ref, optim, chunk_rows)]
         if counter:
             snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in _counter_parts(ref, chunk_rows)]
     group = _background_group(pg) if distributed else None

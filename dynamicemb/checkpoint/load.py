@@ -3,7 +3,6 @@ keeps exactly the keys its routing assigns to it. Every file a rank reads is
 checked against the manifest (size, checksum) before any row is loaded, and a
 damaged one refuses the load on every rank: the model is left unchanged."""
 import os
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -40,7 +39,6 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     manifest = read_manifest(path)
     rank, world = rank_world(pg)
     tables = model_tables(model, table_names)
-    now = time.monotonic_ns()
     steps = {}
     distributed = dist.is_initialized() and world > 1
     files, same_layouts = {}, {}
@@ -82,6 +80,7 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         meta = manifest["tables"][name]
         strategy = meta["score_strategy"]
         num_embeddings = ref.options.num_embeddings
+        now = ref.storage.now(ref.index)  # ages become scores on the table's own clock
         for entry in files[name]:
             part = read_part(path, entry, name, crc=False)
             keys = part["keys"]

@@ -29,13 +29,14 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
 class _Clock:
-    """Stands in for the `time` module of dynamicemb.table: both tables of a
-    call read the same (test-set) clock, so TIMESTAMP scores agree."""
+    """Stands in for ScoredHashTable.now (the table clock: the GPU timer on
+    CUDA): both tables of a call read the same (test-set) clock, so TIMESTAMP
+    scores agree."""
 
     def __init__(self):
         self.now = 1_000_000
 
-    def monotonic_ns(self) -> int:
+    def read(self, table=None) -> int:
         return self.now
 
 
@@ -172,7 +173,7 @@ def _batch(gen, n, key_range, num_tables, extremes=True):
                          ids=["1table", "3tables-b16", "3tables-b32"])
 def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(table_mod, "time", clock)
+    monkeypatch.setattr(table_mod.ScoredHashTable, "now", clock.read)
     gen = torch.Generator().manual_seed(len(capacities) * 100 + bucket_capacity + list(STRATEGIES).index(name))
     T = len(capacities)
     tw = Twin(name, capacities, bucket_capacity, clock)
@@ -261,7 +262,7 @@ def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
 def test_many_keys_per_bucket(name, monkeypatch):
     """Long runs of keys per bucket and many tiles: 20000 keys into 64 buckets."""
     clock = _Clock()
-    monkeypatch.setattr(table_mod, "time", clock)
+    monkeypatch.setattr(table_mod.ScoredHashTable, "now", clock.read)
     gen = torch.Generator().manual_seed(7)
     tw = Twin(name, [512, 512], 16, clock)
     for _ in range(3):
@@ -275,7 +276,7 @@ def test_many_keys_per_bucket(name, monkeypatch):
 
 def test_bad_table_ids_raise_like_cpu(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(table_mod, "time", clock)
+    monkeypatch.setattr(table_mod.ScoredHashTable, "now", clock.read)
     tw = Twin("lfu", [32, 32], 16, clock)
     keys, tids = torch.arange(10), torch.tensor([0, 1] * 5)
     tw.insert(keys, tids)

@@ -25,13 +25,13 @@ API_STRATEGY = {
 
 
 class _Clock:
-    """Stands in for the `time` module of dynamicemb.table: the clock reads
-    whatever the test set, so TIMESTAMP scores are predictable."""
+    """Stands in for ScoredHashTable.now (the table clock): it reads whatever
+    the test set, so TIMESTAMP scores are predictable."""
 
     def __init__(self):
         self.now = 0
 
-    def monotonic_ns(self) -> int:
+    def read(self, table=None) -> int:
         return self.now
 
 
@@ -49,7 +49,7 @@ class Pair:
         self.check_state()
 
     def _call(self, fn, *args, **kwargs):
-        with mock.patch.object(table_mod, "time", self.clock):
+        with mock.patch.object(table_mod.ScoredHashTable, "now", self.clock.read):
             return fn(*args, **kwargs)
 
     # ---- operations, each compared with the model --------------------------------

@@ -1,5 +1,7 @@
 """The dynamicemb::table_* ops: registration (opcheck: schema, fake kernels,
 compilation) and clear errors for bad inputs, through Python and the raw ops."""
+import time
+
 import pytest
 import torch
 
@@ -58,7 +60,25 @@ def test_opcheck_every_table_op(strategy, code):
 
 def test_every_table_op_is_covered():
     names = {n for n in dir(ops) if n.startswith("table_")}
-    assert names == set(TABLE_OPS)
+    assert names == set(TABLE_OPS) | {"table_clock"}
+
+
+def test_table_clock_is_the_monotonic_clock_on_cpu():
+    """The clock strategies score with the table's clock: on the CPU,
+    CLOCK_MONOTONIC (time.monotonic_ns), so a TIMESTAMP insert's scores lie
+    between two readings taken around it. (opcheck without the AOT test:
+    a clock gives a new value on every call.)"""
+    t = ScoredHashTable(64, 16, S.TIMESTAMP)
+    torch.library.opcheck(ops.table_clock.default, (t.slot_scores,),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    before = time.monotonic_ns()
+    now = t.now()
+    t.insert(torch.arange(10))
+    after = time.monotonic_ns()
+    assert before <= now <= after
+    (batch,) = list(t.export())
+    assert bool(((batch.scores >= now) & (batch.scores <= after)).all())
+    assert ops.table_clock(t.slot_scores).dtype == torch.int64
 
 
 # ---- bad inputs ---------------------------------------------------------------------
