@@ -65,6 +65,34 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
   for (int i = 0; i < 4; ++i) out[i] = c[i];
 }
 
+#if !defined(__CUDA_ARCH__)
+// Host: blocks first .. first + 15 at once, out[16 i + l] = output i of block
+// first + l, exactly philox4's; false (nothing written) where the CPU lacks
+// AVX-512. Defined in philox_cpu.cpp.
+bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
+#endif
+
+// fn(b, o) for the Philox blocks b in [0, blocks) of the stream of (seed,
+// table, key), o their 4 outputs: 16 at a time where the host can, else one by one.
+template <class Fn>
+DE_HD void for_each_block(uint64_t seed, int64_t table, int64_t key, int64_t blocks, Fn fn) {
+  int64_t b = 0;
+#if !defined(__CUDA_ARCH__)
+  uint32_t w[64];
+  for (; b + 16 <= blocks && philox4_x16(seed, table, key, static_cast<uint64_t>(b), w); b += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const uint32_t o[4] = {w[l], w[16 + l], w[32 + l], w[48 + l]};
+      fn(b + l, o);
+    }
+  }
+#endif
+  for (; b < blocks; ++b) {
+    uint32_t o[4];
+    philox4(seed, table, key, static_cast<uint64_t>(b), o);
+    fn(b, o);
+  }
+}
+
 // The 32-bit output `n` of the stream of (seed, table, key).
 DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
   uint32_t out[4];
@@ -162,22 +190,19 @@ DE_HD float value(const Args& a, uint64_t seed, int64_t key, int64_t j, int64_t 
 // (half) of the blocks.
 template <class Store>
 DE_HD void fill_row(const Args& a, uint64_t seed, int64_t key, int64_t dim, Store store) {
-  uint32_t o[4];
   switch (a.mode) {
     case kUniform:
-      for (int64_t b = 0; 4 * b < dim; ++b) {
-        philox4(seed, a.stream, key, b, o);
+      for_each_block(seed, a.stream, key, (dim + 3) / 4, [&](int64_t b, const uint32_t* o) {
         for (int l = 0; l < 4 && 4 * b + l < dim; ++l)
           store(4 * b + l, static_cast<float>(a.lower + (a.upper - a.lower) * unit(o[l])));
-      }
+      });
       return;
     case kNormal:
-      for (int64_t b = 0; 2 * b < dim; ++b) {
-        philox4(seed, a.stream, key, b, o);
+      for_each_block(seed, a.stream, key, (dim + 1) / 2, [&](int64_t b, const uint32_t* o) {
         store(2 * b, static_cast<float>(a.mean + a.std_dev * box_muller(unit(o[0]), unit(o[1]))));
         if (2 * b + 1 < dim)
           store(2 * b + 1, static_cast<float>(a.mean + a.std_dev * box_muller(unit(o[2]), unit(o[3]))));
-      }
+      });
       return;
     case kConstant:
       for (int64_t j = 0; j < dim; ++j) store(j, static_cast<float>(a.value));

@@ -1,0 +1,58 @@
+// 16 Philox4x32-10 blocks at once with AVX-512 (one lane per block), for the
+// CPU's initial rows: the same outputs as init_rules.h philox4, ~3x faster
+// per block than the scalar rounds. Chosen at run time (the CPU may lack it).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "embedding/init_rules.h"
+
+namespace dynamicemb {
+namespace init {
+namespace {
+
+// (hi, lo) 32-bit halves of c * m for 16 lanes: vpmuludq on the even lanes
+// and on the odd lanes shifted down, blended back.
+__attribute__((target("avx512f"))) inline void mulhilo16(__m512i c, __m512i m, __m512i* hi, __m512i* lo) {
+  const __m512i even = _mm512_mul_epu32(c, m), odd = _mm512_mul_epu32(_mm512_srli_epi64(c, 32), m);
+  *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+__attribute__((target("avx512f"))) void philox16_avx512(uint64_t seed, int64_t table, int64_t key, uint64_t first,
+                                                         uint32_t out[64]) {
+  const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
+  __m512i c0 = _mm512_set1_epi32(u(static_cast<uint64_t>(key)));
+  __m512i c1 = _mm512_set1_epi32(u(static_cast<uint64_t>(key) >> 32));
+  __m512i c2 = _mm512_set1_epi32(u(static_cast<uint64_t>(table)));
+  __m512i c3 = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                _mm512_set1_epi32(u(first)));
+  const __m512i m0 = _mm512_set1_epi32(u(0xD2511F53u)), m1 = _mm512_set1_epi32(u(0xCD9E8D57u));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int r = 0; r < 10; ++r) {  // philox4's round, lane by lane
+    __m512i hi0, lo0, hi1, lo1;
+    mulhilo16(c0, m0, &hi0, &lo0);
+    mulhilo16(c2, m1, &hi1, &lo1);
+    c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(u(k0)));
+    c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(u(k1)));
+    c1 = lo1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  _mm512_storeu_si512(out, c0);
+  _mm512_storeu_si512(out + 16, c1);
+  _mm512_storeu_si512(out + 32, c2);
+  _mm512_storeu_si512(out + 48, c3);
+}
+
+}  // namespace
+
+bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
+  static const bool have = __builtin_cpu_supports("avx512f");
+  if (have) philox16_avx512(seed, table, key, first, out);
+  return have;
+}
+
+}  // namespace init
+}  // namespace dynamicemb
