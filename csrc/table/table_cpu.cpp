@@ -31,6 +31,7 @@ using at::Tensor;
 constexpr int64_t kSerialBelow = 4096;  // keys; smaller calls run on one thread
 
 void prefetch(const void* p) { __builtin_prefetch(p, 0, 1); }
+void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
 
 // ---- validation --------------------------------------------------------------
 
@@ -114,32 +115,33 @@ class BucketOrder {
         sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
 
   // fn(bucket, positions, count) for each run of one bucket's keys (positions
-  // in input order); ahead(pos) may prefetch for a key soon due.
+  // in input order); ahead(pos, bucket) may prefetch for a key soon due. The order
+  // visits positions at random, so `ahead` should fetch the key's inputs and
+  // outputs as well as its bucket.
   template <class RunFn, class Ahead>
   void run_buckets(RunFn fn, Ahead ahead) const {
-    constexpr int64_t kAhead = 16;  // keys
+    constexpr int64_t kAhead = 32;  // keys
     sp_.for_each_part([&](int64_t p) {
-      const std::vector<int64_t> order = sorted_part(p);
+      std::vector<int64_t> order, bucket;
+      sorted_part(p, order, bucket);
       const int64_t m = static_cast<int64_t>(order.size());
-      int64_t q = 0;  // the next position to prefetch for
+      for (int64_t q = 0; q < std::min(m, kAhead); ++q) ahead(order[q], bucket[q]);
       for (int64_t j = 0; j < m;) {
-        const int64_t b = bucket_[order[j]];
         int64_t k = j + 1;
-        while (k < m && bucket_[order[k]] == b) ++k;
-        for (const int64_t stop = std::min(m, k + kAhead); q < stop; ++q)
-          if (q == 0 || bucket_[order[q]] != bucket_[order[q - 1]]) ahead(order[q]);
-        fn(b, order.data() + j, k - j);
+        while (k < m && bucket[k] == bucket[j]) ++k;
+        for (int64_t q = j + kAhead; q < std::min(m, k + kAhead); ++q) ahead(order[q], bucket[q]);
+        fn(bucket[j], order.data() + j, k - j);
         j = k;
       }
     });
   }
 
-  // fn(pos) for every key, in the same order.
+  // fn(pos, bucket) for every key, in the same order.
   template <class Fn, class Ahead>
   void run(Fn fn, Ahead ahead) const {
     run_buckets(
-        [&](int64_t, const int64_t* pos, int64_t m) {
-          for (int64_t j = 0; j < m; ++j) fn(pos[j]);
+        [&](int64_t bucket, const int64_t* pos, int64_t m) {
+          for (int64_t j = 0; j < m; ++j) fn(pos[j], bucket);
         },
         ahead);
   }
@@ -152,26 +154,29 @@ class BucketOrder {
     return parts_;
   }
 
-  // Part p's key positions stably sorted by bucket: a counting sort over the
-  // part's bucket range when that is dense enough, else a stable sort.
-  std::vector<int64_t> sorted_part(int64_t p) const {
+  // Part p's key positions stably sorted by bucket (order) and their buckets:
+  // a counting sort over the part's bucket range when that is dense enough,
+  // else a stable sort.
+  void sorted_part(int64_t p, std::vector<int64_t>& order, std::vector<int64_t>& bucket) const {
     const int64_t b = sp_.begin(p), m = sp_.end(p) - b;
-    std::vector<int64_t> out(m);
+    order.resize(m);
+    bucket.resize(m);
     const int64_t lo = (p * num_buckets_ + parts_ - 1) / parts_;  // part(i) == p <=> bucket in [lo, hi)
     const int64_t hi = ((p + 1) * num_buckets_ + parts_ - 1) / parts_;
     if (hi - lo > 4 * m + 64) {
-      for (int64_t j = 0; j < m; ++j) out[j] = sp_.pos(b + j);
-      std::stable_sort(out.begin(), out.end(), [&](int64_t x, int64_t y) { return bucket_[x] < bucket_[y]; });
-      return out;
+      for (int64_t j = 0; j < m; ++j) order[j] = sp_.pos(b + j);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return bucket_[x] < bucket_[y]; });
+      for (int64_t j = 0; j < m; ++j) bucket[j] = bucket_[order[j]];
+      return;
     }
     std::vector<int64_t> at(hi - lo + 1, 0);
     for (int64_t j = 0; j < m; ++j) ++at[bucket_[sp_.pos(b + j)] - lo + 1];
     for (int64_t c = 1; c <= hi - lo; ++c) at[c] += at[c - 1];
     for (int64_t j = 0; j < m; ++j) {
-      const int64_t i = sp_.pos(b + j);
-      out[at[bucket_[i] - lo]++] = i;
+      const int64_t i = sp_.pos(b + j), o = at[bucket_[i] - lo]++;
+      order[o] = i;
+      bucket[o] = bucket_[i];
     }
-    return out;
   }
 
   const int64_t* bucket_;
@@ -410,8 +415,8 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
   const int64_t dflt = default_key_score(strategy, call_score);
   BucketOrder(n, P.bucket.data(), L.num_buckets())
       .run(
-          [&](int64_t i) {
-            const int64_t base = P.bucket[i] * L.cap;
+          [&](int64_t i, int64_t bucket) {
+            const int64_t base = bucket * L.cap;
             const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
             out[i] = s >= 0 ? base + s : -1;
             fnd[i] = s >= 0;
@@ -419,7 +424,14 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
             sc[base + s] = score_on_access(strategy, sc[base + s], call_score, ks ? ks[i] : dflt);
             if (ts) ts[base + s] = call_score;
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            if (ks) prefetch(ks + i);
+            prefetch_write(out + i);
+            prefetch_write(fnd + i);
+          });
   return {indices, found};
 }
 
@@ -509,7 +521,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
               out[i] = base + s;
             }
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            if (ks) prefetch(ks + i);
+            prefetch_write(out + i);
+            prefetch_write(res + i);
+            if (evicts) {
+              prefetch_write(&ev_key[i]);
+              prefetch_write(&ev_score[i]);
+            }
+          });
 
   // Counters: inserted (new keys stored, by a free slot or by evicting),
   // evicted, failed; the size grows by the keys that took a free slot.
@@ -563,13 +586,18 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
   bool* er = erased.data_ptr<bool>();
   BucketOrder(n, P.bucket.data(), L.num_buckets())
       .run(
-          [&](int64_t i) {
-            const int64_t base = P.bucket[i] * L.cap;
+          [&](int64_t i, int64_t bucket) {
+            const int64_t base = bucket * L.cap;
             const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
             er[i] = s >= 0;
             if (s >= 0) sd[base + s] = kErased;
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            prefetch_write(er + i);
+          });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
   int64_t* sz = sizes.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];
