@@ -15,6 +15,12 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "table_lookup(Tensor slot_keys, Tensor slot_digests, Tensor table_buckets, Tensor keys, "
       "Tensor? table_ids, int bucket_capacity) -> (Tensor indices, Tensor found)");
+  // table_lookup, and each key's row of values [slots, dim] copied into out
+  // [keys, dim] (zeros where the key is missing).
+  m.def(
+      "table_lookup_gather(Tensor slot_keys, Tensor slot_digests, Tensor table_buckets, Tensor keys, "
+      "Tensor? table_ids, int bucket_capacity, Tensor values, Tensor(a!) out) "
+      "-> (Tensor indices, Tensor found)");
   m.def(
       "table_lookup_refresh(Tensor slot_keys, Tensor slot_digests, Tensor(a!) slot_scores, "
       "Tensor(b!) slot_timestamps, Tensor table_buckets, Tensor keys, Tensor? table_ids, "

@@ -17,6 +17,11 @@ def _lookup_fake(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
+@torch.library.register_fake(_lib + "table_lookup_gather")
+def _lookup_gather_fake(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity, values, out):
+    return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+
+
 @torch.library.register_fake(_lib + "table_lookup_refresh")
 def _lookup_refresh_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, table_buckets,
                          keys, table_ids, key_scores, strategy, bucket_capacity, call_score):

@@ -200,6 +200,23 @@ class ScoredHashTable:
                                         self.slot_timestamps, self._table_buckets, keys, tids, per_key,
                                         self.strategy, self.bucket_capacity, call)
 
+    def lookup_gather(self, keys: torch.Tensor, values: torch.Tensor, table_ids=None,
+                      out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, indices, found): ``lookup`` fused with the gather of each
+        key's row of ``values`` ([capacity, dim], float32 / float16 /
+        bfloat16, on the table's device, indexed by slot). ``rows`` is
+        [len(keys), dim] of values' dtype (``out`` when given), zeros where a
+        key is missing. Scores are not refreshed."""
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+            raise ValueError(f"values must be a 2-D tensor [capacity, dim], got {getattr(values, 'shape', values)!r:.80}")
+        if out is None:
+            out = values.new_empty((keys.numel(), values.shape[1]))
+        idx, found = ops.table_lookup_gather(self.slot_keys, self.slot_digests, self._table_buckets, keys, tids,
+                                             self.bucket_capacity, values, out)
+        return out, idx, found
+
     def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
                same_call: bool = False) -> InsertOutput:
         """Finds or stores every key (see API.md §6 for the exact rules).

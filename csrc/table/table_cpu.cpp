@@ -13,11 +13,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "common/parallel_cpu.h"
+#include "table/table_checks.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -29,14 +31,14 @@ using at::Tensor;
 constexpr int64_t kSerialBelow = 4096;  // keys; smaller calls run on one thread
 
 void prefetch(const void* p) { __builtin_prefetch(p, 0, 1); }
+void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
 
 // ---- validation --------------------------------------------------------------
 
+const at::Device kCpu(at::kCPU);
+
 void check_tensor(const Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "dynamicemb: ", name, " must be contiguous");
+  table::check_tensor(t, dtype, name, kCpu);
 }
 
 // The table layout: table t owns buckets [tb[t], tb[t+1]).
@@ -62,27 +64,6 @@ void check_slots(const Tensor& t, at::ScalarType dtype, const char* name, const 
   check_tensor(t, dtype, name);
   TORCH_CHECK(t.dim() == 1 && t.numel() == L.num_slots(), "dynamicemb: ", name, " must hold ",
               L.num_slots(), " slots, got shape ", t.sizes());
-}
-
-// Keys (and per-key table ids / scores) must be 1-D int64 of one length.
-int64_t check_keys(const Tensor& keys, const std::optional<Tensor>& table_ids,
-                   const std::optional<Tensor>& key_scores) {
-  check_tensor(keys, at::kLong, "keys");
-  TORCH_CHECK(keys.dim() == 1, "dynamicemb: keys must be 1-D, got shape ", keys.sizes());
-  const int64_t n = keys.numel();
-  if (table_ids) {
-    check_tensor(*table_ids, at::kLong, "table_ids");
-    TORCH_CHECK(table_ids->dim() == 1 && table_ids->numel() == n,
-                "dynamicemb: table_ids must be 1-D with one entry per key (", n, "), got shape ",
-                table_ids->sizes());
-  }
-  if (key_scores) {
-    check_tensor(*key_scores, at::kLong, "scores");
-    TORCH_CHECK(key_scores->dim() == 1 && key_scores->numel() == n,
-                "dynamicemb: scores must be 1-D with one entry per key (", n, "), got shape ",
-                key_scores->sizes());
-  }
-  return n;
 }
 
 const int64_t* opt_ptr(const std::optional<Tensor>& t) {
@@ -120,35 +101,86 @@ Placed place_keys(const int64_t* keys, const int64_t* tids, int64_t n, const Lay
   return p;
 }
 
-// Runs fn(pos) for every key so that the keys of one bucket go in input
-// order while different buckets go in parallel: key positions partitioned
-// (stably) by part, a contiguous range of buckets, then one task per part.
+// Runs the keys so that the keys of one bucket go in input order while
+// different buckets go in parallel: key positions are partitioned (stably)
+// into parts, each a contiguous range of buckets, and each part is then
+// sorted (stably) by bucket. A part's buckets are thus visited in address
+// order (the hardware prefetcher follows), and each bucket's keys come as one
+// run, which lets insert pick several victims from one scan of the bucket.
 class BucketOrder {
  public:
   BucketOrder(int64_t n, const int64_t* bucket, int64_t num_buckets)
-      : sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
+      : bucket_(bucket),
+        num_buckets_(num_buckets),
+        sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
 
-  // fn(pos) processes one key; ahead(pos) may prefetch for a key soon due.
-  template <class Fn, class Ahead>
-  void run(Fn fn, Ahead ahead) const {
-    constexpr int64_t kAhead = 8;
+  // fn(bucket, positions, count) for each run of one bucket's keys (positions
+  // in input order); ahead(pos, bucket) may prefetch for a key soon due. The order
+  // visits positions at random, so `ahead` should fetch the key's inputs and
+  // outputs as well as its bucket.
+  template <class RunFn, class Ahead>
+  void run_buckets(RunFn fn, Ahead ahead) const {
+    constexpr int64_t kAhead = 32;  // keys
     sp_.for_each_part([&](int64_t p) {
-      const int64_t e = sp_.end(p);
-      for (int64_t j = sp_.begin(p); j < e; ++j) {
-        if (j + kAhead < e) ahead(sp_.pos(j + kAhead));
-        fn(sp_.pos(j));
+      std::vector<int64_t> order, bucket;
+      sorted_part(p, order, bucket);
+      const int64_t m = static_cast<int64_t>(order.size());
+      for (int64_t q = 0; q < std::min(m, kAhead); ++q) ahead(order[q], bucket[q]);
+      for (int64_t j = 0; j < m;) {
+        int64_t k = j + 1;
+        while (k < m && bucket[k] == bucket[j]) ++k;
+        for (int64_t q = j + kAhead; q < std::min(m, k + kAhead); ++q) ahead(order[q], bucket[q]);
+        fn(bucket[j], order.data() + j, k - j);
+        j = k;
       }
     });
   }
 
+  // fn(pos, bucket) for every key, in the same order.
+  template <class Fn, class Ahead>
+  void run(Fn fn, Ahead ahead) const {
+    run_buckets(
+        [&](int64_t bucket, const int64_t* pos, int64_t m) {
+          for (int64_t j = 0; j < m; ++j) fn(pos[j], bucket);
+        },
+        ahead);
+  }
+
  private:
-  // Small calls (or one thread) run in input order as one part.
+  // Small calls run as one part.
   int64_t parts(int64_t n, int64_t num_buckets) {
     const int64_t threads = at::get_num_threads();
-    parts_ = (n < kSerialBelow || threads == 1) ? 1 : std::max<int64_t>(1, std::min<int64_t>({num_buckets, 64 * threads, n / 64}));
+    parts_ = n < kSerialBelow ? 1 : std::max<int64_t>(1, std::min<int64_t>({num_buckets, 64 * threads, n / 64}));
     return parts_;
   }
 
+  // Part p's key positions stably sorted by bucket (order) and their buckets:
+  // a counting sort over the part's bucket range when that is dense enough,
+  // else a stable sort.
+  void sorted_part(int64_t p, std::vector<int64_t>& order, std::vector<int64_t>& bucket) const {
+    const int64_t b = sp_.begin(p), m = sp_.end(p) - b;
+    order.resize(m);
+    bucket.resize(m);
+    const int64_t lo = (p * num_buckets_ + parts_ - 1) / parts_;  // part(i) == p <=> bucket in [lo, hi)
+    const int64_t hi = ((p + 1) * num_buckets_ + parts_ - 1) / parts_;
+    if (hi - lo > 4 * m + 64) {
+      for (int64_t j = 0; j < m; ++j) order[j] = sp_.pos(b + j);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return bucket_[x] < bucket_[y]; });
+      for (int64_t j = 0; j < m; ++j) bucket[j] = bucket_[order[j]];
+      return;
+    }
+    std::vector<int64_t> at(hi - lo + 1, 0);
+    for (int64_t j = 0; j < m; ++j) ++at[bucket_[sp_.pos(b + j)] - lo + 1];
+    for (int64_t c = 1; c <= hi - lo; ++c) at[c] += at[c - 1];
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = sp_.pos(b + j), o = at[bucket_[i] - lo]++;
+      order[o] = i;
+      bucket[o] = bucket_[i];
+    }
+  }
+
+  const int64_t* bucket_;
+  int64_t num_buckets_;
   int64_t parts_ = 1;  // set before sp_ is built (declared first)
   cpu::StablePartition sp_;
 };
@@ -165,11 +197,33 @@ Tensor new_tensor(int64_t n, at::ScalarType dtype) {
   return at::empty({n}, at::TensorOptions().dtype(dtype));
 }
 
-// Slot of a key found earlier in a bucket: global index = bucket * cap + slot.
+// Prefetches the digests of the bucket at slot `base` (both lines for 128 slots).
 void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
   prefetch(digests + base);
   if (cap > 64) prefetch(digests + base + 64);
 }
+
+// The victims of one run of a bucket's keys (victim_candidates in
+// table_rules.h): the bucket's scores are scanned once, at the run's first
+// eviction, for as many victims as keys are left in the run.
+class RunVictims {
+ public:
+  // The victim for a key with `keys_left` keys of the run left, itself included.
+  int next(const int64_t* scores, const int32_t* epochs, int cap, int32_t epoch, int64_t keys_left) {
+    if (m_ < 0) {
+      thread_local std::vector<int> buf;
+      buf.resize(cap);
+      cand_ = buf.data();
+      m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)), cand_);
+    }
+    return next_victim(cand_, m_, &cursor_, epochs, epoch);
+  }
+
+ private:
+  int* cand_ = nullptr;
+  int m_ = -1;  // -1: not built yet
+  int cursor_ = 0;
+};
 
 }  // namespace
 }  // namespace table
@@ -179,78 +233,159 @@ namespace dynamicemb {
 namespace table {
 namespace {
 
-// ---- lookup (read-only) ----------------------------------------------------------
+// ---- lookup (read-only), with or without a gather of value rows -------------------
+
+// What a read-only lookup reads and writes.
+struct LookupView {
+  Layout L;
+  const int64_t* keys;
+  const int64_t* tids;  // null: every key in table 0
+  const int64_t* sk;
+  const uint8_t* sd;
+  int64_t* out;  // slot index per key, -1 where missing
+  bool* found;
+};
+
+// Rows of a [slots, row_bytes] values array copied to dst [n, row_bytes].
+struct RowGather {
+  const char* values;
+  char* dst;
+  int64_t row_bytes;
+};
+
+constexpr int64_t kLookupBlock = 16;      // keys per pipeline stage
+constexpr int64_t kRowPrefetchBytes = 1024;  // beyond that the hardware prefetcher follows
+
+// A software pipeline over blocks of kLookupBlock keys, so that the cache
+// misses of one key overlap with other keys' work: at step t, stage s works
+// on block t - s and touches only lines that stage s - 1 prefetched a step
+// earlier.
+//   0 place:  hash, bucket, digest; prefetch the bucket's digests
+//   1 probe:  scan the digests; prefetch the first candidate's key
+//   2 find:   compare keys -> slot index; with a gather, prefetch the row
+//   3 copy:   (gather only) copy the row, zeros for a missing key
+// Returns the lowest key position with a bad table id, or -1.
+template <bool kGather>
+int64_t lookup_pipeline(const LookupView& v, const RowGather& g, int64_t n) {
+  constexpr int kStages = kGather ? 4 : 3;
+  constexpr int64_t B = kLookupBlock;
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
+    int64_t base[kStages][B];  // bucket's first slot, -1 for a bad table id
+    uint8_t dg[kStages][B];
+    const int64_t blocks = (e - b + B - 1) / B;
+    auto first = [&](int64_t blk) { return b + blk * B; };
+    auto size = [&](int64_t blk) { return std::min(B, e - first(blk)); };
+    auto place = [&](int64_t blk) {
+      int64_t* bs = base[blk % kStages];
+      uint8_t* ds = dg[blk % kStages];
+      for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) {
+        const int64_t t = v.tids ? v.tids[i] : 0;
+        if (t < 0 || t >= v.L.num_tables) {
+          bad.store(i, std::memory_order_relaxed);
+          bs[j] = -1;
+          continue;
+        }
+        const uint64_t h = key_hash(v.keys[i]);
+        bs[j] = (v.L.tb[t] + bucket_in_table(h, v.L.tb[t + 1] - v.L.tb[t])) * v.L.cap;
+        ds[j] = digest_of(h);
+        prefetch_bucket(v.sd, bs[j], v.L.cap);
+      }
+    };
+    auto probe = [&](int64_t blk) {
+      const int64_t* bs = base[blk % kStages];
+      const uint8_t* ds = dg[blk % kStages];
+      for (int64_t j = 0; j < size(blk); ++j) {
+        if (bs[j] < 0) continue;
+        const int c = first_digest_match(v.sd + bs[j], v.L.cap, ds[j]);
+        if (c >= 0) prefetch(v.sk + bs[j] + c);
+      }
+    };
+    auto find = [&](int64_t blk) {
+      const int64_t* bs = base[blk % kStages];
+      const uint8_t* ds = dg[blk % kStages];
+      for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) {
+        const int s = bs[j] < 0 ? -1
+                                : find_in_bucket<false>(v.sd + bs[j], v.sk + bs[j], v.L.cap, ds[j],
+                                                        v.keys[i], nullptr);
+        v.out[i] = s >= 0 ? bs[j] + s : -1;
+        v.found[i] = s >= 0;
+        if (kGather && s >= 0) {
+          const char* row = g.values + (bs[j] + s) * g.row_bytes;
+          for (int64_t o = 0; o < std::min(g.row_bytes, kRowPrefetchBytes); o += 64) prefetch(row + o);
+        }
+      }
+    };
+    auto copy = [&](int64_t blk) {
+      for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) {
+        char* dst = g.dst + i * g.row_bytes;
+        if (v.out[i] >= 0) std::memcpy(dst, g.values + v.out[i] * g.row_bytes, g.row_bytes);
+        else std::memset(dst, 0, g.row_bytes);
+      }
+    };
+    auto live = [&](int64_t blk) { return blk >= 0 && blk < blocks; };
+    for (int64_t t = 0; t < blocks + kStages - 1; ++t) {
+      if (live(t)) place(t);
+      if (live(t - 1)) probe(t - 1);
+      if (live(t - 2)) find(t - 2);
+      if (kGather && live(t - 3)) copy(t - 3);
+    }
+  });
+  return bad.load();
+}
+
+void check_table_ids(int64_t bad, const int64_t* tids, const Layout& L) {
+  TORCH_CHECK(bad < 0, "dynamicemb: table id ", bad >= 0 ? tids[bad] : 0, " (key position ", bad,
+              ") is out of range [0, ", L.num_tables, ")");
+}
+
+// The checked inputs and new outputs of a read-only lookup.
+struct LookupCall {
+  LookupView view;
+  Tensor indices, found;
+};
+
+LookupCall prepare_lookup(const Tensor& slot_keys, const Tensor& slot_digests,
+                          const Tensor& table_buckets, const Tensor& keys,
+                          const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
+  const Layout L = make_layout(table_buckets, bucket_capacity);
+  check_slots(slot_keys, at::kLong, "slot_keys", L);
+  check_slots(slot_digests, at::kByte, "slot_digests", L);
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, kCpu);
+  Tensor indices = new_tensor(n, at::kLong);
+  Tensor found = new_tensor(n, at::kBool);
+  const LookupView v{L,
+                     keys.data_ptr<int64_t>(),
+                     opt_ptr(table_ids),
+                     slot_keys.data_ptr<int64_t>(),
+                     slot_digests.data_ptr<uint8_t>(),
+                     indices.data_ptr<int64_t>(),
+                     found.data_ptr<bool>()};
+  return {v, indices, found};
+}
 
 std::tuple<Tensor, Tensor> lookup_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
                                       const Tensor& table_buckets, const Tensor& keys,
                                       const std::optional<Tensor>& table_ids,
                                       int64_t bucket_capacity) {
-  const Layout L = make_layout(table_buckets, bucket_capacity);
-  check_slots(slot_keys, at::kLong, "slot_keys", L);
-  check_slots(slot_digests, at::kByte, "slot_digests", L);
-  const int64_t n = check_keys(keys, table_ids, std::nullopt);
-  Tensor indices = new_tensor(n, at::kLong);
-  Tensor found = new_tensor(n, at::kBool);
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int64_t* tids = opt_ptr(table_ids);
-  const int64_t* sk = slot_keys.data_ptr<int64_t>();
-  const uint8_t* sd = slot_digests.data_ptr<uint8_t>();
-  int64_t* out = indices.data_ptr<int64_t>();
-  bool* fnd = found.data_ptr<bool>();
-  std::atomic<int64_t> bad{-1};
-  // A three-stage pipeline over blocks of 16 keys, so that the misses of a
-  // lookup overlap with other keys' work: block k+2 is hashed and its digest
-  // lines prefetched, block k+1's digests are scanned and the candidate key
-  // line prefetched, block k is searched (both lines now cached).
-  at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
-    constexpr int64_t B = 16;
-    int64_t base[3][B];
-    uint8_t dg[3][B];
-    const int64_t blocks = (e - b + B - 1) / B;
-    auto size_of = [&](int64_t blk) { return std::min(B, e - (b + blk * B)); };
-    for (int64_t blk = 0; blk < blocks + 2; ++blk) {
-      if (blk < blocks) {  // stage 1: hash, prefetch the bucket's digests
-        int64_t* bs = base[blk % 3];
-        uint8_t* ds = dg[blk % 3];
-        const int64_t i0 = b + blk * B;
-        for (int64_t j = 0; j < size_of(blk); ++j) {
-          const int64_t t = tids ? tids[i0 + j] : 0;
-          if (t < 0 || t >= L.num_tables) {
-            bad.store(i0 + j, std::memory_order_relaxed);
-            bs[j] = -1;
-            continue;
-          }
-          const uint64_t h = key_hash(k[i0 + j]);
-          bs[j] = (L.tb[t] + bucket_in_table(h, L.tb[t + 1] - L.tb[t])) * L.cap;
-          ds[j] = digest_of(h);
-          prefetch_bucket(sd, bs[j], L.cap);
-        }
-      }
-      if (blk >= 1 && blk - 1 < blocks) {  // stage 2: prefetch the candidate's key
-        const int64_t* bs = base[(blk - 1) % 3];
-        const uint8_t* ds = dg[(blk - 1) % 3];
-        for (int64_t j = 0; j < size_of(blk - 1); ++j) {
-          if (bs[j] < 0) continue;
-          const int c = first_digest_match(sd + bs[j], L.cap, ds[j]);
-          if (c >= 0) prefetch(sk + bs[j] + c);
-        }
-      }
-      if (blk >= 2) {  // stage 3: search
-        const int64_t* bs = base[(blk - 2) % 3];
-        const uint8_t* ds = dg[(blk - 2) % 3];
-        const int64_t i0 = b + (blk - 2) * B;
-        for (int64_t j = 0; j < size_of(blk - 2); ++j) {
-          const int s = bs[j] < 0 ? -1 : find_in_bucket<false>(sd + bs[j], sk + bs[j], L.cap, ds[j], k[i0 + j], nullptr);
-          out[i0 + j] = s >= 0 ? bs[j] + s : -1;
-          fnd[i0 + j] = s >= 0;
-        }
-      }
-    }
-  });
-  const int64_t i = bad.load();
-  TORCH_CHECK(i < 0, "dynamicemb: table id ", i >= 0 ? tids[i] : 0, " (key position ", i,
-              ") is out of range [0, ", L.num_tables, ")");
-  return {indices, found};
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  check_table_ids(lookup_pipeline<false>(c.view, RowGather{}, keys.numel()), c.view.tids, c.view.L);
+  return {c.indices, c.found};
+}
+
+// lookup + copy of each key's row of `values` into `out` (zeros where missing).
+std::tuple<Tensor, Tensor> lookup_gather_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
+                                             const Tensor& table_buckets, const Tensor& keys,
+                                             const std::optional<Tensor>& table_ids,
+                                             int64_t bucket_capacity, const Tensor& values,
+                                             const Tensor& out) {
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  const int64_t row_bytes = check_gather(values, out, keys.numel(), c.view.L.num_slots(), kCpu);
+  const RowGather g{static_cast<const char*>(values.const_data_ptr()), static_cast<char*>(out.data_ptr()),
+                    row_bytes};
+  // A bad table id fails the call; out may then hold some rows already.
+  check_table_ids(lookup_pipeline<true>(c.view, g, keys.numel()), c.view.tids, c.view.L);
+  return {c.indices, c.found};
 }
 
 // ---- lookup that refreshes scores ------------------------------------------------
@@ -265,7 +400,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_slots(slot_scores, at::kLong, "slot_scores", L);
   if (keeps_timestamps(strategy)) check_slots(slot_timestamps, at::kLong, "slot_timestamps", L);
-  const int64_t n = check_keys(keys, table_ids, key_scores);
+  const int64_t n = check_keys(keys, table_ids, key_scores, kCpu);
   Tensor indices = new_tensor(n, at::kLong);
   Tensor found = new_tensor(n, at::kBool);
   const int64_t* k = keys.data_ptr<int64_t>();
@@ -280,8 +415,8 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
   const int64_t dflt = default_key_score(strategy, call_score);
   BucketOrder(n, P.bucket.data(), L.num_buckets())
       .run(
-          [&](int64_t i) {
-            const int64_t base = P.bucket[i] * L.cap;
+          [&](int64_t i, int64_t bucket) {
+            const int64_t base = bucket * L.cap;
             const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
             out[i] = s >= 0 ? base + s : -1;
             fnd[i] = s >= 0;
@@ -289,7 +424,14 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
             sc[base + s] = score_on_access(strategy, sc[base + s], call_score, ks ? ks[i] : dflt);
             if (ts) ts[base + s] = call_score;
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            if (ks) prefetch(ks + i);
+            prefetch_write(out + i);
+            prefetch_write(fnd + i);
+          });
   return {indices, found};
 }
 
@@ -319,7 +461,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   TORCH_CHECK(sizes.numel() == L.num_tables && counters.numel() == 3 * L.num_tables,
               "dynamicemb: sizes / counters must hold 1 / 3 entries per table");
   TORCH_CHECK(epoch > 0 && epoch <= INT32_MAX, "dynamicemb: epoch must be in [1, 2^31)");
-  const int64_t n = check_keys(keys, table_ids, key_scores);
+  const int64_t n = check_keys(keys, table_ids, key_scores, kCpu);
 
   Tensor indices = new_tensor(n, at::kLong);
   Tensor results = new_tensor(n, at::kChar);
@@ -339,41 +481,58 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   const int64_t dflt = default_key_score(strategy, call_score);
   const int32_t e32 = static_cast<int32_t>(epoch);
 
+  const bool evicts = may_evict(strategy);
+  const int cap = static_cast<int>(L.cap);
   BucketOrder(n, P.bucket.data(), L.num_buckets())
-      .run(
-          [&](int64_t i) {
-            const int64_t base = P.bucket[i] * L.cap;
-            const int64_t key_score = ks ? ks[i] : dflt;
-            int free_slot;
-            int s = find_in_bucket<true>(sd + base, sk + base, L.cap, P.digest[i], k[i], &free_slot);
-            if (s >= 0) {
-              sc[base + s] = score_on_access(strategy, sc[base + s], call_score, key_score);
-              res[i] = kAssigned;
-            } else {
-              s = free_slot;
-              res[i] = kInserted;
-              if (s < 0 && may_evict(strategy) && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])) {
-                s = pick_victim(sc + base, ep + base, L.cap, e32);
-                if (s >= 0) {
-                  ev_key[i] = sk[base + s];
-                  ev_score[i] = sc[base + s];
-                  res[i] = kEvicted;
+      .run_buckets(
+          [&](int64_t bucket, const int64_t* pos, int64_t m) {
+            const int64_t base = bucket * L.cap;
+            RunVictims victims;
+            for (int64_t q = 0; q < m; ++q) {
+              const int64_t i = pos[q];
+              const int64_t key_score = ks ? ks[i] : dflt;
+              int free_slot;
+              int s = find_in_bucket<true>(sd + base, sk + base, cap, P.digest[i], k[i], &free_slot);
+              if (s >= 0) {
+                sc[base + s] = score_on_access(strategy, sc[base + s], call_score, key_score);
+                res[i] = kAssigned;
+              } else {
+                s = free_slot;
+                res[i] = kInserted;
+                if (s < 0 && evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])) {
+                  s = victims.next(sc + base, ep + base, cap, e32, m - q);
+                  if (s >= 0) {
+                    ev_key[i] = sk[base + s];
+                    ev_score[i] = sc[base + s];
+                    res[i] = kEvicted;
+                  }
                 }
+                if (s < 0) {
+                  res[i] = kFailed;
+                  out[i] = -1;
+                  continue;
+                }
+                sk[base + s] = k[i];
+                sd[base + s] = P.digest[i];
+                sc[base + s] = score_on_insert(strategy, call_score, key_score);
               }
-              if (s < 0) {
-                res[i] = kFailed;
-                out[i] = -1;
-                return;
-              }
-              sk[base + s] = k[i];
-              sd[base + s] = P.digest[i];
-              sc[base + s] = score_on_insert(strategy, call_score, key_score);
+              if (ts) ts[base + s] = call_score;
+              ep[base + s] = e32;
+              out[i] = base + s;
             }
-            if (ts) ts[base + s] = call_score;
-            ep[base + s] = e32;
-            out[i] = base + s;
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            if (ks) prefetch(ks + i);
+            prefetch_write(out + i);
+            prefetch_write(res + i);
+            if (evicts) {
+              prefetch_write(&ev_key[i]);
+              prefetch_write(&ev_score[i]);
+            }
+          });
 
   // Counters: inserted (new keys stored, by a free slot or by evicting),
   // evicted, failed; the size grows by the keys that took a free slot.
@@ -417,7 +576,7 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_tensor(sizes, at::kLong, "sizes");
   TORCH_CHECK(sizes.numel() == L.num_tables, "dynamicemb: sizes must hold one entry per table");
-  const int64_t n = check_keys(keys, table_ids, std::nullopt);
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, kCpu);
   Tensor erased = new_tensor(n, at::kBool);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* tids = opt_ptr(table_ids);
@@ -427,13 +586,18 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
   bool* er = erased.data_ptr<bool>();
   BucketOrder(n, P.bucket.data(), L.num_buckets())
       .run(
-          [&](int64_t i) {
-            const int64_t base = P.bucket[i] * L.cap;
+          [&](int64_t i, int64_t bucket) {
+            const int64_t base = bucket * L.cap;
             const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
             er[i] = s >= 0;
             if (s >= 0) sd[base + s] = kErased;
           },
-          [&](int64_t i) { prefetch_bucket(sd, P.bucket[i] * L.cap, L.cap); });
+          [&](int64_t i, int64_t bucket) {
+            prefetch_bucket(sd, bucket * L.cap, L.cap);
+            prefetch(k + i);
+            prefetch(&P.digest[i]);
+            prefetch_write(er + i);
+          });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
   int64_t* sz = sizes.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];
@@ -560,6 +724,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cpu(
 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("table_lookup", &lookup_cpu);
+  m.impl("table_lookup_gather", &lookup_gather_cpu);
   m.impl("table_lookup_refresh", &lookup_refresh_cpu);
   m.impl("table_insert", &insert_cpu);
   m.impl("table_erase", &erase_cpu);

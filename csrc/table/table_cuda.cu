@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "common/cuda_utils.cuh"
+#include "table/table_checks.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -64,14 +65,6 @@ using cuda::kThreads;  // threads per block
 constexpr int kTilesPerBlock = kThreads / kGroupSize;
 
 // ---- validation ------------------------------------------------------------------
-
-void check_tensor(const Tensor& t, at::ScalarType dtype, const char* name, const at::Device& dev) {
-  TORCH_CHECK(t.device() == dev, "dynamicemb: ", name, " must be on ", dev,
-              " (the table's device), got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "dynamicemb: ", name, " must be contiguous");
-}
 
 // The table's device (that of slot_keys): every other tensor must be on it.
 at::Device table_device(const Tensor& slot_keys) {
@@ -113,26 +106,6 @@ void check_slots(const Tensor& t, at::ScalarType dtype, const char* name, const 
   check_tensor(t, dtype, name, L.dev);
   TORCH_CHECK(t.dim() == 1 && t.numel() == L.num_slots(), "dynamicemb: ", name, " must hold ",
               L.num_slots(), " slots, got shape ", t.sizes());
-}
-
-int64_t check_keys(const Layout& L, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                   const std::optional<Tensor>& key_scores) {
-  check_tensor(keys, at::kLong, "keys", L.dev);
-  TORCH_CHECK(keys.dim() == 1, "dynamicemb: keys must be 1-D, got shape ", keys.sizes());
-  const int64_t n = keys.numel();
-  if (table_ids) {
-    check_tensor(*table_ids, at::kLong, "table_ids", L.dev);
-    TORCH_CHECK(table_ids->dim() == 1 && table_ids->numel() == n,
-                "dynamicemb: table_ids must be 1-D with one entry per key (", n, "), got shape ",
-                table_ids->sizes());
-  }
-  if (key_scores) {
-    check_tensor(*key_scores, at::kLong, "scores", L.dev);
-    TORCH_CHECK(key_scores->dim() == 1 && key_scores->numel() == n,
-                "dynamicemb: scores must be 1-D with one entry per key (", n, "), got shape ",
-                key_scores->sizes());
-  }
-  return n;
 }
 
 const int64_t* opt_ptr(const std::optional<Tensor>& t) {
@@ -272,10 +245,10 @@ struct LookupArgs {
   bool* found;
 };
 
-__global__ void lookup_kernel(LookupArgs a) {
-  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
-  if (i >= a.n) return;
+// The tile's lookup of key i: the global slot (-1 where missing), written out
+// by lane 0; every lane returns it.
+template <class Tile>
+__device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArgs& a, int64_t i) {
   const bool lead = tile.thread_rank() == 0;
   uint8_t d = 0;
   const int32_t b = place_key(a.place, i, &d, lead);
@@ -288,6 +261,57 @@ __global__ void lookup_kernel(LookupArgs a) {
     a.out[i] = s >= 0 ? base + s : -1;
     a.found[i] = s >= 0;
   }
+  return s >= 0 ? base + s : -1;
+}
+
+__global__ void lookup_kernel(LookupArgs a) {
+  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  if (i >= a.n) return;
+  tile_lookup(tile, a, i);
+}
+
+// One tile per key: the tile finds the key, then its 16 lanes copy the row in
+// `Unit`s (zeros where the key is missing). row_units: Units per row.
+template <class Unit>
+__global__ void lookup_gather_kernel(LookupArgs a, const Unit* values, Unit* out, int64_t row_units) {
+  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  if (i >= a.n) return;
+  const int64_t slot = tile_lookup(tile, a, i);
+  Unit* dst = out + i * row_units;
+  const int64_t lane = tile.thread_rank();
+  if (slot >= 0) {
+    const Unit* src = values + slot * row_units;
+    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = src[u];
+  } else {
+    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = Unit{};
+  }
+}
+
+// The checked inputs and new outputs of a read-only lookup.
+struct LookupCall {
+  Layout L;
+  Tensor indices, found;
+  int64_t n;
+};
+
+LookupCall prepare_lookup(const Tensor& slot_keys, const Tensor& slot_digests,
+                          const Tensor& table_buckets, const Tensor& keys,
+                          const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
+  const Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
+  check_slots(slot_keys, at::kLong, "slot_keys", L);
+  check_slots(slot_digests, at::kByte, "slot_digests", L);
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, L.dev);
+  return LookupCall{L, new_tensor(n, at::kLong, L.dev), new_tensor(n, at::kBool, L.dev), n};
+}
+
+LookupArgs lookup_args(const LookupCall& c, const Tensor& slot_keys, const Tensor& slot_digests,
+                       const Tensor& keys, const std::optional<Tensor>& table_ids,
+                       const ErrorSlots& flags) {
+  return LookupArgs{place_args(c.L, keys, table_ids, flags), c.n, c.L.cap,
+                    slot_keys.data_ptr<int64_t>(), slot_digests.data_ptr<uint8_t>(),
+                    c.indices.data_ptr<int64_t>(), c.found.data_ptr<bool>()};
 }
 
 std::tuple<Tensor, Tensor> lookup_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
@@ -295,24 +319,57 @@ std::tuple<Tensor, Tensor> lookup_cuda(const Tensor& slot_keys, const Tensor& sl
                                        const std::optional<Tensor>& table_ids,
                                        int64_t bucket_capacity) {
   const c10::cuda::CUDAGuard guard(table_device(slot_keys));
-  const Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
-  check_slots(slot_keys, at::kLong, "slot_keys", L);
-  check_slots(slot_digests, at::kByte, "slot_digests", L);
-  const int64_t n = check_keys(L, keys, table_ids, std::nullopt);
-  Tensor indices = new_tensor(n, at::kLong, L.dev);
-  Tensor found = new_tensor(n, at::kBool, L.dev);
-  if (n == 0) return {indices, found};
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  if (c.n == 0) return {c.indices, c.found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const ErrorSlots flags(2, L.dev, stream);
-  lookup_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
-      LookupArgs{place_args(L, keys, table_ids, flags), n, L.cap, slot_keys.data_ptr<int64_t>(),
-                 slot_digests.data_ptr<uint8_t>(), indices.data_ptr<int64_t>(),
-                 found.data_ptr<bool>()});
+  const ErrorSlots flags(2, c.L.dev, stream);
+  lookup_kernel<<<blocks_for(c.n, kTilesPerBlock), kThreads, 0, stream>>>(
+      lookup_args(c, slot_keys, slot_digests, keys, table_ids, flags));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids nothing can be out of range but the layout; skipping
   // the read-back keeps this lookup free of host syncs.
-  if (table_ids) check_flags(flags, table_ids, L, stream);
-  return {indices, found};
+  if (table_ids) check_flags(flags, table_ids, c.L, stream);
+  return {c.indices, c.found};
+}
+
+// Whether rows of row_bytes at both pointers can be copied in Units.
+template <class Unit>
+bool copies_in(int64_t row_bytes, const void* a, const void* b) {
+  constexpr auto u = sizeof(Unit);
+  return row_bytes % u == 0 && reinterpret_cast<uintptr_t>(a) % u == 0 &&
+         reinterpret_cast<uintptr_t>(b) % u == 0;
+}
+
+std::tuple<Tensor, Tensor> lookup_gather_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
+                                              const Tensor& table_buckets, const Tensor& keys,
+                                              const std::optional<Tensor>& table_ids,
+                                              int64_t bucket_capacity, const Tensor& values,
+                                              const Tensor& out) {
+  const c10::cuda::CUDAGuard guard(table_device(slot_keys));
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  const int64_t row_bytes = check_gather(values, out, c.n, c.L.num_slots(), c.L.dev);
+  if (c.n == 0) return {c.indices, c.found};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ErrorSlots flags(2, c.L.dev, stream);
+  const LookupArgs a = lookup_args(c, slot_keys, slot_digests, keys, table_ids, flags);
+  const void* src = values.const_data_ptr();
+  void* dst = out.data_ptr();
+  const dim3 grid = blocks_for(c.n, kTilesPerBlock);
+  // The widest copy unit the row size and both pointers allow (rows of 2- or
+  // 4-byte elements: 2 bytes always fits).
+  if (copies_in<uint4>(row_bytes, src, dst)) {
+    lookup_gather_kernel<uint4><<<grid, kThreads, 0, stream>>>(
+        a, static_cast<const uint4*>(src), static_cast<uint4*>(dst), row_bytes / 16);
+  } else if (copies_in<uint32_t>(row_bytes, src, dst)) {
+    lookup_gather_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
+        a, static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), row_bytes / 4);
+  } else {
+    lookup_gather_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+        a, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), row_bytes / 2);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (table_ids) check_flags(flags, table_ids, c.L, stream);
+  return {c.indices, c.found};
 }
 
 // ---- lookup that refreshes scores ----------------------------------------------------
@@ -363,7 +420,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cuda(
   check_slots(slot_scores, at::kLong, "slot_scores", L);
   const bool with_ts = keeps_timestamps(strategy);
   if (with_ts) check_slots(slot_timestamps, at::kLong, "slot_timestamps", L);
-  const int64_t n = check_keys(L, keys, table_ids, key_scores);
+  const int64_t n = check_keys(keys, table_ids, key_scores, L.dev);
   Tensor indices = new_tensor(n, at::kLong, L.dev);
   Tensor found = new_tensor(n, at::kBool, L.dev);
   if (n == 0) return {indices, found};
@@ -528,7 +585,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
   TORCH_CHECK(sizes.numel() == L.num_tables && counters.numel() == 3 * L.num_tables,
               "dynamicemb: sizes / counters must hold 1 / 3 entries per table");
   TORCH_CHECK(epoch > 0 && epoch <= INT32_MAX, "dynamicemb: epoch must be in [1, 2^31)");
-  const int64_t n = check_keys(L, keys, table_ids, key_scores);
+  const int64_t n = check_keys(keys, table_ids, key_scores, L.dev);
 
   Tensor indices = new_tensor(n, at::kLong, L.dev);
   Tensor results = new_tensor(n, at::kChar, L.dev);
@@ -626,7 +683,7 @@ Tensor erase_cuda(const Tensor& slot_keys, const Tensor& slot_digests, const Ten
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_tensor(sizes, at::kLong, "sizes", L.dev);
   TORCH_CHECK(sizes.numel() == L.num_tables, "dynamicemb: sizes must hold one entry per table");
-  const int64_t n = check_keys(L, keys, table_ids, std::nullopt);
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, L.dev);
   Tensor erased = new_tensor(n, at::kBool, L.dev);
   if (n == 0) return erased;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -808,6 +865,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cuda(
 
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("table_lookup", &lookup_cuda);
+  m.impl("table_lookup_gather", &lookup_gather_cuda);
   m.impl("table_lookup_refresh", &lookup_refresh_cuda);
   m.impl("table_insert", &insert_cuda);
   m.impl("table_erase", &erase_cuda);

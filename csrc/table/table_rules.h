@@ -238,6 +238,36 @@ DE_HD int pick_victim(const int64_t* scores, const int32_t* epochs, int capacity
   return best;
 }
 
+// pick_victim for several keys of one bucket in a row. Slots the call does not
+// hold never change during the call (every slot a key writes becomes held), so
+// the victim order over them is fixed: `out` gets the r lowest non-held slots
+// in victim order (fewer when fewer are free to take), and returns how many.
+// If r keys remain in the bucket's run when this is built, at most r - 1 of
+// the listed slots become held before the last of them evicts, so the first
+// listed slot not held at that time (next_victim) is pick_victim's answer.
+DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int capacity,
+                            int32_t call_epoch, int r, int* out) {
+  int m = 0;
+  for (int i = 0; i < capacity; ++i) {
+    if (epochs[i] == call_epoch) continue;
+    const int64_t s = scores[i];
+    if (m == r && !better_victim(s, i, scores[out[m - 1]], out[m - 1])) continue;
+    int j = m < r ? m++ : m - 1;  // when full, the last (worst) one drops out
+    for (; j > 0 && better_victim(s, i, scores[out[j - 1]], out[j - 1]); --j) out[j] = out[j - 1];
+    out[j] = i;
+  }
+  return m;
+}
+
+// The next victim from victim_candidates' list: the first listed slot not held
+// now; `*cursor` skips the ones taken (held slots stay held). -1 when every
+// listed slot is held, which with a list shorter than r means every slot is.
+DE_HD int next_victim(const int* cand, int m, int* cursor, const int32_t* epochs,
+                      int32_t call_epoch) {
+  while (*cursor < m && epochs[cand[*cursor]] == call_epoch) ++*cursor;
+  return *cursor < m ? cand[*cursor] : -1;
+}
+
 #if defined(__CUDACC__)
 // pick_victim for a 16-lane tile: each lane takes slots lane, lane + 16, ...,
 // then a butterfly reduction under better_victim. (score, slot) is a total

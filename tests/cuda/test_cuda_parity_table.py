@@ -91,6 +91,12 @@ class Twin:
         self.check_state()
         return a
 
+    def lookup_gather(self, keys, tids, values):
+        a, b = self._both("lookup_gather", keys, values, self._tids(tids))
+        for x, y in zip(a, b):
+            same(x, y)
+        return a
+
     def erase(self, keys, tids):
         a, b = self._both("erase", keys, self._tids(tids))
         same(a, b)
@@ -270,6 +276,10 @@ def test_many_keys_per_bucket(name, monkeypatch):
         tw.insert(keys, tids, scores=_scores(name, gen, keys.numel()))
         tw.lookup(keys, tids, update_score=True, scores=_scores(name, gen, keys.numel()))
     tw.erase(keys[::2], tids[::2])
+    for dtype, dim in [(torch.float32, 64), (torch.float16, 7), (torch.bfloat16, 3)]:
+        values = torch.randn(1024, dim, generator=gen).to(dtype)
+        found = tw.lookup_gather(keys, tids, values)[2]
+        assert 0 < int(found.sum()) < keys.numel()  # hits and misses (zero rows)
     tw.export(batch_size=100)
     tw.grow(2048)
 

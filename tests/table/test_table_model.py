@@ -148,3 +148,53 @@ def test_very_large_batch_matches_model(threads):
     p.insert(keys, tids, [rng.randrange(5) for _ in keys])
     p.erase(keys[:20000], tids[:20000])
     p.export()
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+@pytest.mark.parametrize("cap,buckets", [(16, [300, 40]), (128, [2, 40])])
+def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads):
+    """Full buckets that get many keys of one call (insert takes several
+    victims from one scan of a bucket): assigns, tombstones reused, evictions
+    with tied scores and failures once a bucket is all held, mixed in batches
+    that take the parallel path."""
+    rng = random.Random(1000 + strategy + cap)
+    p = Pair(strategy, buckets, cap)
+    slots = sum(buckets) * cap
+
+    def scores(n, step):
+        freq = [rng.randrange(0, 3) for _ in range(n)]  # small: many ties
+        return {CUSTOMIZED: freq, LFU: freq, TIMESTAMP_LFU: freq, STEP: step}.get(strategy)
+
+    def tids(n):
+        return [rng.randrange(len(buckets)) for _ in range(n)]
+
+    fresh = iter(rng.sample(range(-(1 << 40), 1 << 40), 4 * slots + 20000))
+    # Overfill: every bucket ends full, most of them after evicting.
+    keys = [next(fresh) for _ in range(max(4096, slots + slots // 3))]
+    p.insert(keys, tids(len(keys)), scores(len(keys), 1), now=1, step=1)
+    live = sorted(p.live())
+    # Tombstones in full buckets, reused before any eviction.
+    gone = rng.sample(live, len(live) // 10)
+    p.erase([k for _, k in gone], [t for t, _ in gone])
+    live = sorted(p.live())
+    seen = set()
+    for step in (2, 3):
+        # Present keys (assign, and held: never evicted by later keys), new
+        # keys, and repeats within the call.
+        old = rng.sample(live, min(len(live), 1500))
+        new_keys = [next(fresh) for _ in range(6000)]
+        batch = [(t, k) for t, k in old] + list(zip(tids(len(new_keys)), new_keys))
+        batch += rng.sample(batch, 300)
+        rng.shuffle(batch)
+        out = p.insert([k for _, k in batch], [t for t, _ in batch], scores(len(batch), step), now=step,
+                       step=step, same_call=step == 3)
+        res = out.results.tolist()
+        seen |= set(res)
+        if strategy != NO_EVICTION:  # several victims taken from one bucket in one call
+            per_bucket = torch.bincount(out.evicted.indices // cap)
+            assert int(per_bucket.max()) > 1
+        live = sorted(p.live())
+    p.lookup([k for _, k in live[:5000]], [t for t, _ in live[:5000]], update_score=True,
+             scores=scores(min(5000, len(live)), 4), now=4, step=4)
+    p.export()
+    assert seen == ({0, 1, 3} if strategy == NO_EVICTION else {0, 1, 2, 3})

@@ -9,7 +9,7 @@ from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import ScoredHashTable
 from dynamicemb._ops import ops
 
-TABLE_OPS = ["table_lookup", "table_lookup_refresh", "table_insert", "table_erase",
+TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_insert", "table_erase",
              "table_export_range", "table_rehash"]
 
 
@@ -32,6 +32,10 @@ def _samples(t: ScoredHashTable, code: int):
     ins = slots + (t.slot_epochs, tb, t.sizes, t.counters, keys)
     for tid, ks in [(tids, kscores), (tids, None)]:
         yield "table_lookup", (t.slot_keys, t.slot_digests, tb, keys, tid, bc)
+        for dtype in (torch.float32, torch.bfloat16):
+            values = torch.randn(t.slot_keys.numel(), 5).to(dtype)
+            yield "table_lookup_gather", (t.slot_keys, t.slot_digests, tb, keys, tid, bc, values,
+                                          values.new_empty(keys.numel(), 5))
         yield "table_lookup_refresh", slots + (tb, keys, tid, ks, code, bc, 77)
         yield "table_insert", ins + (tid, ks, code, bc, 78, 1000)
         yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
