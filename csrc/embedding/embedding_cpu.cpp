@@ -21,113 +21,13 @@
 #include <vector>
 
 #include "common/parallel_cpu.h"
-#include "embedding/init_rules.h"
+#include "embedding/embedding_cpu.h"
 #include "embedding/optimizer_rules.h"
-#include "embedding/row_math_cpu.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
 namespace embedding {
 namespace {
-
-using at::Tensor;
-using at::TensorList;
-using c10::IntArrayRef;
-
-enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
-
-void check_1d(const Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
-}
-
-// The bag structure of a batch: B bags per feature, F features.
-struct Bags {
-  const int64_t* off;
-  int64_t F, B, n;
-  std::vector<int64_t> table;  // per feature
-
-  int64_t num_bags() const { return F * B; }
-  int64_t feature(int64_t bag) const { return bag / B; }
-  int64_t length(int64_t bag) const { return off[bag + 1] - off[bag]; }
-
-  // The bag of every index.
-  std::vector<int64_t> bag_of() const {
-    std::vector<int64_t> bag(n);
-    at::parallel_for(0, num_bags(), 256, [&](int64_t jb, int64_t je) {
-      for (int64_t j = jb; j < je; ++j)
-        for (int64_t i = off[j]; i < off[j + 1]; ++i) bag[i] = j;
-    });
-    return bag;
-  }
-};
-
-Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables) {
-  check_1d(offsets, at::kLong, "offsets");
-  const int64_t F = static_cast<int64_t>(feature_table.size());
-  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
-              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
-  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
-  for (int64_t f = 0; f < F; ++f) {
-    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
-                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
-    bags.table.push_back(feature_table[f]);
-  }
-  const int64_t* off = bags.off;
-  TORCH_CHECK(off[0] == 0, "dynamicemb: offsets must start at 0, got ", off[0]);
-  TORCH_CHECK(off[bags.num_bags()] == n, "dynamicemb: offsets end at ", off[bags.num_bags()], " but there are ",
-              n, " indices");
-  std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, bags.num_bags(), 16384, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j)
-      if (off[j + 1] < off[j]) bad.store(j, std::memory_order_relaxed);
-  });
-  TORCH_CHECK(bad.load() < 0, "dynamicemb: offsets must be non-decreasing (offsets[", bad.load() + 1, "] = ",
-              off[std::max<int64_t>(bad.load(), 0) + 1], " < offsets[", bad.load(), "])");
-  return bags;
-}
-
-// Table t's weights and the layout facts the kernels need.
-struct Rows {
-  std::vector<Tensor> w;
-  std::vector<int64_t> dim, stride;
-  at::ScalarType dtype;
-};
-
-Rows check_rows(TensorList weights, IntArrayRef dims) {
-  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
-              " weight tensors for ", dims.size(), " tables");
-  Rows r{{}, {}, {}, weights[0].scalar_type()};
-  for (size_t t = 0; t < weights.size(); ++t) {
-    const Tensor& w = weights[t];
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
-                "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
-    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
-    r.w.push_back(w);
-    r.dim.push_back(dims[t]);
-    r.stride.push_back(w.size(1));
-  }
-  return r;
-}
-
-std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables) {
-  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&
-                  params.size(0) == num_tables && params.size(1) == init::kArgsWidth,
-              "dynamicemb: init_params must be a contiguous float64 [num_tables, ", init::kArgsWidth, "] tensor");
-  std::vector<init::Args> a;
-  for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(params.data_ptr<double>() + t * init::kArgsWidth));
-  return a;
-}
-
-const float* opt_weights(const std::optional<Tensor>& psw, int64_t n) {
-  if (!psw) return nullptr;
-  check_1d(*psw, at::kFloat, "per_sample_weights");
-  TORCH_CHECK(psw->numel() == n, "dynamicemb: per_sample_weights has ", psw->numel(), " entries for ", n,
-              " indices");
-  return psw->data_ptr<float>();
-}
 
 // ---- unique ------------------------------------------------------------------------
 
@@ -260,59 +160,26 @@ void prefetch_row(const W* row, int64_t bytes) {
 template <class W, class O>
 void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const int64_t* ukeys, const int64_t* inv,
                   const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
-                  const std::vector<int64_t>& doff, int64_t total_d, O* out) {
+                  const std::vector<int64_t>& doff, O* out) {
   std::vector<const W*> w;
   for (const auto& x : R.w) w.push_back(x.data_ptr<W>());
-  // The row of every index (nullptr: it has none and reads its initial
-  // value), resolved first so that the gather can prefetch ahead of use.
-  std::vector<const W*> src(bags.n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
+  const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
+  for_each_span(bags, [&](int64_t jb, int64_t je) {
+    // The row of every index of the span (nullptr: none, it reads its initial
+    // value), resolved first so that the gather can prefetch ahead of use.
+    thread_local std::vector<const W*> src;
+    thread_local std::vector<float> acc;
+    src.resize(bags.off[je] - bags.off[jb]);
+    acc.resize(max_d);
     for (int64_t j = jb; j < je; ++j) {
       const int64_t t = bags.table[bags.feature(j)];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
         const int64_t r = rows[inv[i]];
-        src[i] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
+        src[i - bags.off[jb]] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
       }
     }
-  });
-  // acc += scale * (row of index i); prefetches the row kPrefetchAhead on.
-  auto add = [&](float* acc, int64_t t, int64_t i, int64_t end, float scale) {
-    const int64_t D = R.dim[t];
-    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead], D * static_cast<int64_t>(sizeof(W)));
-    if (const W* row = src[i]) {
-      add_scaled(acc, row, scale, D);
-    } else {
-      init::fill_row(args[t], seed, ukeys[inv[i]], D, [&](int64_t d, float v) { acc[d] += scale * v; });
-    }
-  };
-  const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
-  if (pooling == kNone) {  // one output row per index
-    at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
-      std::vector<float> acc(max_d);
-      const int64_t end = bags.off[je];
-      for (int64_t j = jb; j < je; ++j) {
-        const int64_t t = bags.table[bags.feature(j)], D = R.dim[t];
-        for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-          std::fill_n(acc.data(), D, 0.0f);
-          add(acc.data(), t, i, end, 1.0f);
-          for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<O>(acc[d]);
-        }
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
-    std::vector<float> acc(max_d);
-    const int64_t end = bags.off[je];
-    for (int64_t j = jb; j < je; ++j) {
-      const int64_t f = bags.feature(j), b = j % bags.B, t = bags.table[f], D = R.dim[t];
-      std::fill_n(acc.data(), D, 0.0f);
-      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) add(acc.data(), t, i, end, psw ? psw[i] : 1.0f);
-      const int64_t L = bags.length(j);
-      const float scale = (pooling == kMean && L > 0) ? 1.0f / static_cast<float>(L) : 1.0f;
-      O* o = out + b * total_d + doff[f];
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<O>(acc[d] * scale);
-    }
+    pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return ukeys[inv[i]]; }, psw, pooling, args, seed,
+                    doff, acc.data(), out);
   });
 }
 
@@ -328,27 +195,15 @@ Tensor forward_cpu(TensorList weights, const Tensor& rows, const Tensor& unique_
   const int64_t n = inverse.numel();
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
   const float* psw = opt_weights(per_sample_weights, n);
-  TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
   const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
-  std::vector<int64_t> doff(bags.F + 1, 0);
-  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
-  Tensor out;
-  if (pooling == kNone) {
-    const int64_t D = R.dim[bags.table[0]];
-    for (int64_t f = 0; f < bags.F; ++f)
-      TORCH_CHECK(R.dim[bags.table[f]] == D, "dynamicemb: pooling NONE needs one dim for all features (feature ", f,
-                  " has ", R.dim[bags.table[f]], ", feature 0 has ", D, ")");
-    TORCH_CHECK(!psw, "dynamicemb: per_sample_weights are not supported with pooling NONE");
-    out = at::empty({n, D}, at::TensorOptions().dtype(output_dtype));
-  } else {
-    out = at::empty({bags.B, doff[bags.F]}, at::TensorOptions().dtype(output_dtype));
-  }
+  const std::vector<int64_t> doff = feature_columns(R, bags);
+  Tensor out = forward_output(R, bags, doff, psw, pooling, output_dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward", [&] {
     using W = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_forward_out", [&] {
       forward_impl<W, scalar_t>(R, bags, rows.data_ptr<int64_t>(), unique_keys.data_ptr<int64_t>(),
                                 inverse.data_ptr<int64_t>(), psw, pooling, args, static_cast<uint64_t>(seed), doff,
-                                doff[bags.F], out.data_ptr<scalar_t>());
+                                out.data_ptr<scalar_t>());
     });
   });
   return out;
