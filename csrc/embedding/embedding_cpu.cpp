@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -34,79 +35,110 @@ namespace {
 // (table, key) pairs deduplicated: unique keys and table ids in order of first
 // occurrence within each of 64 hash parts (a fixed count: the order does not
 // depend on threads), inverse[i] = unique id of index i, counts per unique.
+//
+// The pairs are first scattered, stably, into per-part runs of (key, table,
+// position) records, so that each part's probe reads its records in sequence
+// and its probe table (sized by the part) stays in cache.
 std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, const Tensor& offsets,
                                                       IntArrayRef feature_table, int64_t num_tables) {
   check_1d(indices, at::kLong, "indices");
   const int64_t n = indices.numel();
   const Bags bags = check_bags(n, offsets, feature_table, num_tables);
+  TORCH_CHECK(n < (int64_t{1} << 31), "dynamicemb: emb_unique takes fewer than 2^31 indices, got ", n);
   const int64_t* key = indices.data_ptr<int64_t>();
-  std::vector<int64_t> tid(n);
-  std::vector<uint64_t> hash(n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j) {
-      const int64_t t = bags.table[bags.feature(j)];
-      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-        tid[i] = t;
-        hash[i] = table::fmix64(static_cast<uint64_t>(key[i]) ^ table::fmix64(static_cast<uint64_t>(t) + 1));
-      }
-    }
-  });
+  std::vector<uint64_t> salt(num_tables);  // per table, mixed into its keys' hashes
+  for (int64_t t = 0; t < num_tables; ++t) salt[t] = table::fmix64(static_cast<uint64_t>(t) + 1);
+  auto hash_of = [&](int64_t k, int64_t t) { return table::fmix64(static_cast<uint64_t>(k) ^ salt[t]); };
   constexpr int kPartBits = 6;
-  const cpu::StablePartition sp(n, n >= 4096 ? (1 << kPartBits) : 1,
-                                [&](int64_t i) { return static_cast<int64_t>(hash[i] >> (64 - kPartBits)); });
-  Tensor inverse = at::empty({n}, indices.options());
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  // Per part: first-occurrence positions and counts of its unique pairs. The
-  // probe table holds the pair itself, so a probe touches one entry.
+  const int64_t P = n >= 4096 ? (1 << kPartBits) : 1;
+  auto part_of = [&](uint64_t h) { return P == 1 ? 0 : static_cast<int64_t>(h >> (64 - kPartBits)); };
+  struct Rec {
+    int64_t key;
+    int32_t tid, pos;
+  };
+  // Stable scatter by part: chunks of bags count, then place, their records.
+  const int64_t nb = bags.num_bags();
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(cpu::num_chunks(n, 16384), nb));
+  std::vector<int64_t> at_(C * P, 0);  // [chunk][part]: count, then write cursor
+  auto for_each_chunk = [&](auto fn) {
+    at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        for (int64_t j = nb * c / C; j < nb * (c + 1) / C; ++j) {
+          const int64_t t = bags.table[bags.feature(j)];
+          for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) fn(c, t, i);
+        }
+    });
+  };
+  for_each_chunk([&](int64_t c, int64_t t, int64_t i) { ++at_[c * P + part_of(hash_of(key[i], t))]; });
+  std::vector<int64_t> part_begin(P + 1, 0);
+  for (int64_t p = 0, run = 0; p < P; ++p) {
+    part_begin[p] = run;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t cnt = at_[c * P + p];
+      at_[c * P + p] = run;
+      run += cnt;
+    }
+    part_begin[p + 1] = run;
+  }
+  std::unique_ptr<Rec[]> rec(new Rec[n]);
+  for_each_chunk([&](int64_t c, int64_t t, int64_t i) {
+    rec[at_[c * P + part_of(hash_of(key[i], t))]++] =
+        Rec{key[i], static_cast<int32_t>(t), static_cast<int32_t>(i)};
+  });
+  // Per part: local unique id of every record, and per unique its key, table
+  // and count. The probe table holds the pair itself: a probe touches one entry.
   struct Entry {
     int64_t key;
     int32_t tid;
     int32_t id;  // -1: empty
   };
-  std::vector<std::vector<int64_t>> first(sp.parts()), count(sp.parts());
-  sp.for_each_part([&](int64_t p) {
-    const int64_t m = sp.end(p) - sp.begin(p);
-    int64_t cap = 16;
-    while (cap < 2 * m) cap <<= 1;
-    std::vector<Entry> table(cap, Entry{0, 0, -1});
-    auto& fp = first[p];
-    auto& cp = count[p];
-    fp.reserve(m);
-    cp.reserve(m);
-    for (int64_t j = sp.begin(p); j < sp.end(p); ++j) {
-      const int64_t i = sp.pos(j);
-      const int64_t k = key[i];
-      const int32_t t = static_cast<int32_t>(tid[i]);
-      for (uint64_t h = hash[i] & (cap - 1);; h = (h + 1) & (cap - 1)) {
-        Entry& e = table[h];
-        if (e.id < 0) {
-          e = Entry{k, t, static_cast<int32_t>(fp.size())};
-          inv[i] = e.id;
-          fp.push_back(i);
-          cp.push_back(1);
-          break;
-        }
-        if (e.key == k && e.tid == t) {
-          inv[i] = e.id;
-          ++cp[e.id];
+  std::unique_ptr<int32_t[]> lid(new int32_t[n]);
+  std::vector<std::vector<Rec>> first(P);  // per unique: its pair (pos unused)
+  std::vector<std::vector<int64_t>> count(P);
+  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+    thread_local std::vector<Entry> table;
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t m = part_begin[p + 1] - part_begin[p];
+      int64_t cap = 16;
+      while (cap < 2 * m) cap <<= 1;
+      table.assign(cap, Entry{0, 0, -1});
+      auto& fp = first[p];
+      auto& cp = count[p];
+      for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) {
+        const Rec r = rec[j];
+        for (uint64_t h = hash_of(r.key, r.tid) & (cap - 1);; h = (h + 1) & (cap - 1)) {
+          Entry& e = table[h];
+          if (e.id < 0) {
+            e = Entry{r.key, r.tid, static_cast<int32_t>(fp.size())};
+            fp.push_back(r);
+            cp.push_back(1);
+          } else if (e.key != r.key || e.tid != r.tid) {
+            continue;
+          } else {
+            ++cp[e.id];
+          }
+          lid[j] = e.id;
           break;
         }
       }
     }
   });
-  std::vector<int64_t> base(sp.parts() + 1, 0);
-  for (int64_t p = 0; p < sp.parts(); ++p) base[p + 1] = base[p] + static_cast<int64_t>(first[p].size());
-  const int64_t U = base[sp.parts()];
+  std::vector<int64_t> base(P + 1, 0);
+  for (int64_t p = 0; p < P; ++p) base[p + 1] = base[p] + static_cast<int64_t>(first[p].size());
+  const int64_t U = base[P];
   Tensor ukeys = at::empty({U}, indices.options()), utids = at::empty({U}, indices.options()),
-         ucounts = at::empty({U}, indices.options());
-  int64_t *uk = ukeys.data_ptr<int64_t>(), *ut = utids.data_ptr<int64_t>(), *uc = ucounts.data_ptr<int64_t>();
-  sp.for_each_part([&](int64_t p) {
-    for (size_t u = 0; u < first[p].size(); ++u) {
-      uk[base[p] + u] = key[first[p][u]];
-      ut[base[p] + u] = tid[first[p][u]];
-      uc[base[p] + u] = count[p][u];
+         ucounts = at::empty({U}, indices.options()), inverse = at::empty({n}, indices.options());
+  int64_t *uk = ukeys.data_ptr<int64_t>(), *ut = utids.data_ptr<int64_t>(), *uc = ucounts.data_ptr<int64_t>(),
+          *inv = inverse.data_ptr<int64_t>();
+  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) {
+      for (size_t u = 0; u < first[p].size(); ++u) {
+        uk[base[p] + u] = first[p][u].key;
+        ut[base[p] + u] = first[p][u].tid;
+        uc[base[p] + u] = count[p][u];
+      }
+      for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) inv[rec[j].pos] = base[p] + lid[j];
     }
-    for (int64_t j = sp.begin(p); j < sp.end(p); ++j) inv[sp.pos(j)] += base[p];
   });
   return {ukeys, utids, inverse, ucounts};
 }
@@ -281,20 +313,38 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();
   const float* grad = grad_output.data_ptr<float>();
-  // The occurrences of each unique key, in input order (deterministic sums).
-  const cpu::StablePartition occ(n, U, [&](int64_t i) { return inv[i]; });
-  // The gradient slice and scale of every index, resolved per bag.
-  std::vector<const float*> gsrc(n);
-  std::vector<float> gscale(n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j) {
+  // Each unique key's occurrences as (gradient slice, scale), in input order
+  // (deterministic sums): a counting sort by unique id. Each thread owns a
+  // range of unique ids and scans every index, so there are no per-thread
+  // counters and the result does not depend on the thread count.
+  struct Occ {
+    const float* g;
+    float scale;
+  };
+  std::vector<int64_t> begin(U + 1, 0);
+  std::unique_ptr<Occ[]> occ(new Occ[n]);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16384));
+  auto for_each_part = [&](auto fn) {
+    at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+      for (int64_t q = pb; q < pe; ++q) fn(U * q / parts, U * (q + 1) / parts);
+    });
+  };
+  for_each_part([&](int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < n; ++i)
+      if (inv[i] >= lo && inv[i] < hi) ++begin[inv[i] + 1];
+  });
+  for (int64_t u = 0; u < U; ++u) begin[u + 1] += begin[u];
+  std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
+  for_each_part([&](int64_t lo, int64_t hi) {
+    for (int64_t j = 0; j < bags.num_bags(); ++j) {
       const int64_t f = bags.feature(j), L = bags.length(j);
       const float* go = grad + (j % bags.B) * total_d + doff[f];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-        gsrc[i] = pooling == kNone ? grad + i * R.dim[bags.table[f]] : go;
+        const int64_t u = inv[i];
+        if (u < lo || u >= hi) continue;
         float scale = psw ? psw[i] : 1.0f;
         if (pooling == kMean) scale /= static_cast<float>(L);
-        gscale[i] = scale;
+        occ[cursor[u]++] = Occ{pooling == kNone ? grad + i * R.dim[bags.table[f]] : go, scale};
       }
     }
   });
@@ -304,19 +354,24 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     at::parallel_for(0, U, 64, [&](int64_t ub, int64_t ue) {
       std::vector<float> g(max_d);
-      constexpr int64_t kAhead = 4;  // rows being updated are scattered: fetch ahead
+      // Rows being updated and gradient slices are scattered: fetch ahead.
+      constexpr int64_t kRowAhead = 16, kGradAhead = 4, kGradPrefetches = 4;
       for (int64_t u = ub; u < ue; ++u) {
-        if (u + kAhead < ue && r[u + kAhead] >= 0) {
-          const int64_t ta = ut[u + kAhead];
-          prefetch_row(w[ta] + r[u + kAhead] * R.stride[ta], R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)));
+        if (u + kRowAhead < ue && r[u + kRowAhead] >= 0) {  // for writing: fetched exclusive
+          const int64_t ta = ut[u + kRowAhead];
+          const char* row = reinterpret_cast<const char*>(w[ta] + r[u + kRowAhead] * R.stride[ta]);
+          for (int64_t b = 0; b < R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
+            __builtin_prefetch(row + b, 1, 3);
+        }
+        if (u + kGradAhead < ue) {
+          const int64_t ua = u + kGradAhead, bytes = R.dim[ut[ua]] * static_cast<int64_t>(sizeof(float));
+          for (int64_t k = begin[ua]; k < std::min(begin[ua + 1], begin[ua] + kGradPrefetches); ++k)
+            prefetch_row(occ[k].g, bytes);
         }
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
         std::fill_n(g.data(), D, 0.0f);
-        for (int64_t j = (U == 1 ? 0 : occ.begin(u)); j < (U == 1 ? n : occ.end(u)); ++j) {
-          const int64_t i = occ.pos(j);
-          add_scaled(g.data(), gsrc[i], gscale[i], D);
-        }
+        for (int64_t k = begin[u]; k < begin[u + 1]; ++k) add_scaled(g.data(), occ[k].g, occ[k].scale, D);
         update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
       }
     });
