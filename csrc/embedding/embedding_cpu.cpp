@@ -179,16 +179,6 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 
 // ---- forward ---------------------------------------------------------------------------
 
-// Indices ahead of use whose rows are prefetched: enough misses in flight to
-// cover memory latency without thrashing the line fill buffers.
-constexpr int64_t kPrefetchAhead = 48;
-
-template <class W>
-void prefetch_row(const W* row, int64_t bytes) {
-  if (row == nullptr) return;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
-}
-
 template <class W, class O>
 void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const int64_t* ukeys, const int64_t* inv,
                   const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
