@@ -146,8 +146,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 // ---- initial rows ----------------------------------------------------------------------
 
 template <class W>
-void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
-  init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
+void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key, float* buf) {
+  if (a.mode == init::kUniform) {  // the default initializer: vectorized over Philox blocks
+    uniform_row(buf, a, seed, key, dim);
+    for (int64_t j = 0; j < dim; ++j) row[j] = static_cast<W>(buf[j]);
+  } else {
+    init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
+  }
   for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);  // fresh optimizer state
 }
 
@@ -166,12 +171,21 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows", [&] {
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
+    const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
     at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(max_d);
+      constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
+        const int64_t a = i + kAhead;
+        if (a < e && r[a] >= 0 && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
+          const char* row = reinterpret_cast<const char*>(w[t[a]] + r[a] * R.stride[t[a]]);
+          for (int64_t q = 0; q < R.stride[t[a]] * static_cast<int64_t>(sizeof(scalar_t)); q += 64)
+            __builtin_prefetch(row + q, 1, 3);
+        }
         if (r[i] < 0) continue;
         TORCH_CHECK(0 <= t[i] && t[i] < (int64_t)w.size() && r[i] < R.w[t[i]].size(0), "dynamicemb: row ", r[i],
                     " of table ", t[i], " is out of range");
-        init_row(w[t[i]] + r[i] * R.stride[t[i]], R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i]);
+        init_row(w[t[i]] + r[i] * R.stride[t[i]], R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i], buf.data());
       }
     });
   });

@@ -65,6 +65,35 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
   for (int i = 0; i < 4; ++i) out[i] = c[i];
 }
 
+// philox4 of blocks first .. first + N - 1, out[i][l] = output i of block
+// first + l: the same rounds, one block per lane with the rounds unrolled, so
+// that a CPU compiler vectorizes across blocks (the CPU's row init uses it).
+template <int N>
+DE_HD void philox4_blocks(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[4][N]) {
+  for (int l = 0; l < N; ++l) {
+    uint32_t c0 = static_cast<uint32_t>(key), c1 = static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32),
+             c2 = static_cast<uint32_t>(table), c3 = static_cast<uint32_t>(first + l);
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma GCC unroll 10
+    for (int r = 0; r < 10; ++r) {  // philox4's round
+      const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
+      const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+      c0 = n0;
+      c1 = static_cast<uint32_t>(p1);
+      c2 = n2;
+      c3 = static_cast<uint32_t>(p0);
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    out[0][l] = c0;
+    out[1][l] = c1;
+    out[2][l] = c2;
+    out[3][l] = c3;
+  }
+}
+
 // The 32-bit output `n` of the stream of (seed, table, key).
 DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
   uint32_t out[4];
