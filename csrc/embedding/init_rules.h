@@ -74,7 +74,9 @@ DE_HD void philox4_blocks(uint64_t seed, int64_t table, int64_t key, uint64_t fi
     uint32_t c0 = static_cast<uint32_t>(key), c1 = static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32),
              c2 = static_cast<uint32_t>(table), c3 = static_cast<uint32_t>(first + l);
     uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__clang__)
 #pragma GCC unroll 10
+#endif
     for (int r = 0; r < 10; ++r) {  // philox4's round
       const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
       const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
