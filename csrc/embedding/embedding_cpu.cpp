@@ -356,7 +356,14 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward", [&] {
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
-    at::parallel_for(0, U, 64, [&](int64_t ub, int64_t ue) {
+    // Tasks of about equal occurrence counts (not equal key counts: a few hot
+    // keys hold much of a skewed batch); each key is reduced by one task.
+    const int64_t tasks = U < 256 ? 1 : 8 * at::get_num_threads();
+    std::vector<int64_t> task_u(tasks + 1, U);
+    for (int64_t q = 0; q < tasks; ++q)
+      task_u[q] = std::lower_bound(begin.begin(), begin.end() - 1, n * q / tasks) - begin.begin();
+    at::parallel_for(0, tasks, 1, [&](int64_t qb, int64_t qe) {
+      const int64_t ub = task_u[qb], ue = task_u[qe];
       std::vector<float> g(max_d);
       // Rows being updated and gradient slices are scattered: fetch ahead.
       constexpr int64_t kRowAhead = 16, kGradAhead = 4, kGradPrefetches = 4;
