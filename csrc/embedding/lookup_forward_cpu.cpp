@@ -155,7 +155,8 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         tab.resize(i1 - i0);
         acc.resize(max_d);
         for (int64_t j = jb; j < je; ++j)
-          std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0), bags.table[bags.feature(j)]);
+          std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
+                    bags.table[bags.feature(j)]);
         find_rows<W>(V, table_group, table_local, w, R, keys, tab.data(), i0, i1, src.data());
         pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return keys[i]; }, psw, pooling, args,
                         static_cast<uint64_t>(seed), doff, acc.data(), o);

@@ -38,7 +38,8 @@ static void add_scaled(float* __restrict acc, const W* __restrict x, float s, in
     init::philox4_blocks<N>(seed, a.stream, key, static_cast<uint64_t>(b), o);
     float x[4 * N];
     for (int l = 0; l < N; ++l)
-      for (int i = 0; i < 4; ++i) x[4 * l + i] = static_cast<float>(a.lower + (a.upper - a.lower) * init::unit(o[i][l]));
+      for (int i = 0; i < 4; ++i)
+        x[4 * l + i] = static_cast<float>(a.lower + (a.upper - a.lower) * init::unit(o[i][l]));
     const int64_t m = dim - 4 * b < 4 * N ? dim - 4 * b : 4 * N;
     for (int64_t j = 0; j < m; ++j) v[4 * b + j] = x[j];
   }
