@@ -68,6 +68,17 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor? per_sample_weights, int pooling, int optimizer, float lr, float eps, float beta1, "
       "float beta2, float weight_decay, int step) -> ()");
 
+  // The eval forward fused with the lookup (no dedup, nothing inserted): index
+  // i of feature f is found in hash table table_group[t] (logical table
+  // table_local[t]) of its table t = feature_table[f]; slot - first slot of
+  // that logical table is its row in weights[t]. Missing keys read their
+  // initial value from init_params.
+  m.def(
+      "emb_lookup_forward(Tensor[] slot_keys, Tensor[] slot_digests, Tensor[] table_buckets, "
+      "int[] bucket_capacity, int[] table_group, int[] table_local, Tensor[] weights, Tensor indices, "
+      "Tensor offsets, int[] feature_table, int[] dims, Tensor? per_sample_weights, int pooling, "
+      "Tensor init_params, int seed, ScalarType output_dtype) -> Tensor");
+
   // Input distribution (csrc/dist): values of a KJT split by owning rank.
   m.def(
       "route_keys(Tensor lengths, Tensor values, Tensor? weights, int[] rules, int[] params, int world) "

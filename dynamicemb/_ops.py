@@ -92,6 +92,14 @@ def _emb_forward_fake(weights, rows, unique_keys, inverse, offsets, feature_tabl
     return inverse.new_empty((batch, sum(dims[t] for t in feature_table)), dtype=output_dtype)
 
 
+@torch.library.register_fake(_lib + "emb_lookup_forward")
+def _emb_lookup_forward_fake(slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local,
+                             weights, indices, offsets, feature_table, dims, per_sample_weights, pooling, init_params,
+                             seed, output_dtype):
+    return _emb_forward_fake(weights, None, None, indices, offsets, feature_table, dims, per_sample_weights,
+                             pooling, init_params, seed, output_dtype)
+
+
 @torch.library.register_fake(_lib + "emb_backward_update")
 def _emb_backward_update_fake(grad_output, weights, rows, unique_table_ids, inverse, offsets, feature_table, dims,
                               per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, step):

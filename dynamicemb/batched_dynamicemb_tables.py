@@ -139,6 +139,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         indices, offsets, psw = self._check_input(indices, offsets, per_sample_weights)
+        if not self.training:  # read-only rows: no dedup needed
+            out = self.storage.lookup_forward(indices, offsets, self.feature_table_map, psw, self.pooling,
+                                              self.output_dtype)
+            if out is not None:
+                return out
         ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
         if not self.training:
             rows = self.storage.find(ukeys, utids)

@@ -85,6 +85,14 @@ class EmbeddingStorage(abc.ABC):
     def stats(self, table_id: int) -> Dict[str, int]:
         """size, capacity, inserted, evicted, failed, admission_rejected."""
 
+    def lookup_forward(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table: List[int],
+                       per_sample_weights: Optional[torch.Tensor], pooling: int, output_dtype: torch.dtype
+                       ) -> Optional[torch.Tensor]:
+        """The eval forward (gather + pool, missing keys read their eval
+        initial value) fused with the lookup, without dedup; None when this
+        storage has no fused path (the module then dedups, finds and gathers)."""
+        return None
+
     def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
                     optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
         """Stores distinct `keys` of one table with the given values (and
@@ -126,6 +134,8 @@ class HashTableStorage(EmbeddingStorage):
             self.groups.append((ht, tables))
             for lt, t in enumerate(tables):
                 self.group_of[t] = (gi, lt)
+        self._table_group = [g for g, _ in self.group_of]
+        self._table_local = [lt for _, lt in self.group_of]
         # The host tier: on a CUDA device, a table whose values do not fit its
         # share of global_hbm_for_values keeps its rows in pinned host memory,
         # which the kernels read and update in place (mapped, no copies).
@@ -213,6 +223,14 @@ class HashTableStorage(EmbeddingStorage):
             else:
                 rows[mask] = r
         return rows
+
+    def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
+        hts = [ht for ht, _ in self.groups]
+        return ops.emb_lookup_forward([h.slot_keys for h in hts], [h.slot_digests for h in hts],
+                                      [h.table_buckets for h in hts], [h.bucket_capacity for h in hts],
+                                      self._table_group, self._table_local, self._weights, indices, offsets,
+                                      feature_table, self.dims, per_sample_weights, pooling, self.eval_init_params,
+                                      self.seed, output_dtype)
 
     def _scores(self, g: int, local_tids: torch.Tensor, counts: torch.Tensor, step: int):
         ht, tables = self.groups[g]

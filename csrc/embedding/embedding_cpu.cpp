@@ -16,197 +16,129 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "common/parallel_cpu.h"
-#include "embedding/init_rules.h"
+#include "embedding/embedding_cpu.h"
 #include "embedding/optimizer_rules.h"
-#include "embedding/row_math_cpu.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
 namespace embedding {
 namespace {
 
-using at::Tensor;
-using at::TensorList;
-using c10::IntArrayRef;
-
-enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
-
-void check_1d(const Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
-}
-
-// The bag structure of a batch: B bags per feature, F features.
-struct Bags {
-  const int64_t* off;
-  int64_t F, B, n;
-  std::vector<int64_t> table;  // per feature
-
-  int64_t num_bags() const { return F * B; }
-  int64_t feature(int64_t bag) const { return bag / B; }
-  int64_t length(int64_t bag) const { return off[bag + 1] - off[bag]; }
-
-  // The bag of every index.
-  std::vector<int64_t> bag_of() const {
-    std::vector<int64_t> bag(n);
-    at::parallel_for(0, num_bags(), 256, [&](int64_t jb, int64_t je) {
-      for (int64_t j = jb; j < je; ++j)
-        for (int64_t i = off[j]; i < off[j + 1]; ++i) bag[i] = j;
-    });
-    return bag;
-  }
-};
-
-Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables) {
-  check_1d(offsets, at::kLong, "offsets");
-  const int64_t F = static_cast<int64_t>(feature_table.size());
-  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
-              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
-  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
-  for (int64_t f = 0; f < F; ++f) {
-    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
-                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
-    bags.table.push_back(feature_table[f]);
-  }
-  const int64_t* off = bags.off;
-  TORCH_CHECK(off[0] == 0, "dynamicemb: offsets must start at 0, got ", off[0]);
-  TORCH_CHECK(off[bags.num_bags()] == n, "dynamicemb: offsets end at ", off[bags.num_bags()], " but there are ",
-              n, " indices");
-  std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, bags.num_bags(), 16384, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j)
-      if (off[j + 1] < off[j]) bad.store(j, std::memory_order_relaxed);
-  });
-  TORCH_CHECK(bad.load() < 0, "dynamicemb: offsets must be non-decreasing (offsets[", bad.load() + 1, "] = ",
-              off[std::max<int64_t>(bad.load(), 0) + 1], " < offsets[", bad.load(), "])");
-  return bags;
-}
-
-// Table t's weights and the layout facts the kernels need.
-struct Rows {
-  std::vector<Tensor> w;
-  std::vector<int64_t> dim, stride;
-  at::ScalarType dtype;
-};
-
-Rows check_rows(TensorList weights, IntArrayRef dims) {
-  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
-              " weight tensors for ", dims.size(), " tables");
-  Rows r{{}, {}, {}, weights[0].scalar_type()};
-  for (size_t t = 0; t < weights.size(); ++t) {
-    const Tensor& w = weights[t];
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
-                "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
-    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
-    r.w.push_back(w);
-    r.dim.push_back(dims[t]);
-    r.stride.push_back(w.size(1));
-  }
-  return r;
-}
-
-std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables) {
-  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&
-                  params.size(0) == num_tables && params.size(1) == init::kArgsWidth,
-              "dynamicemb: init_params must be a contiguous float64 [num_tables, ", init::kArgsWidth, "] tensor");
-  std::vector<init::Args> a;
-  for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(params.data_ptr<double>() + t * init::kArgsWidth));
-  return a;
-}
-
-const float* opt_weights(const std::optional<Tensor>& psw, int64_t n) {
-  if (!psw) return nullptr;
-  check_1d(*psw, at::kFloat, "per_sample_weights");
-  TORCH_CHECK(psw->numel() == n, "dynamicemb: per_sample_weights has ", psw->numel(), " entries for ", n,
-              " indices");
-  return psw->data_ptr<float>();
-}
-
 // ---- unique ------------------------------------------------------------------------
 
 // (table, key) pairs deduplicated: unique keys and table ids in order of first
 // occurrence within each of 64 hash parts (a fixed count: the order does not
 // depend on threads), inverse[i] = unique id of index i, counts per unique.
+//
+// The pairs are first scattered, stably, into per-part runs of (key, table,
+// position) records, so that each part's probe reads its records in sequence
+// and its probe table (sized by the part) stays in cache.
 std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, const Tensor& offsets,
                                                       IntArrayRef feature_table, int64_t num_tables) {
   check_1d(indices, at::kLong, "indices");
   const int64_t n = indices.numel();
   const Bags bags = check_bags(n, offsets, feature_table, num_tables);
+  TORCH_CHECK(n < (int64_t{1} << 31), "dynamicemb: emb_unique takes fewer than 2^31 indices, got ", n);
   const int64_t* key = indices.data_ptr<int64_t>();
-  std::vector<int64_t> tid(n);
-  std::vector<uint64_t> hash(n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j) {
-      const int64_t t = bags.table[bags.feature(j)];
-      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-        tid[i] = t;
-        hash[i] = table::fmix64(static_cast<uint64_t>(key[i]) ^ table::fmix64(static_cast<uint64_t>(t) + 1));
-      }
-    }
-  });
+  std::vector<uint64_t> salt(num_tables);  // per table, mixed into its keys' hashes
+  for (int64_t t = 0; t < num_tables; ++t) salt[t] = table::fmix64(static_cast<uint64_t>(t) + 1);
+  auto hash_of = [&](int64_t k, int64_t t) { return table::fmix64(static_cast<uint64_t>(k) ^ salt[t]); };
   constexpr int kPartBits = 6;
-  const cpu::StablePartition sp(n, n >= 4096 ? (1 << kPartBits) : 1,
-                                [&](int64_t i) { return static_cast<int64_t>(hash[i] >> (64 - kPartBits)); });
-  Tensor inverse = at::empty({n}, indices.options());
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  // Per part: first-occurrence positions and counts of its unique pairs. The
-  // probe table holds the pair itself, so a probe touches one entry.
+  const int64_t P = n >= 4096 ? (1 << kPartBits) : 1;
+  auto part_of = [&](uint64_t h) { return P == 1 ? 0 : static_cast<int64_t>(h >> (64 - kPartBits)); };
+  struct Rec {
+    int64_t key;
+    int32_t tid, pos;
+  };
+  // Stable scatter by part: chunks of bags count, then place, their records.
+  const int64_t nb = bags.num_bags();
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(cpu::num_chunks(n, 16384), nb));
+  std::vector<int64_t> at_(C * P, 0);  // [chunk][part]: count, then write cursor
+  auto for_each_chunk = [&](auto fn) {
+    at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        for (int64_t j = nb * c / C; j < nb * (c + 1) / C; ++j) {
+          const int64_t t = bags.table[bags.feature(j)];
+          for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) fn(c, t, i);
+        }
+    });
+  };
+  for_each_chunk([&](int64_t c, int64_t t, int64_t i) { ++at_[c * P + part_of(hash_of(key[i], t))]; });
+  std::vector<int64_t> part_begin(P + 1, 0);
+  for (int64_t p = 0, run = 0; p < P; ++p) {
+    part_begin[p] = run;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t cnt = at_[c * P + p];
+      at_[c * P + p] = run;
+      run += cnt;
+    }
+    part_begin[p + 1] = run;
+  }
+  std::unique_ptr<Rec[]> rec(new Rec[n]);
+  for_each_chunk([&](int64_t c, int64_t t, int64_t i) {
+    rec[at_[c * P + part_of(hash_of(key[i], t))]++] =
+        Rec{key[i], static_cast<int32_t>(t), static_cast<int32_t>(i)};
+  });
+  // Per part: local unique id of every record, and per unique its key, table
+  // and count. The probe table holds the pair itself: a probe touches one entry.
   struct Entry {
     int64_t key;
     int32_t tid;
     int32_t id;  // -1: empty
   };
-  std::vector<std::vector<int64_t>> first(sp.parts()), count(sp.parts());
-  sp.for_each_part([&](int64_t p) {
-    const int64_t m = sp.end(p) - sp.begin(p);
-    int64_t cap = 16;
-    while (cap < 2 * m) cap <<= 1;
-    std::vector<Entry> table(cap, Entry{0, 0, -1});
-    auto& fp = first[p];
-    auto& cp = count[p];
-    fp.reserve(m);
-    cp.reserve(m);
-    for (int64_t j = sp.begin(p); j < sp.end(p); ++j) {
-      const int64_t i = sp.pos(j);
-      const int64_t k = key[i];
-      const int32_t t = static_cast<int32_t>(tid[i]);
-      for (uint64_t h = hash[i] & (cap - 1);; h = (h + 1) & (cap - 1)) {
-        Entry& e = table[h];
-        if (e.id < 0) {
-          e = Entry{k, t, static_cast<int32_t>(fp.size())};
-          inv[i] = e.id;
-          fp.push_back(i);
-          cp.push_back(1);
-          break;
-        }
-        if (e.key == k && e.tid == t) {
-          inv[i] = e.id;
-          ++cp[e.id];
+  std::unique_ptr<int32_t[]> lid(new int32_t[n]);
+  std::vector<std::vector<Rec>> first(P);  // per unique: its pair (pos unused)
+  std::vector<std::vector<int64_t>> count(P);
+  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+    thread_local std::vector<Entry> table;
+    for (int64_t p = pb; p < pe; ++p) {
+      const int64_t m = part_begin[p + 1] - part_begin[p];
+      int64_t cap = 16;
+      while (cap < 2 * m) cap <<= 1;
+      table.assign(cap, Entry{0, 0, -1});
+      auto& fp = first[p];
+      auto& cp = count[p];
+      for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) {
+        const Rec r = rec[j];
+        for (uint64_t h = hash_of(r.key, r.tid) & (cap - 1);; h = (h + 1) & (cap - 1)) {
+          Entry& e = table[h];
+          if (e.id < 0) {
+            e = Entry{r.key, r.tid, static_cast<int32_t>(fp.size())};
+            fp.push_back(r);
+            cp.push_back(1);
+          } else if (e.key != r.key || e.tid != r.tid) {
+            continue;
+          } else {
+            ++cp[e.id];
+          }
+          lid[j] = e.id;
           break;
         }
       }
     }
   });
-  std::vector<int64_t> base(sp.parts() + 1, 0);
-  for (int64_t p = 0; p < sp.parts(); ++p) base[p + 1] = base[p] + static_cast<int64_t>(first[p].size());
-  const int64_t U = base[sp.parts()];
+  std::vector<int64_t> base(P + 1, 0);
+  for (int64_t p = 0; p < P; ++p) base[p + 1] = base[p] + static_cast<int64_t>(first[p].size());
+  const int64_t U = base[P];
   Tensor ukeys = at::empty({U}, indices.options()), utids = at::empty({U}, indices.options()),
-         ucounts = at::empty({U}, indices.options());
-  int64_t *uk = ukeys.data_ptr<int64_t>(), *ut = utids.data_ptr<int64_t>(), *uc = ucounts.data_ptr<int64_t>();
-  sp.for_each_part([&](int64_t p) {
-    for (size_t u = 0; u < first[p].size(); ++u) {
-      uk[base[p] + u] = key[first[p][u]];
-      ut[base[p] + u] = tid[first[p][u]];
-      uc[base[p] + u] = count[p][u];
+         ucounts = at::empty({U}, indices.options()), inverse = at::empty({n}, indices.options());
+  int64_t *uk = ukeys.data_ptr<int64_t>(), *ut = utids.data_ptr<int64_t>(), *uc = ucounts.data_ptr<int64_t>(),
+          *inv = inverse.data_ptr<int64_t>();
+  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) {
+      for (size_t u = 0; u < first[p].size(); ++u) {
+        uk[base[p] + u] = first[p][u].key;
+        ut[base[p] + u] = first[p][u].tid;
+        uc[base[p] + u] = count[p][u];
+      }
+      for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) inv[rec[j].pos] = base[p] + lid[j];
     }
-    for (int64_t j = sp.begin(p); j < sp.end(p); ++j) inv[sp.pos(j)] += base[p];
   });
   return {ukeys, utids, inverse, ucounts};
 }
@@ -215,6 +147,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 
 template <class W>
 void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
+  // fill_row takes 16 Philox blocks at a time on AVX-512 CPUs (philox_cpu.cpp)
   init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
   for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);  // fresh optimizer state
 }
@@ -235,7 +168,14 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+      constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
+        const int64_t a = i + kAhead;
+        if (a < e && r[a] >= 0 && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
+          const char* row = reinterpret_cast<const char*>(w[t[a]] + r[a] * R.stride[t[a]]);
+          for (int64_t q = 0; q < R.stride[t[a]] * static_cast<int64_t>(sizeof(scalar_t)); q += 64)
+            __builtin_prefetch(row + q, 1, 3);
+        }
         if (r[i] < 0) continue;
         TORCH_CHECK(0 <= t[i] && t[i] < (int64_t)w.size() && r[i] < R.w[t[i]].size(0), "dynamicemb: row ", r[i],
                     " of table ", t[i], " is out of range");
@@ -247,72 +187,29 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 
 // ---- forward ---------------------------------------------------------------------------
 
-// Indices ahead of use whose rows are prefetched: enough misses in flight to
-// cover memory latency without thrashing the line fill buffers.
-constexpr int64_t kPrefetchAhead = 48;
-
-template <class W>
-void prefetch_row(const W* row, int64_t bytes) {
-  if (row == nullptr) return;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
-}
-
 template <class W, class O>
 void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const int64_t* ukeys, const int64_t* inv,
                   const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
-                  const std::vector<int64_t>& doff, int64_t total_d, O* out) {
+                  const std::vector<int64_t>& doff, O* out) {
   std::vector<const W*> w;
   for (const auto& x : R.w) w.push_back(x.data_ptr<W>());
-  // The row of every index (nullptr: it has none and reads its initial
-  // value), resolved first so that the gather can prefetch ahead of use.
-  std::vector<const W*> src(bags.n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
+  const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
+  for_each_span(bags, [&](int64_t jb, int64_t je) {
+    // The row of every index of the span (nullptr: none, it reads its initial
+    // value), resolved first so that the gather can prefetch ahead of use.
+    thread_local std::vector<const W*> src;
+    thread_local std::vector<float> acc;
+    src.resize(bags.off[je] - bags.off[jb]);
+    acc.resize(max_d);
     for (int64_t j = jb; j < je; ++j) {
       const int64_t t = bags.table[bags.feature(j)];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
         const int64_t r = rows[inv[i]];
-        src[i] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
+        src[i - bags.off[jb]] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
       }
     }
-  });
-  // acc += scale * (row of index i); prefetches the row kPrefetchAhead on.
-  auto add = [&](float* acc, int64_t t, int64_t i, int64_t end, float scale) {
-    const int64_t D = R.dim[t];
-    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead], D * static_cast<int64_t>(sizeof(W)));
-    if (const W* row = src[i]) {
-      add_scaled(acc, row, scale, D);
-    } else {
-      init::fill_row(args[t], seed, ukeys[inv[i]], D, [&](int64_t d, float v) { acc[d] += scale * v; });
-    }
-  };
-  const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
-  if (pooling == kNone) {  // one output row per index
-    at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
-      std::vector<float> acc(max_d);
-      const int64_t end = bags.off[je];
-      for (int64_t j = jb; j < je; ++j) {
-        const int64_t t = bags.table[bags.feature(j)], D = R.dim[t];
-        for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-          std::fill_n(acc.data(), D, 0.0f);
-          add(acc.data(), t, i, end, 1.0f);
-          for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<O>(acc[d]);
-        }
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, bags.num_bags(), 64, [&](int64_t jb, int64_t je) {
-    std::vector<float> acc(max_d);
-    const int64_t end = bags.off[je];
-    for (int64_t j = jb; j < je; ++j) {
-      const int64_t f = bags.feature(j), b = j % bags.B, t = bags.table[f], D = R.dim[t];
-      std::fill_n(acc.data(), D, 0.0f);
-      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) add(acc.data(), t, i, end, psw ? psw[i] : 1.0f);
-      const int64_t L = bags.length(j);
-      const float scale = (pooling == kMean && L > 0) ? 1.0f / static_cast<float>(L) : 1.0f;
-      O* o = out + b * total_d + doff[f];
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<O>(acc[d] * scale);
-    }
+    pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return ukeys[inv[i]]; }, psw, pooling, args, seed,
+                    doff, acc.data(), out);
   });
 }
 
@@ -328,27 +225,15 @@ Tensor forward_cpu(TensorList weights, const Tensor& rows, const Tensor& unique_
   const int64_t n = inverse.numel();
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
   const float* psw = opt_weights(per_sample_weights, n);
-  TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
   const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
-  std::vector<int64_t> doff(bags.F + 1, 0);
-  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
-  Tensor out;
-  if (pooling == kNone) {
-    const int64_t D = R.dim[bags.table[0]];
-    for (int64_t f = 0; f < bags.F; ++f)
-      TORCH_CHECK(R.dim[bags.table[f]] == D, "dynamicemb: pooling NONE needs one dim for all features (feature ", f,
-                  " has ", R.dim[bags.table[f]], ", feature 0 has ", D, ")");
-    TORCH_CHECK(!psw, "dynamicemb: per_sample_weights are not supported with pooling NONE");
-    out = at::empty({n, D}, at::TensorOptions().dtype(output_dtype));
-  } else {
-    out = at::empty({bags.B, doff[bags.F]}, at::TensorOptions().dtype(output_dtype));
-  }
+  const std::vector<int64_t> doff = feature_columns(R, bags);
+  Tensor out = forward_output(R, bags, doff, psw, pooling, output_dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward", [&] {
     using W = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_forward_out", [&] {
       forward_impl<W, scalar_t>(R, bags, rows.data_ptr<int64_t>(), unique_keys.data_ptr<int64_t>(),
                                 inverse.data_ptr<int64_t>(), psw, pooling, args, static_cast<uint64_t>(seed), doff,
-                                doff[bags.F], out.data_ptr<scalar_t>());
+                                out.data_ptr<scalar_t>());
     });
   });
   return out;
@@ -426,20 +311,38 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();
   const float* grad = grad_output.data_ptr<float>();
-  // The occurrences of each unique key, in input order (deterministic sums).
-  const cpu::StablePartition occ(n, U, [&](int64_t i) { return inv[i]; });
-  // The gradient slice and scale of every index, resolved per bag.
-  std::vector<const float*> gsrc(n);
-  std::vector<float> gscale(n);
-  at::parallel_for(0, bags.num_bags(), 256, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j) {
+  // Each unique key's occurrences as (gradient slice, scale), in input order
+  // (deterministic sums): a counting sort by unique id. Each thread owns a
+  // range of unique ids and scans every index, so there are no per-thread
+  // counters and the result does not depend on the thread count.
+  struct Occ {
+    const float* g;
+    float scale;
+  };
+  std::vector<int64_t> begin(U + 1, 0);
+  std::unique_ptr<Occ[]> occ(new Occ[n]);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16384));
+  auto for_each_part = [&](auto fn) {
+    at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+      for (int64_t q = pb; q < pe; ++q) fn(U * q / parts, U * (q + 1) / parts);
+    });
+  };
+  for_each_part([&](int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < n; ++i)
+      if (inv[i] >= lo && inv[i] < hi) ++begin[inv[i] + 1];
+  });
+  for (int64_t u = 0; u < U; ++u) begin[u + 1] += begin[u];
+  std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
+  for_each_part([&](int64_t lo, int64_t hi) {
+    for (int64_t j = 0; j < bags.num_bags(); ++j) {
       const int64_t f = bags.feature(j), L = bags.length(j);
       const float* go = grad + (j % bags.B) * total_d + doff[f];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
-        gsrc[i] = pooling == kNone ? grad + i * R.dim[bags.table[f]] : go;
+        const int64_t u = inv[i];
+        if (u < lo || u >= hi) continue;
         float scale = psw ? psw[i] : 1.0f;
         if (pooling == kMean) scale /= static_cast<float>(L);
-        gscale[i] = scale;
+        occ[cursor[u]++] = Occ{pooling == kNone ? grad + i * R.dim[bags.table[f]] : go, scale};
       }
     }
   });
@@ -447,21 +350,33 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward", [&] {
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
-    at::parallel_for(0, U, 64, [&](int64_t ub, int64_t ue) {
+    // Tasks of about equal occurrence counts (not equal key counts: a few hot
+    // keys hold much of a skewed batch); each key is reduced by one task.
+    const int64_t tasks = U < 256 ? 1 : 8 * at::get_num_threads();
+    std::vector<int64_t> task_u(tasks + 1, U);
+    for (int64_t q = 0; q < tasks; ++q)
+      task_u[q] = std::lower_bound(begin.begin(), begin.end() - 1, n * q / tasks) - begin.begin();
+    at::parallel_for(0, tasks, 1, [&](int64_t qb, int64_t qe) {
+      const int64_t ub = task_u[qb], ue = task_u[qe];
       std::vector<float> g(max_d);
-      constexpr int64_t kAhead = 4;  // rows being updated are scattered: fetch ahead
+      // Rows being updated and gradient slices are scattered: fetch ahead.
+      constexpr int64_t kRowAhead = 16, kGradAhead = 4, kGradPrefetches = 4;
       for (int64_t u = ub; u < ue; ++u) {
-        if (u + kAhead < ue && r[u + kAhead] >= 0) {
-          const int64_t ta = ut[u + kAhead];
-          prefetch_row(w[ta] + r[u + kAhead] * R.stride[ta], R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)));
+        if (u + kRowAhead < ue && r[u + kRowAhead] >= 0) {  // for writing: fetched exclusive
+          const int64_t ta = ut[u + kRowAhead];
+          const char* row = reinterpret_cast<const char*>(w[ta] + r[u + kRowAhead] * R.stride[ta]);
+          for (int64_t b = 0; b < R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
+            __builtin_prefetch(row + b, 1, 3);
+        }
+        if (u + kGradAhead < ue) {
+          const int64_t ua = u + kGradAhead, bytes = R.dim[ut[ua]] * static_cast<int64_t>(sizeof(float));
+          for (int64_t k = begin[ua]; k < std::min(begin[ua + 1], begin[ua] + kGradPrefetches); ++k)
+            prefetch_row(occ[k].g, bytes);
         }
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
         std::fill_n(g.data(), D, 0.0f);
-        for (int64_t j = (U == 1 ? 0 : occ.begin(u)); j < (U == 1 ? n : occ.end(u)); ++j) {
-          const int64_t i = occ.pos(j);
-          add_scaled(g.data(), gsrc[i], gscale[i], D);
-        }
+        for (int64_t k = begin[u]; k < begin[u + 1]; ++k) add_scaled(g.data(), occ[k].g, occ[k].scale, D);
         update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
       }
     });

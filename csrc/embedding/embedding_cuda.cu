@@ -12,6 +12,9 @@
 //   the dims (coalesced), each element summed over the bag's indices in
 //   input order as the CPU does; explicit __fadd_rn / __fmul_rn so the sums
 //   never contract into FMAs.
+// - emb_lookup_forward: one thread per index finds its row with
+//   table_rules.h's scalar bucket scan, then emb_forward's kernels run with
+//   each index as its own key (inverse = identity).
 // - emb_backward_update: occurrences grouped per unique key by a stable sort
 //   of inverse; one warp per unique key sums its gradient in input order,
 //   then applies the optimizer rule to the row in place. Row-wise Adagrad
@@ -22,6 +25,7 @@
 // (offsets, row ranges) cost one synchronizing copy of an error record.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
@@ -519,6 +523,102 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
   return out;
 }
 
+// ---- eval forward fused with the lookup ----------------------------------------------------------
+
+// One physical hash table as the resolve kernel reads it.
+struct HashDev {
+  const int64_t* keys;
+  const uint8_t* digests;
+  const int64_t* tb;  // device: logical table l owns buckets [tb[l], tb[l + 1])
+  int64_t cap;
+};
+// Per table: its hash table and logical table there.
+struct PlaceDev {
+  int64_t group, local;
+};
+
+// The table-local row of every index (-1: its key is missing), by
+// table_rules.h's scalar bucket scan (table_lookup's result).
+__global__ void lookup_rows_kernel(const HashDev* hts, const PlaceDev* place, const int64_t* feature_table,
+                                   const int64_t* off, int64_t nb, int64_t B, const int64_t* keys, int64_t n,
+                                   int64_t* rows) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) {
+    const PlaceDev p = place[feature_table[bag_of(off, nb, i) / B]];
+    const HashDev h = hts[p.group];
+    const uint64_t hash = table::key_hash(keys[i]);
+    const int64_t first = h.tb[p.local];
+    const int64_t base = (first + table::bucket_in_table(hash, h.tb[p.local + 1] - first)) * h.cap;
+    const int s = table::find_in_bucket<false>(h.digests + base, h.keys + base, static_cast<int>(h.cap),
+                                               table::digest_of(hash), keys[i], nullptr);
+    rows[i] = s >= 0 ? base + s - first * h.cap : -1;
+  }
+}
+
+// emb_lookup_forward: rows resolved per index, then the forward kernels with
+// every index its own "unique" key (inverse = identity).
+Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, TensorList table_buckets,
+                           IntArrayRef bucket_capacity, IntArrayRef table_group, IntArrayRef table_local,
+                           TensorList weights, const Tensor& indices, const Tensor& offsets,
+                           IntArrayRef feature_table, IntArrayRef dims,
+                           const std::optional<Tensor>& per_sample_weights, int64_t pooling,
+                           const Tensor& init_params, int64_t seed, at::ScalarType output_dtype) {
+  const Rows R = check_rows(weights, dims, indices);
+  const at::Device dev = R.device;
+  const c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  check_1d(indices, at::kLong, "indices", dev);
+  const int64_t n = indices.numel();
+  const int64_t T = static_cast<int64_t>(R.w.size());
+  const size_t G = slot_keys.size();
+  TORCH_CHECK(G > 0 && slot_digests.size() == G && table_buckets.size() == G && bucket_capacity.size() == G,
+              "dynamicemb: slot_keys, slot_digests, table_buckets and bucket_capacity need one entry per hash table");
+  TORCH_CHECK(static_cast<int64_t>(table_group.size()) == T && static_cast<int64_t>(table_local.size()) == T,
+              "dynamicemb: table_group and table_local need one entry per table (", T, ")");
+  std::vector<HashDev> hts;
+  std::vector<std::vector<int64_t>> tbs;
+  for (size_t g = 0; g < G; ++g) {
+    const int64_t cap = bucket_capacity[g];
+    TORCH_CHECK(cap > 0 && cap % table::kGroupSize == 0,
+                "dynamicemb: bucket_capacity must be a positive multiple of ", table::kGroupSize, ", got ", cap);
+    check_1d(table_buckets[g], at::kLong, "table_buckets", dev);
+    check_1d(slot_keys[g], at::kLong, "slot_keys", dev);
+    check_1d(slot_digests[g], at::kByte, "slot_digests", dev);
+    TORCH_CHECK(table_buckets[g].numel() >= 2, "dynamicemb: table_buckets must hold num_tables + 1 entries");
+    tbs.push_back(download(table_buckets[g].data_ptr<int64_t>(), table_buckets[g].numel(), stream));
+    const int64_t slots = tbs.back().back() * cap;
+    TORCH_CHECK(slot_keys[g].numel() == slots && slot_digests[g].numel() == slots, "dynamicemb: hash table ", g,
+                " must hold ", slots, " slots");
+    hts.push_back(HashDev{slot_keys[g].data_ptr<int64_t>(), slot_digests[g].data_ptr<uint8_t>(),
+                          table_buckets[g].data_ptr<int64_t>(), cap});
+  }
+  std::vector<PlaceDev> place;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(0 <= table_group[t] && table_group[t] < static_cast<int64_t>(G), "dynamicemb: table ", t,
+                " maps to hash table ", table_group[t], ", outside [0, ", G, ")");
+    const auto& tb = tbs[table_group[t]];
+    const int64_t l = table_local[t];
+    TORCH_CHECK(0 <= l && l + 1 < static_cast<int64_t>(tb.size()), "dynamicemb: table ", t,
+                " maps to logical table ", l, " of a hash table with ", tb.size() - 1);
+    const int64_t slots = (tb[l + 1] - tb[l]) * bucket_capacity[table_group[t]];
+    TORCH_CHECK(R.w[t].size(0) == slots, "dynamicemb: table ", t, " has ", R.w[t].size(0), " rows for ", slots,
+                " slots");
+    place.push_back(PlaceDev{table_group[t], l});
+  }
+  const Bags bags = check_bags(n, offsets, feature_table, T, dev, stream);
+  const auto L = indices.options();
+  Tensor rows = at::empty({n}, L);
+  if (n > 0) {
+    const Tensor d_hts = upload(hts, dev, stream), d_place = upload(place, dev, stream),
+                 d_ftab = upload(bags.table, dev, stream);
+    lookup_rows_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+        device_ptr<HashDev>(d_hts), device_ptr<PlaceDev>(d_place), device_ptr<int64_t>(d_ftab), bags.off,
+        bags.num_bags(), bags.B, indices.data_ptr<int64_t>(), n, rows.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return forward_cuda(weights, rows, indices, at::arange(n, L), offsets, feature_table, dims, per_sample_weights,
+                      pooling, init_params, seed, output_dtype);
+}
+
 // ---- backward + fused optimizer ------------------------------------------------------------------
 
 // The bag of every index (pooled backward).
@@ -726,6 +826,7 @@ TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("emb_init_rows", &init_rows_cuda);
   m.impl("emb_forward", &forward_cuda);
   m.impl("emb_backward_update", &backward_update_cuda);
+  m.impl("emb_lookup_forward", &lookup_forward_cuda);
 }
 
 }  // namespace embedding

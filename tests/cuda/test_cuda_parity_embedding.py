@@ -147,3 +147,36 @@ def test_bad_offsets_raise_like_cpu():
         ops.emb_unique(idx.to(DEV), off.to(DEV), [0], 1)
     with pytest.raises(RuntimeError, match="negative length"):
         ops.route_keys(torch.tensor([2, -1, 3]).to(DEV), idx.to(DEV), None, [1], [1], 2)
+
+
+@pytest.mark.parametrize("pooling", [0, 1, 2], ids=["sum", "mean", "none"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_lookup_forward(pooling, wdtype):
+    """emb_lookup_forward over two hash-table groups (a module's tables,
+    trained on the CPU, copied to the device): same output as the CPU's."""
+    from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs, DynamicEmbInitializerMode,
+                            DynamicEmbScoreStrategy, DynamicEmbTableOptions)
+    S = DynamicEmbScoreStrategy
+    ev = DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.UNIFORM, lower=-1.0, upper=1.0)
+    opts = [DynamicEmbTableOptions(dim=8, max_capacity=128, bucket_capacity=16, embedding_dtype=wdtype,
+                                   score_strategy=s, eval_initializer_args=ev) for s in (S.TIMESTAMP, S.LFU, S.LFU)]
+    ftab = [2, 0, 1, 0]
+    m = BatchedDynamicEmbeddingTables(opts, feature_table_map=ftab, pooling_mode=("SUM", "MEAN", "NONE")[pooling],
+                                      seed=3)
+    gen = torch.Generator().manual_seed(21)
+    idx, off = batch(gen, len(ftab), 5, 6, 100)
+    m(idx, off).sum().backward()
+    idx, off = batch(gen, len(ftab), 5, 6, 200)  # about half missing
+    st = m.storage
+    hts = [ht for ht, _ in st.groups]
+    psw = torch.rand(idx.numel(), generator=gen) if pooling != 2 else None
+
+    def run(d):
+        mv = lambda ts: [t.to(d) for t in ts]  # noqa: E731
+        return ops.emb_lookup_forward(mv([h.slot_keys for h in hts]), mv([h.slot_digests for h in hts]),
+                                      mv([h.table_buckets for h in hts]), [h.bucket_capacity for h in hts],
+                                      st._table_group, st._table_local, mv(st.weights()), idx.to(d), off.to(d),
+                                      ftab, m.dims, None if psw is None else psw.to(d), pooling,
+                                      st.eval_init_params, 3, torch.float32)
+
+    same(run("cpu"), run(DEV))

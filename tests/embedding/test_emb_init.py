@@ -176,3 +176,26 @@ def test_initial_rows_match_a_python_philox_model(mode, dim):
     else:  # our own log / cos agree with libm's to ~1 ulp of a double
         torch.testing.assert_close(w[:, :dim], want, rtol=0, atol=1e-6)
     assert bool((w[:, dim:] == 0).all())  # the optimizer state starts at zero
+
+
+@pytest.mark.parametrize("dim", [1, 3, 4, 63, 64, 65, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stored_initial_rows_match_the_scalar_rule(dim, dtype):
+    """emb_init_rows (vectorized UNIFORM path) against emb_forward's value for
+    keys without a row (the scalar init::fill_row), bit for bit, with the
+    optimizer state zeroed; any dim, not only multiples of the block width."""
+    from dynamicemb._ops import ops
+    init = DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=-0.3, upper=0.7)
+    m = make_module([dim, dim], pooling=NONE, max_capacity=64, bucket_capacity=16, embedding_dtype=dtype,
+                    initializer_args=init, module_kwargs=dict(seed=11, init_streams=[5, 9]))
+    keys = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789, 7], dtype=torch.int64)
+    n = keys.numel()
+    weights = [torch.full((n, dim + 3), 9.0, dtype=dtype) for _ in range(2)]
+    tids = torch.arange(n) % 2
+    ops.emb_init_rows(weights, torch.arange(n), tids, keys, m.dims, m.storage.init_params, 11)
+    for t in range(2):
+        sel = (tids == t).nonzero().squeeze(1)
+        want = ops.emb_forward(weights, torch.full((n,), -1), keys, sel, torch.tensor([0, sel.numel()]), [t],
+                               m.dims, None, int(NONE), m.storage.init_params, 11, dtype)
+        assert torch.equal(weights[t][sel, :dim], want)
+        assert torch.equal(weights[t][sel, dim:], torch.zeros(sel.numel(), 3, dtype=dtype))

@@ -1,0 +1,209 @@
+// Pieces shared by the CPU embedding kernels (embedding_cpu.cpp: unique,
+// init, forward, backward; lookup_forward_cpu.cpp: the fused eval lookup):
+// input validation, the bag structure and the pooled gather.
+//
+// Rows: table t's values are weights[t], a 2-D [rows, dim_t + state_t] tensor
+// in the storage dtype. Bags: TBE layout, offsets [F * B + 1], bag j = f * B +
+// b; feature f reads table feature_table[f]; pooled output [B, sum_f dim_f].
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <atomic>
+#include <optional>
+#include <vector>
+
+#include "embedding/init_rules.h"
+#include "embedding/row_math_cpu.h"
+
+namespace dynamicemb {
+namespace embedding {
+
+using at::Tensor;
+using at::TensorList;
+using c10::IntArrayRef;
+
+enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
+
+inline void check_1d(const Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
+}
+
+// The bag structure of a batch: B bags per feature, F features.
+struct Bags {
+  const int64_t* off;
+  int64_t F, B, n;
+  std::vector<int64_t> table;  // per feature
+
+  int64_t num_bags() const { return F * B; }
+  int64_t feature(int64_t bag) const { return bag / B; }
+  int64_t length(int64_t bag) const { return off[bag + 1] - off[bag]; }
+
+  // The bag of every index.
+  std::vector<int64_t> bag_of() const {
+    std::vector<int64_t> bag(n);
+    at::parallel_for(0, num_bags(), 256, [&](int64_t jb, int64_t je) {
+      for (int64_t j = jb; j < je; ++j)
+        for (int64_t i = off[j]; i < off[j + 1]; ++i) bag[i] = j;
+    });
+    return bag;
+  }
+};
+
+inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables) {
+  check_1d(offsets, at::kLong, "offsets");
+  const int64_t F = static_cast<int64_t>(feature_table.size());
+  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
+  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
+              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
+  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
+  for (int64_t f = 0; f < F; ++f) {
+    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
+                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
+    bags.table.push_back(feature_table[f]);
+  }
+  const int64_t* off = bags.off;
+  TORCH_CHECK(off[0] == 0, "dynamicemb: offsets must start at 0, got ", off[0]);
+  TORCH_CHECK(off[bags.num_bags()] == n, "dynamicemb: offsets end at ", off[bags.num_bags()], " but there are ",
+              n, " indices");
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, bags.num_bags(), 16384, [&](int64_t jb, int64_t je) {
+    for (int64_t j = jb; j < je; ++j)
+      if (off[j + 1] < off[j]) bad.store(j, std::memory_order_relaxed);
+  });
+  TORCH_CHECK(bad.load() < 0, "dynamicemb: offsets must be non-decreasing (offsets[", bad.load() + 1, "] = ",
+              off[std::max<int64_t>(bad.load(), 0) + 1], " < offsets[", bad.load(), "])");
+  return bags;
+}
+
+// Table t's weights and the layout facts the kernels need.
+struct Rows {
+  std::vector<Tensor> w;
+  std::vector<int64_t> dim, stride;
+  at::ScalarType dtype;
+};
+
+inline Rows check_rows(TensorList weights, IntArrayRef dims) {
+  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
+              " weight tensors for ", dims.size(), " tables");
+  Rows r{{}, {}, {}, weights[0].scalar_type()};
+  for (size_t t = 0; t < weights.size(); ++t) {
+    const Tensor& w = weights[t];
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
+                "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
+    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
+    r.w.push_back(w);
+    r.dim.push_back(dims[t]);
+    r.stride.push_back(w.size(1));
+  }
+  return r;
+}
+
+inline std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables) {
+  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&
+                  params.size(0) == num_tables && params.size(1) == init::kArgsWidth,
+              "dynamicemb: init_params must be a contiguous float64 [num_tables, ", init::kArgsWidth, "] tensor");
+  std::vector<init::Args> a;
+  for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(params.data_ptr<double>() + t * init::kArgsWidth));
+  return a;
+}
+
+inline const float* opt_weights(const std::optional<Tensor>& psw, int64_t n) {
+  if (!psw) return nullptr;
+  check_1d(*psw, at::kFloat, "per_sample_weights");
+  TORCH_CHECK(psw->numel() == n, "dynamicemb: per_sample_weights has ", psw->numel(), " entries for ", n,
+              " indices");
+  return psw->data_ptr<float>();
+}
+
+// Indices ahead of use whose rows are prefetched: enough misses in flight to
+// cover memory latency without thrashing the line fill buffers.
+constexpr int64_t kPrefetchAhead = 48;
+
+template <class W>
+inline void prefetch_row(const W* row, int64_t bytes) {
+  if (row == nullptr) return;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+}
+
+// Per feature: its first column in the pooled output (doff[F]: the width).
+inline std::vector<int64_t> feature_columns(const Rows& R, const Bags& bags) {
+  std::vector<int64_t> doff(bags.F + 1, 0);
+  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
+  return doff;
+}
+
+// The forward's output: [n, D] for pooling NONE (one dim for every feature,
+// no per-sample weights), else [B, sum of the features' dims].
+inline Tensor forward_output(const Rows& R, const Bags& bags, const std::vector<int64_t>& doff, const float* psw,
+                             int64_t pooling, at::ScalarType output_dtype) {
+  TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
+  if (pooling != kNone) return at::empty({bags.B, doff[bags.F]}, at::TensorOptions().dtype(output_dtype));
+  const int64_t D = R.dim[bags.table[0]];
+  for (int64_t f = 0; f < bags.F; ++f)
+    TORCH_CHECK(R.dim[bags.table[f]] == D, "dynamicemb: pooling NONE needs one dim for all features (feature ", f,
+                " has ", R.dim[bags.table[f]], ", feature 0 has ", D, ")");
+  TORCH_CHECK(!psw, "dynamicemb: per_sample_weights are not supported with pooling NONE");
+  return at::empty({bags.n, D}, at::TensorOptions().dtype(output_dtype));
+}
+
+// Bags are gathered in spans of about this many indices: a span's row
+// pointers stay in L1/L2 between being resolved and being pooled.
+constexpr int64_t kSpanIndices = 2048;
+
+// Runs fn(jb, je) over consecutive spans of bags covering [0, num_bags), the
+// spans in parallel; a span ends at the first bag boundary past kSpanIndices.
+template <class Fn>
+void for_each_span(const Bags& bags, Fn fn) {
+  at::parallel_for(0, bags.num_bags(), 64, [&](int64_t b, int64_t e) {
+    for (int64_t jb = b; jb < e;) {
+      int64_t je = jb + 1;
+      while (je < e && bags.off[je] - bags.off[jb] < kSpanIndices) ++je;
+      fn(jb, je);
+      jb = je;
+    }
+  });
+}
+
+// Pools bags [jb, je): src[i - off[jb]] is index i's row (nullptr: it has
+// none and reads its initial value, from key_of(i)). acc: max dim floats.
+template <class W, class O, class KeyOf>
+void pool_span(const Rows& R, const Bags& bags, int64_t jb, int64_t je, const W* const* src, KeyOf key_of,
+               const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
+               const std::vector<int64_t>& doff, float* acc, O* out) {
+  const int64_t base = bags.off[jb], end = bags.off[je], total_d = doff[bags.F];
+  // acc += scale * (row of index i); prefetches the row kPrefetchAhead on.
+  auto add = [&](int64_t t, int64_t i, float scale) {
+    const int64_t D = R.dim[t];
+    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead - base], D * static_cast<int64_t>(sizeof(W)));
+    if (const W* row = src[i - base]) {
+      add_scaled(acc, row, scale, D);
+    } else {
+      init::fill_row(args[t], seed, key_of(i), D, [&](int64_t d, float v) { acc[d] += scale * v; });
+    }
+  };
+  for (int64_t j = jb; j < je; ++j) {
+    const int64_t f = bags.feature(j), t = bags.table[f], D = R.dim[t];
+    if (pooling == kNone) {  // one output row per index
+      for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
+        std::fill_n(acc, D, 0.0f);
+        add(t, i, 1.0f);
+        for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<O>(acc[d]);
+      }
+      continue;
+    }
+    std::fill_n(acc, D, 0.0f);
+    for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) add(t, i, psw ? psw[i] : 1.0f);
+    const int64_t L = bags.length(j);
+    const float scale = (pooling == kMean && L > 0) ? 1.0f / static_cast<float>(L) : 1.0f;
+    O* o = out + (j % bags.B) * total_d + doff[f];
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<O>(acc[d] * scale);
+  }
+}
+
+}  // namespace embedding
+}  // namespace dynamicemb
