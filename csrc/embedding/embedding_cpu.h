@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/row_math_cpu.h"
 
@@ -56,27 +57,16 @@ struct Bags {
 
 inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables) {
   check_1d(offsets, at::kLong, "offsets");
-  const int64_t F = static_cast<int64_t>(feature_table.size());
-  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
-              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
-  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
-  for (int64_t f = 0; f < F; ++f) {
-    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
-                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
-    bags.table.push_back(feature_table[f]);
-  }
+  const auto [F, B] = check_bag_shape(offsets, feature_table, num_tables);
+  Bags bags{offsets.data_ptr<int64_t>(), F, B, n, std::vector<int64_t>(feature_table.begin(), feature_table.end())};
   const int64_t* off = bags.off;
-  TORCH_CHECK(off[0] == 0, "dynamicemb: offsets must start at 0, got ", off[0]);
-  TORCH_CHECK(off[bags.num_bags()] == n, "dynamicemb: offsets end at ", off[bags.num_bags()], " but there are ",
-              n, " indices");
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, bags.num_bags(), 16384, [&](int64_t jb, int64_t je) {
     for (int64_t j = jb; j < je; ++j)
       if (off[j + 1] < off[j]) bad.store(j, std::memory_order_relaxed);
   });
-  TORCH_CHECK(bad.load() < 0, "dynamicemb: offsets must be non-decreasing (offsets[", bad.load() + 1, "] = ",
-              off[std::max<int64_t>(bad.load(), 0) + 1], " < offsets[", bad.load(), "])");
+  check_offset_values(off[0], off[bags.num_bags()], n, bad.load(),
+                      [&](int64_t j) { return std::make_pair(off[j], off[j + 1]); });
   return bags;
 }
 

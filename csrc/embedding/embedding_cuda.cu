@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "common/cuda_utils.cuh"
+#include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/optimizer_rules.h"
 #include "table/table_rules.h"
@@ -105,28 +106,17 @@ __global__ void check_offsets_kernel(const int64_t* off, int64_t nb, int64_t* er
 Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables, at::Device dev,
                 cudaStream_t stream) {
   check_1d(offsets, at::kLong, "offsets", dev);
-  const int64_t F = static_cast<int64_t>(feature_table.size());
-  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
-              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
-  Bags bags{offsets.data_ptr<int64_t>(), F, (offsets.numel() - 1) / F, n, {}};
-  for (int64_t f = 0; f < F; ++f) {
-    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
-                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
-    bags.table.push_back(feature_table[f]);
-  }
+  const auto [F, B] = check_bag_shape(offsets, feature_table, num_tables);
+  Bags bags{offsets.data_ptr<int64_t>(), F, B, n, std::vector<int64_t>(feature_table.begin(), feature_table.end())};
   const int64_t nb = bags.num_bags();
   ErrorSlots err(3, dev, stream);  // first non-decreasing violation, off[0], off[nb]
   check_offsets_kernel<<<blocks_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const std::vector<int64_t> e = err.read();
-  TORCH_CHECK(e[1] == 0, "dynamicemb: offsets must start at 0, got ", e[1]);
-  TORCH_CHECK(e[2] == n, "dynamicemb: offsets end at ", e[2], " but there are ", n, " indices");
-  if (e[0] != kNoError) {
-    const auto v = download(bags.off + e[0], 2, stream);
-    TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", e[0] + 1, "] = ", v[1],
-                " < offsets[", e[0], "])");
-  }
+  check_offset_values(e[1], e[2], n, e[0] == kNoError ? -1 : e[0], [&](int64_t j) {
+    const auto v = download(bags.off + j, 2, stream);
+    return std::make_pair(v[0], v[1]);
+  });
   return bags;
 }
 

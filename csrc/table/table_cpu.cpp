@@ -203,6 +203,16 @@ void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
   if (cap > 64) prefetch(digests + base + 64);
 }
 
+// What a mutating op reads for key i (soon due, in bucket order): its bucket's
+// digests, its key, digest and (when given) score.
+void prefetch_key(const uint8_t* sd, const Layout& L, int64_t bucket, const int64_t* k, const Placed& P,
+                  const int64_t* ks, int64_t i) {
+  prefetch_bucket(sd, bucket * L.cap, L.cap);
+  prefetch(k + i);
+  prefetch(&P.digest[i]);
+  if (ks) prefetch(ks + i);
+}
+
 // The victims of one run of a bucket's keys (victim_candidates in
 // table_rules.h): the bucket's scores are scanned once, at the run's first
 // eviction, for as many victims as keys are left in the run.
@@ -425,10 +435,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
             if (ts) ts[base + s] = call_score;
           },
           [&](int64_t i, int64_t bucket) {
-            prefetch_bucket(sd, bucket * L.cap, L.cap);
-            prefetch(k + i);
-            prefetch(&P.digest[i]);
-            if (ks) prefetch(ks + i);
+            prefetch_key(sd, L, bucket, k, P, ks, i);
             prefetch_write(out + i);
             prefetch_write(fnd + i);
           });
@@ -522,10 +529,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             }
           },
           [&](int64_t i, int64_t bucket) {
-            prefetch_bucket(sd, bucket * L.cap, L.cap);
-            prefetch(k + i);
-            prefetch(&P.digest[i]);
-            if (ks) prefetch(ks + i);
+            prefetch_key(sd, L, bucket, k, P, ks, i);
             prefetch_write(out + i);
             prefetch_write(res + i);
             if (evicts) {
@@ -593,9 +597,7 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
             if (s >= 0) sd[base + s] = kErased;
           },
           [&](int64_t i, int64_t bucket) {
-            prefetch_bucket(sd, bucket * L.cap, L.cap);
-            prefetch(k + i);
-            prefetch(&P.digest[i]);
+            prefetch_key(sd, L, bucket, k, P, nullptr, i);
             prefetch_write(er + i);
           });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });

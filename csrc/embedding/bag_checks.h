@@ -1,0 +1,43 @@
+// Host-side checks of TBE-style bag inputs (offsets [F * B + 1] and the
+// feature -> table map), shared by the CPU and CUDA embedding kernels so that
+// both refuse the same inputs with the same messages. Where the offsets
+// themselves are read differs (host loop / device kernel); the verdict on
+// what was read is here.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <utility>
+#include <vector>
+
+namespace dynamicemb {
+namespace embedding {
+
+// (F, B) of offsets that hold F * B + 1 entries, every feature's table in range.
+inline std::pair<int64_t, int64_t> check_bag_shape(const at::Tensor& offsets, c10::IntArrayRef feature_table,
+                                                   int64_t num_tables) {
+  const int64_t F = static_cast<int64_t>(feature_table.size());
+  TORCH_CHECK(F > 0, "dynamicemb: at least one feature is needed");
+  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % F == 0, "dynamicemb: offsets have ",
+              offsets.numel(), " entries; expected num_features (", F, ") * batch_size + 1");
+  for (int64_t f = 0; f < F; ++f)
+    TORCH_CHECK(0 <= feature_table[f] && feature_table[f] < num_tables, "dynamicemb: feature ", f,
+                " maps to table ", feature_table[f], ", outside [0, ", num_tables, ")");
+  return {F, (offsets.numel() - 1) / F};
+}
+
+// The offsets' values: start at 0, end at n, non-decreasing. `bad` is a j
+// with offsets[j + 1] < offsets[j] (< 0: none); pair_at(j) reads
+// (offsets[j], offsets[j + 1]) for the message.
+template <class PairAt>
+void check_offset_values(int64_t first, int64_t last, int64_t n, int64_t bad, PairAt pair_at) {
+  TORCH_CHECK(first == 0, "dynamicemb: offsets must start at 0, got ", first);
+  TORCH_CHECK(last == n, "dynamicemb: offsets end at ", last, " but there are ", n, " indices");
+  if (bad < 0) return;
+  const std::pair<int64_t, int64_t> v = pair_at(bad);
+  TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", bad + 1, "] = ", v.second,
+              " < offsets[", bad, "])");
+}
+
+}  // namespace embedding
+}  // namespace dynamicemb
