@@ -265,6 +265,20 @@ struct RowGather {
 
 constexpr int64_t kLookupBlock = 16;      // keys per pipeline stage
 constexpr int64_t kRowPrefetchBytes = 1024;  // beyond that the hardware prefetcher follows
+constexpr int64_t kRowsAhead = 8;         // rows prefetched ahead of the copy
+
+// dst rows [b, e) = the value rows of slots[b, e), zeros where slots[i] < 0.
+void gather_rows(const RowGather& g, const int64_t* slots, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    if (i + kRowsAhead < e && slots[i + kRowsAhead] >= 0) {
+      const char* ahead = g.values + slots[i + kRowsAhead] * g.row_bytes;
+      for (int64_t o = 0; o < std::min(g.row_bytes, kRowPrefetchBytes); o += 64) prefetch(ahead + o);
+    }
+    char* dst = g.dst + i * g.row_bytes;
+    if (slots[i] >= 0) std::memcpy(dst, g.values + slots[i] * g.row_bytes, g.row_bytes);
+    else std::memset(dst, 0, g.row_bytes);
+  }
+}
 
 // A software pipeline over blocks of kLookupBlock keys, so that the cache
 // misses of one key overlap with other keys' work: at step t, stage s works
@@ -272,12 +286,12 @@ constexpr int64_t kRowPrefetchBytes = 1024;  // beyond that the hardware prefetc
 // earlier.
 //   0 place:  hash, bucket, digest; prefetch the bucket's digests
 //   1 probe:  scan the digests; prefetch the first candidate's key
-//   2 find:   compare keys -> slot index; with a gather, prefetch the row
-//   3 copy:   (gather only) copy the row, zeros for a missing key
+//   2 find:   compare keys -> slot index
+// then, with a gather, the rows of the range are copied (zeros for a missing key).
 // Returns the lowest key position with a bad table id, or -1.
 template <bool kGather>
 int64_t lookup_pipeline(const LookupView& v, const RowGather& g, int64_t n) {
-  constexpr int kStages = kGather ? 4 : 3;
+  constexpr int kStages = 3;
   constexpr int64_t B = kLookupBlock;
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
@@ -320,17 +334,6 @@ int64_t lookup_pipeline(const LookupView& v, const RowGather& g, int64_t n) {
                                                         v.keys[i], nullptr);
         v.out[i] = s >= 0 ? bs[j] + s : -1;
         v.found[i] = s >= 0;
-        if (kGather && s >= 0) {
-          const char* row = g.values + (bs[j] + s) * g.row_bytes;
-          for (int64_t o = 0; o < std::min(g.row_bytes, kRowPrefetchBytes); o += 64) prefetch(row + o);
-        }
-      }
-    };
-    auto copy = [&](int64_t blk) {
-      for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) {
-        char* dst = g.dst + i * g.row_bytes;
-        if (v.out[i] >= 0) std::memcpy(dst, g.values + v.out[i] * g.row_bytes, g.row_bytes);
-        else std::memset(dst, 0, g.row_bytes);
       }
     };
     auto live = [&](int64_t blk) { return blk >= 0 && blk < blocks; };
@@ -338,8 +341,11 @@ int64_t lookup_pipeline(const LookupView& v, const RowGather& g, int64_t n) {
       if (live(t)) place(t);
       if (live(t - 1)) probe(t - 1);
       if (live(t - 2)) find(t - 2);
-      if (kGather && live(t - 3)) copy(t - 3);
     }
+    // The rows of this range, once its slots are known (still in cache): a
+    // copy loop prefetching kRowsAhead rows on measured faster than copying
+    // inside the pipeline, whose row prefetches overflow the miss buffers.
+    if (kGather) gather_rows(g, v.out, b, e);
   });
   return bad.load();
 }
