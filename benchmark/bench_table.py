@@ -17,9 +17,9 @@ Definitions (per load factor LF; every batch holds --batch keys):
                   (untimed) so that the load factor stays put
   insert evict    insert of new keys into the full table (LF = 1): each evicts
   erase           erase of stored keys; re-inserted after each repeat (untimed)
-  lookup+gather   ScoredHashTable.lookup_gather of stored keys: the fused lookup
-                  and copy of their rows from a [slots, dim] float32 values
-                  tensor (into a preallocated output)
+  lookup+gather   ScoredHashTable.lookup_gather of stored keys: lookup and
+                  copy of their rows from a [slots, dim] float32 values tensor
+                  in one op (into a preallocated output)
   lookup,gather   the unfused pair: lookup, then index_select of the rows
   gather(slots)   only the index_select, by the slot indices a lookup returned
   index_select    index_select of as many uniformly random rows of a static

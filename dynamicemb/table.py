@@ -202,8 +202,8 @@ class ScoredHashTable:
 
     def lookup_gather(self, keys: torch.Tensor, values: torch.Tensor, table_ids=None,
                       out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, indices, found): ``lookup`` fused with the gather of each
-        key's row of ``values`` ([capacity, dim], float32 / float16 /
+        """(rows, indices, found): ``lookup`` and the gather of each key's
+        row of ``values`` in one op ([capacity, dim], float32 / float16 /
         bfloat16, on the table's device, indexed by slot). ``rows`` is
         [len(keys), dim] of values' dtype (``out`` when given), zeros where a
         key is missing. Scores are not refreshed."""
