@@ -245,6 +245,17 @@ struct LookupArgs {
   bool* found;
 };
 
+// The global slot of `key` (digest d) in bucket b, -1 where missing or b < 0
+// (no bucket: a flagged error); every lane returns it.
+template <class Tile>
+__device__ __forceinline__ int64_t tile_find_slot(const Tile& tile, const uint8_t* sd, const int64_t* sk,
+                                                  int64_t cap, int32_t b, uint8_t d, int64_t key) {
+  if (b < 0) return -1;
+  const int64_t base = static_cast<int64_t>(b) * cap;
+  const int s = tile_find_in_bucket<false>(tile, sd + base, sk + base, static_cast<int>(cap), d, key, nullptr);
+  return s >= 0 ? base + s : -1;
+}
+
 // The tile's lookup of key i: the global slot (-1 where missing), written out
 // by lane 0; every lane returns it.
 template <class Tile>
@@ -252,16 +263,12 @@ __device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArg
   const bool lead = tile.thread_rank() == 0;
   uint8_t d = 0;
   const int32_t b = place_key(a.place, i, &d, lead);
-  const int64_t base = static_cast<int64_t>(b) * a.cap;
-  const int s = b < 0 ? -1
-                      : tile_find_in_bucket<false>(tile, a.sd + base, a.sk + base,
-                                                   static_cast<int>(a.cap), d, a.place.keys[i],
-                                                   nullptr);
+  const int64_t slot = tile_find_slot(tile, a.sd, a.sk, a.cap, b, d, a.place.keys[i]);
   if (lead) {
-    a.out[i] = s >= 0 ? base + s : -1;
-    a.found[i] = s >= 0;
+    a.out[i] = slot;
+    a.found[i] = slot >= 0;
   }
-  return s >= 0 ? base + s : -1;
+  return slot;
 }
 
 __global__ void lookup_kernel(LookupArgs a) {
@@ -392,19 +399,13 @@ struct RefreshArgs {
 
 __global__ void lookup_refresh_kernel(RefreshArgs a, Segments segs) {
   for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
-    const int64_t base = static_cast<int64_t>(b) * a.cap;
-    const int s = b < 0 ? -1
-                        : tile_find_in_bucket<false>(tile, a.sd + base, a.sk + base,
-                                                     static_cast<int>(a.cap), a.digest[i],
-                                                     a.keys[i], nullptr);
+    const int64_t slot = tile_find_slot(tile, a.sd, a.sk, a.cap, b, a.digest[i], a.keys[i]);
     if (tile.thread_rank() != 0) return;
-    a.out[i] = s >= 0 ? base + s : -1;
-    a.found[i] = s >= 0;
-    if (s < 0) return;
-    int64_t* score = a.sc + base + s;
-    *score = score_on_access(a.strategy, *score, a.call_score,
-                             a.key_scores ? a.key_scores[i] : a.dflt);
-    if (a.ts) a.ts[base + s] = a.call_score;
+    a.out[i] = slot;
+    a.found[i] = slot >= 0;
+    if (slot < 0) return;
+    a.sc[slot] = score_on_access(a.strategy, a.sc[slot], a.call_score, a.key_scores ? a.key_scores[i] : a.dflt);
+    if (a.ts) a.ts[slot] = a.call_score;
   });
 }
 
@@ -652,14 +653,10 @@ struct EraseArgs {
 
 __global__ void erase_kernel(EraseArgs a, Segments segs) {
   for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
-    const int64_t base = static_cast<int64_t>(b) * a.cap;
-    const int s = b < 0 ? -1
-                        : tile_find_in_bucket<false>(tile, a.sd + base, a.sk + base,
-                                                     static_cast<int>(a.cap), a.digest[i],
-                                                     a.keys[i], nullptr);
+    const int64_t slot = tile_find_slot(tile, a.sd, a.sk, a.cap, b, a.digest[i], a.keys[i]);
     if (tile.thread_rank() != 0) return;
-    a.erased[i] = s >= 0;
-    if (s >= 0) a.sd[base + s] = kErased;
+    a.erased[i] = slot >= 0;
+    if (slot >= 0) a.sd[slot] = kErased;
   });
 }
 
