@@ -2,7 +2,8 @@
 
 The counts of keys not yet admitted live in a ScoredHashTable with the LFU
 strategy (the score is the count), so memory stays bounded by the counter's
-capacity; an admitted key's count is dropped.
+capacity; a key's count is dropped once the key is stored (`forget`), so a
+key admitted but not stored (its bucket full) keeps its count.
 """
 from typing import List
 
@@ -23,14 +24,16 @@ class AdmissionCounter:
 
     def admit(self, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Adds `counts` sightings to `keys` (distinct, not stored yet); returns
-        the mask of keys whose count reached the threshold. Those are
-        forgotten here: the caller stores them."""
+        the mask of keys whose count reached the threshold (the caller stores
+        them, then forgets those it stored)."""
         out = self.counts.insert(keys, scores=counts)
         total = torch.where(out.indices >= 0, self.counts.slot_scores[out.indices.clamp(min=0)], counts)
-        admitted = total >= self.threshold
-        if bool(admitted.any()):
-            self.counts.erase(keys[admitted])
-        return admitted
+        return total >= self.threshold
+
+    def forget(self, keys: torch.Tensor) -> None:
+        """Drops the counts of keys now stored in the table."""
+        if keys.numel():
+            self.counts.erase(keys)
 
     def export(self) -> List:
         return list(self.counts.export())

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dynamicemb._ops import ops
-from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
+from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode
@@ -40,12 +40,18 @@ class _LookupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, module, rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights):
         ctx.module = module
+        ctx.version = module.storage.version
         ctx.save_for_backward(rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights)
         return module._gather(rows, unique_keys, inverse, offsets, per_sample_weights, training=True)
 
     @staticmethod
     def backward(ctx, grad_output):
         rows, unique_keys, unique_table_ids, inverse, offsets, psw = ctx.saved_tensors
+        if ctx.module.storage.version != ctx.version:
+            # Another training forward evicted or moved rows since this one
+            # (e.g. two forwards before their backwards): update the keys'
+            # current rows; a key no longer stored gets no update.
+            rows = torch.where(rows >= 0, ctx.module.storage.find(unique_keys, unique_table_ids), rows)
         grad_psw = None
         if ctx.needs_input_grad[7]:  # from the rows before this update, as the TBE
             grad_psw = ctx.module._per_sample_weights_grad(grad_output, rows, unique_keys, inverse, offsets)
@@ -63,7 +69,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         feature_table_map: table of each feature (default: feature i -> table i).
         pooling_mode: SUM, MEAN or NONE (one row per index; needs one dim).
         optimizer: EmbOptimType EXACT_SGD, ADAM, EXACT_ADAGRAD or
-            EXACT_ROWWISE_ADAGRAD, with FBGEMM's hyper-parameter names.
+            EXACT_ROWWISE_ADAGRAD, with FBGEMM's hyper-parameter names and
+            rules: ADAM adds weight_decay * w to its update,
+            EXACT_ROWWISE_ADAGRAD decays per weight_decay_mode (FBGEMM's
+            WeightDecayMode NONE, L2 or DECOUPLE; NONE by default, as the
+            TBE's), EXACT_SGD and EXACT_ADAGRAD take no weight decay.
         output_dtype: dtype of the output (accumulation is float32).
         seed: the initializers' seed; a key's initial row is a pure function
             of (seed, table, key).
@@ -78,7 +88,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def __init__(self, table_options: Sequence[DynamicEmbTableOptions], table_names: Optional[Sequence[str]] = None,
                  feature_table_map: Optional[Sequence[int]] = None, pooling_mode=DynamicEmbPoolingMode.SUM,
                  optimizer=EmbOptimType.EXACT_SGD, learning_rate: float = 0.01, eps: float = 1.0e-8,
-                 beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
+                 beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, weight_decay_mode=None,
                  output_dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
                  init_streams: Optional[Sequence[int]] = None, storage: Optional[EmbeddingStorage] = None):
         super().__init__()
@@ -102,6 +112,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.optimizer = optimizer_code(optimizer)
         self.learning_rate, self.eps, self.beta1, self.beta2 = learning_rate, eps, beta1, beta2
         self.weight_decay = weight_decay
+        self.weight_decay_mode = weight_decay_mode_code(weight_decay_mode)
+        check_weight_decay(self.optimizer, weight_decay, self.weight_decay_mode)
         self.output_dtype = output_dtype
         self.seed = seed
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -185,7 +197,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         ops.emb_backward_update(grad_output.to(torch.float32).contiguous(), self.storage.weights(), rows, utids,
                                 inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
                                 self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
-                                self.weight_decay, self.optimizer_step)
+                                self.weight_decay, self.optimizer_step, self.weight_decay_mode)
 
     def _per_sample_weights_grad(self, grad_output, rows, ukeys, inverse, offsets) -> torch.Tensor:
         """d loss / d per_sample_weights[i]: the row of index i (stored or

@@ -37,3 +37,35 @@ def optimizer_code(optimizer) -> int:
 def state_width(code: int, dim: int) -> int:
     """Columns of optimizer state next to a row (optim::state_width)."""
     return {0: 0, 1: 2 * dim, 2: dim, 3: 1}[code]
+
+
+# FBGEMM's WeightDecayMode values that EXACT_ROWWISE_ADAGRAD supports here
+# (optim::WeightDecayMode); FBGEMM's default is NONE.
+_DECAY_MODES = {"NONE": 0, "L2": 1, "DECOUPLE": 2}
+
+
+def weight_decay_mode_code(mode) -> int:
+    """Kernel code of FBGEMM's WeightDecayMode (the enum, its name or its value); None = NONE."""
+    if mode is None:
+        return 0
+    name = getattr(mode, "name", mode)
+    if isinstance(name, str) and name.upper() in _DECAY_MODES:
+        return _DECAY_MODES[name.upper()]
+    if isinstance(name, int) and not isinstance(name, bool) and name in _DECAY_MODES.values():
+        return name
+    raise ValueError(f"weight_decay_mode {mode!r} is not supported by dynamicemb; use one of {tuple(_DECAY_MODES)}")
+
+
+def check_weight_decay(code: int, weight_decay: float, decay_mode: int) -> None:
+    """FBGEMM's rules: ADAM adds weight_decay * w to its update; EXACT_ROWWISE_ADAGRAD
+    decays by weight_decay_mode (NONE ignores weight_decay); EXACT_SGD and
+    EXACT_ADAGRAD have no weight decay. A weight decay that would be ignored
+    is refused rather than dropped silently."""
+    name = {0: "EXACT_SGD", 1: "ADAM", 2: "EXACT_ADAGRAD", 3: "EXACT_ROWWISE_ADAGRAD"}[code]
+    if decay_mode and code != 3:
+        raise ValueError(f"weight_decay_mode applies to EXACT_ROWWISE_ADAGRAD only (FBGEMM's rule), not to {name}")
+    if weight_decay and code in (0, 2):
+        raise ValueError(f"{name} has no weight decay (FBGEMM's rule); got weight_decay={weight_decay}")
+    if weight_decay and code == 3 and not decay_mode:
+        raise ValueError(f"EXACT_ROWWISE_ADAGRAD ignores weight_decay={weight_decay} with weight_decay_mode NONE "
+                         f"(FBGEMM's default); set weight_decay_mode to L2 or DECOUPLE")

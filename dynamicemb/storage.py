@@ -61,6 +61,23 @@ class FindOrInsertResult:
 
 
 class EmbeddingStorage(abc.ABC):
+    """What the module needs of a storage. Besides the methods below, a
+    storage has the attributes the module's kernels read:
+
+    - ``init_params`` / ``eval_init_params``: the packed initializer of each
+      table (DynamicEmbInitializerArgs.packed) for training / eval reads;
+    - ``custom_scores``: per table, the CUSTOMIZED score set by ``set_score``;
+    - ``version``: an int that changes whenever a row returned earlier may now
+      belong to another key or have moved (eviction, growth, erasure, a
+      load). A backward whose forward saw another version finds its keys'
+      rows again instead of updating rows that are no longer theirs.
+    """
+
+    init_params: torch.Tensor
+    eval_init_params: torch.Tensor
+    custom_scores: List[int]
+    version: int = 0
+
     @abc.abstractmethod
     def weights(self) -> List[torch.Tensor]:
         """Per table, the [rows, dim + state] tensor the kernels address."""
@@ -149,6 +166,7 @@ class HashTableStorage(EmbeddingStorage):
                           else None for n, o in zip(names, options)]
         self.rejected = torch.zeros(self.num_tables, dtype=torch.int64)
         self.custom_scores = [0] * self.num_tables  # CUSTOMIZED: the score set by set_score
+        self.version = 0  # EmbeddingStorage.version: bumped by growth and eviction
 
     # ---- layout ----------------------------------------------------------------------
 
@@ -262,6 +280,10 @@ class HashTableStorage(EmbeddingStorage):
             if bool(new.any()):
                 gt = torch.tensor(tables, device=self.device)[lt_ins[new]]
                 ops.emb_init_rows(self._weights, r[new], gt, k[new], self.dims, self.init_params, self.seed)
+                if keep is not None:  # stored keys leave the admission counters
+                    for lt, t in enumerate(tables):
+                        if self.admission[t] is not None:
+                            self.admission[t].forget(k[new & (lt_ins == lt)])
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
             if keep is not None:
@@ -334,6 +356,7 @@ class HashTableStorage(EmbeddingStorage):
             moved[dst.to(w.device)] = w[src.to(w.device)]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
+        self.version += 1
         return old_idx, new_idx
 
     def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
@@ -357,7 +380,10 @@ class HashTableStorage(EmbeddingStorage):
             per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
             retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
             if not retry:
-                return InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
+                out = InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
+                if out.evicted.keys.numel():
+                    self.version += 1  # the evicted keys' rows now hold other keys
+                return out
             for lt in retry:  # the retry counts its own failures
                 ht.counters[lt, 2] -= per_table[lt]
             caps = ht.capacities()

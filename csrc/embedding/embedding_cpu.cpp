@@ -245,36 +245,27 @@ template <class W>
 void update_row(W* row, int64_t D, float* g, int64_t kind, const optim::Params& p, const optim::AdamBias& bias) {
   switch (kind) {
     case optim::kSgd:
-      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<W>(optim::sgd(static_cast<float>(row[d]), g[d], p));
+      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kSgd>(row, D, d, g[d], p, bias);
       break;
     case optim::kAdagrad:
-      for (int64_t d = 0; d < D; ++d) {
-        float w = row[d], m = row[D + d];
-        optim::adagrad(&w, &m, g[d], p);
-        row[d] = static_cast<W>(w);
-        row[D + d] = static_cast<W>(m);
-      }
+      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kAdagrad>(row, D, d, g[d], p, bias);
       break;
     case optim::kRowwiseAdagrad: {
       float sum_sq = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
-        g[d] = g[d] + p.weight_decay * static_cast<float>(row[d]);
-        sum_sq += g[d] * g[d];
+        const float gs = optim::rowwise_adagrad_state_grad(g[d], static_cast<float>(row[d]), p);
+        sum_sq += gs * gs;
       }
       const float m = optim::rowwise_adagrad_state(static_cast<float>(row[D]), sum_sq, D);
       row[D] = static_cast<W>(m);
       const float mult = optim::rowwise_adagrad_multiplier(m, p);
-      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<W>(static_cast<float>(row[d]) - mult * g[d]);
+      const float corr = optim::rowwise_adagrad_correction(mult, p);
+      for (int64_t d = 0; d < D; ++d)
+        row[d] = static_cast<W>(optim::rowwise_adagrad_update(static_cast<float>(row[d]), g[d], mult, corr));
       break;
     }
     case optim::kAdam:
-      for (int64_t d = 0; d < D; ++d) {
-        float w = row[d], m1 = row[D + d], m2 = row[2 * D + d];
-        optim::adam(&w, &m1, &m2, g[d], p, bias);
-        row[d] = static_cast<W>(w);
-        row[D + d] = static_cast<W>(m1);
-        row[2 * D + d] = static_cast<W>(m2);
-      }
+      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kAdam>(row, D, d, g[d], p, bias);
       break;
   }
 }
@@ -283,7 +274,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
                          IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
                          int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                         double weight_decay, int64_t step) {
+                         double weight_decay, int64_t step, int64_t weight_decay_mode) {
   const Rows R = check_rows(weights, dims);
   check_1d(rows, at::kLong, "rows");
   check_1d(unique_table_ids, at::kLong, "unique_table_ids");
@@ -305,7 +296,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   TORCH_CHECK(grad_output.size(1) == total_d && grad_output.size(0) == (pooling == kNone ? n : bags.B),
               "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
   const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
-                        static_cast<float>(beta2), static_cast<float>(weight_decay), step};
+                        static_cast<float>(beta2), static_cast<float>(weight_decay), step, weight_decay_mode};
   const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();

@@ -676,9 +676,9 @@ __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, con
     W* row = static_cast<W*>(tab.w) + r * tab.stride;
     float g[kPerLane];
     if (kind == optim::kRowwiseAdagrad) {
-      // Pass 1: the decayed gradient's squares, summed in element order. A
-      // row wider than one chunk sums its gradient again in pass 2 (same
-      // order, same values) instead of staging it.
+      // Pass 1: the squares of the state's gradient (L2: decayed), summed in
+      // element order. A row wider than one chunk sums its gradient again in
+      // pass 2 (same order, same values) instead of staging it.
       float sum_sq = 0.0f;
       for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
         src.sum(g, d0, D, beg, end, lane);
@@ -686,26 +686,21 @@ __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, con
 #pragma unroll
         for (int k = 0; k < kPerLane; ++k) {
           const int64_t d = d0 + k * kWarp + lane;
-          g[k] = d < D ? mul_add(g[k], p.weight_decay, static_cast<float>(row[d])) : 0.0f;
-          sq[k] = __fmul_rn(g[k], g[k]);
+          const float gs = d < D ? optim::rowwise_adagrad_state_grad(g[k], static_cast<float>(row[d]), p) : 0.0f;
+          sq[k] = __fmul_rn(gs, gs);
         }
         sum_sq = warp_sum_in_order(sum_sq, sq, d0, D);
       }
       const float m = optim::rowwise_adagrad_state(static_cast<float>(row[D]), sum_sq, D);
       const float mult = optim::rowwise_adagrad_multiplier(m, p);
+      const float corr = optim::rowwise_adagrad_correction(mult, p);
       for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-        if (D > kChunk) {
-          src.sum(g, d0, D, beg, end, lane);
-#pragma unroll
-          for (int k = 0; k < kPerLane; ++k) {
-            const int64_t d = d0 + k * kWarp + lane;
-            if (d < D) g[k] = mul_add(g[k], p.weight_decay, static_cast<float>(row[d]));
-          }
-        }
+        if (D > kChunk) src.sum(g, d0, D, beg, end, lane);
 #pragma unroll
         for (int k = 0; k < kPerLane; ++k) {
           const int64_t d = d0 + k * kWarp + lane;
-          if (d < D) row[d] = static_cast<W>(__fsub_rn(static_cast<float>(row[d]), __fmul_rn(mult, g[k])));
+          if (d < D)
+            row[d] = static_cast<W>(optim::rowwise_adagrad_update(static_cast<float>(row[d]), g[k], mult, corr));
         }
       }
       __syncwarp();  // every lane has read row[D]
@@ -720,23 +715,14 @@ __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, con
         if (d >= D) continue;
         switch (kind) {
           case optim::kSgd:
-            row[d] = static_cast<W>(optim::sgd(static_cast<float>(row[d]), g[k], p));
+            optim::update_element<optim::kSgd>(row, D, d, g[k], p, bias);
             break;
-          case optim::kAdagrad: {
-            float w = row[d], m = row[D + d];
-            optim::adagrad(&w, &m, g[k], p);
-            row[d] = static_cast<W>(w);
-            row[D + d] = static_cast<W>(m);
+          case optim::kAdagrad:
+            optim::update_element<optim::kAdagrad>(row, D, d, g[k], p, bias);
             break;
-          }
-          case optim::kAdam: {
-            float w = row[d], m1 = row[D + d], m2 = row[2 * D + d];
-            optim::adam(&w, &m1, &m2, g[k], p, bias);
-            row[d] = static_cast<W>(w);
-            row[D + d] = static_cast<W>(m1);
-            row[2 * D + d] = static_cast<W>(m2);
+          case optim::kAdam:
+            optim::update_element<optim::kAdam>(row, D, d, g[k], p, bias);
             break;
-          }
         }
       }
     }
@@ -747,7 +733,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                           const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
                           IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
                           int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                          double weight_decay, int64_t step) {
+                          double weight_decay, int64_t step, int64_t weight_decay_mode) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -773,7 +759,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   TORCH_CHECK(grad_output.size(1) == total_d && grad_output.size(0) == (pooling == kNone ? n : bags.B),
               "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
   const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
-                        static_cast<float>(beta2), static_cast<float>(weight_decay), step};
+                        static_cast<float>(beta2), static_cast<float>(weight_decay), step, weight_decay_mode};
   // Host-side, as the CPU: device powf may differ from the host's in the last bit.
   const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
   if (U == 0) return;

@@ -97,9 +97,12 @@ STATE = {0: lambda d: 0, 1: lambda d: 2 * d, 2: lambda d: d, 3: lambda d: 1}
 @pytest.mark.parametrize("pooling", [0, 1, 2], ids=["sum", "mean", "none"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("psw", [False, True])
-def test_backward_update(optimizer, pooling, wdtype, psw):
+@pytest.mark.parametrize("decay", [0, 1, 2], ids=["no_decay", "l2", "decoupled"])
+def test_backward_update(optimizer, pooling, wdtype, psw, decay):
     if pooling == 2 and psw:
         pytest.skip("per_sample_weights need pooling")
+    if decay and optimizer != 3:
+        pytest.skip("weight_decay_mode is EXACT_ROWWISE_ADAGRAD's")
     gen = torch.Generator().manual_seed(3)
     feature_table = [0, 1, 0]
     dims = [24, 24] if pooling == 2 else [7, 300]
@@ -111,7 +114,7 @@ def test_backward_update(optimizer, pooling, wdtype, psw):
     out_shape = (idx.numel(), dims[0]) if pooling == 2 else ((off.numel() - 1) // 3, sum(dims[t] for t in feature_table))
     grad = torch.randn(out_shape, generator=gen)
     cuda_w = [x.to(DEV) for x in weights]
-    args = (pooling, optimizer, 0.05, 1e-3, 0.9, 0.99, 0.01, 3)
+    args = (pooling, optimizer, 0.05, 1e-3, 0.9, 0.99, 0.01, 3, decay)
     ops.emb_backward_update(grad, weights, rows, utids, inverse, off, feature_table, dims, w_ps, *args)
     ops.emb_backward_update(grad.to(DEV), cuda_w, rows.to(DEV), utids.to(DEV), inverse.to(DEV), off.to(DEV),
                             feature_table, dims, None if w_ps is None else w_ps.to(DEV), *args)

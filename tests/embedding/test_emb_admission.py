@@ -105,3 +105,22 @@ def test_counter_memory_is_bounded():
     assert counter.capacity() == 16 and counter.size() <= 16
     assert stored_keys(m, 0) == set()
     assert m.table_stats()["t0"]["admission_rejected"] == 200
+
+
+def test_admitted_key_that_cannot_be_stored_keeps_its_count():
+    # One full bucket that cannot evict (NO_EVICTION at max capacity): key 100
+    # reaches the threshold but fails to be stored; its count is kept, so it
+    # is not counted from zero again.
+    from dynamicemb import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+    m = make_module([D], max_capacity=16, admit_strategy=FrequencyAdmissionStrategy(2),
+                    admission_counter=KVCounter(64), score_strategy=DynamicEmbScoreStrategy.NO_EVICTION,
+                    safe_check_mode=DynamicEmbCheckMode.IGNORE)
+    fill = torch.arange(16).repeat(2)
+    m(fill, torch.tensor([0, fill.numel()]))
+    assert stored_keys(m, 0) == set(range(16))
+    m(torch.tensor([100, 100]), torch.tensor([0, 2]))  # admitted, not stored
+    assert m.table_stats()["t0"]["failed"] == 1 and 100 not in stored_keys(m, 0)
+    counter = m.storage.admission[0].counts
+    idx, found = counter.lookup(torch.tensor([100]))
+    assert bool(found[0]) and int(counter.slot_scores[idx[0]]) == 2
+    assert counter.lookup(torch.arange(16))[1].sum() == 0  # stored keys were forgotten

@@ -51,7 +51,7 @@ def test_opcheck_emb_backward_update(pooling):
                           int(pooling), m.storage.init_params, 0, torch.float32)
     weights = [w.clone() for w in m.storage.weights()]
     args = (torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE, m.dims, None,
-            int(pooling), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1)
+            int(pooling), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, 0)
     torch.library.opcheck(ops.emb_backward_update, args)
 
 

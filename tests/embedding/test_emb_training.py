@@ -156,31 +156,54 @@ def test_lfu_scores_count_occurrences(strategy):
 # ---- weight decay and determinism -------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                                       EmbOptimType.ADAM], ids=lambda o: o.name)
-def test_weight_decay_by_hand(optimizer):
-    # FBGEMM's rules: adagrads add L2 decay to the gradient; Adam adds
-    # weight_decay * w to the update (not to the moments).
+@pytest.mark.parametrize("optimizer,mode", [(EmbOptimType.ADAM, None),
+                                            (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "L2"),
+                                            (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "DECOUPLE")],
+                         ids=["ADAM", "ROWWISE_L2", "ROWWISE_DECOUPLE"])
+def test_weight_decay_by_hand(optimizer, mode):
+    # FBGEMM's (GPU) rules: Adam adds weight_decay * w to the update (not to
+    # the moments); rowwise Adagrad with L2 decays the gradient that enters
+    # the state and scales the old weight by 1 - multiplier * wd; with
+    # DECOUPLE the state sees the plain gradient and the old weight is scaled
+    # by 1 - lr * wd. (FBGEMM's CPU TBE ignores weight decay, so the rule is
+    # checked by hand.) Two steps: the second starts from decayed state.
     lr, wd, eps, b1, b2 = 0.1, 0.5, 1e-8, 0.9, 0.999
     m = make_module([3], optimizer=optimizer, initializer_args=DEBUG_INIT,
-                    module_kwargs=dict(learning_rate=lr, weight_decay=wd, eps=eps, beta1=b1, beta2=b2))
-    m(*bags([[42]])).sum().backward()  # gradient 1 per element
-    w0 = debug_rows([42], 3)[0]
-    if optimizer == EmbOptimType.ADAM:
-        m1, m2 = torch.full((3,), 1 - b1), torch.full((3,), 1 - b2)
-        w = w0 - lr * ((m1 / (1 - b1)) / ((m2 / (1 - b2)).sqrt() + eps) + wd * w0)
-        state = torch.cat([m1, m2])
-    else:
-        g = 1 + wd * w0
-        if optimizer == EmbOptimType.EXACT_ADAGRAD:
-            state = g * g
-            w = w0 - lr * g / (state.sqrt() + eps)
+                    module_kwargs=dict(learning_rate=lr, weight_decay=wd, weight_decay_mode=mode, eps=eps,
+                                       beta1=b1, beta2=b2))
+    w = debug_rows([42], 3)[0]
+    m1 = m2 = acc = torch.zeros(3)
+    for step, g in enumerate([torch.ones(3), torch.tensor([0.5, -2.0, 1.5])], start=1):
+        (m(*bags([[42]])) * g).sum().backward()
+        if optimizer == EmbOptimType.ADAM:
+            m1, m2 = b1 * m1 + (1 - b1) * g, b2 * m2 + (1 - b2) * g * g
+            w = w - lr * ((m1 / (1 - b1**step)) / ((m2 / (1 - b2**step)).sqrt() + eps) + wd * w)
+            state = torch.cat([m1, m2])
         else:
-            state = (g * g).mean()[None]
-            w = w0 - lr / (state.sqrt() + eps) * g
+            gs = g + wd * w if mode == "L2" else g
+            acc = acc + (gs * gs).mean()
+            mult = lr / (acc[:1].sqrt() + eps)
+            corr = 1 - mult * wd if mode == "L2" else 1 - lr * wd
+            w = corr * w - mult * g
+            state = acc[:1]
     _, row = stored(m, 0, [42])
     torch.testing.assert_close(row[0, :3], w, atol=1e-6, rtol=0)
     torch.testing.assert_close(row[0, 3:], state, atol=1e-6, rtol=1e-6)
+
+
+def test_weight_decay_that_fbgemm_ignores_is_refused():
+    wd = dict(weight_decay=0.1)
+    for opt in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD):
+        with pytest.raises(ValueError, match=f"{opt.name} has no weight decay"):
+            make_module([4], optimizer=opt, module_kwargs=wd)
+    with pytest.raises(ValueError, match="weight_decay_mode NONE"):
+        make_module([4], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, module_kwargs=wd)
+    with pytest.raises(ValueError, match="EXACT_ROWWISE_ADAGRAD only"):
+        make_module([4], optimizer=EmbOptimType.ADAM, module_kwargs=dict(weight_decay_mode="L2"))
+    with pytest.raises(ValueError, match="not supported"):
+        make_module([4], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                    module_kwargs=dict(weight_decay=0.1, weight_decay_mode="COUNTER"))
+    make_module([4], optimizer=EmbOptimType.ADAM, module_kwargs=wd)  # Adam's decay needs no mode
 
 
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD],
