@@ -116,7 +116,14 @@ class ScoredHashTable:
         """int64 [num_tables + 1]: table t owns buckets [tb[t], tb[t+1])."""
         return self._table_buckets
 
+    def _table_id(self, table_id: int) -> int:
+        """A table id given to a per-table method, checked (no negative wrap-around)."""
+        if isinstance(table_id, bool) or not isinstance(table_id, int) or not 0 <= table_id < self.num_tables:
+            raise ValueError(f"table id {table_id!r} is out of range [0, {self.num_tables})")
+        return table_id
+
     def table_slot_range(self, table_id: int) -> Tuple[int, int]:
+        table_id = self._table_id(table_id)
         tb = self._table_buckets.tolist()
         return tb[table_id] * self.bucket_capacity, tb[table_id + 1] * self.bucket_capacity
 
@@ -139,7 +146,8 @@ class ScoredHashTable:
             return None
         if isinstance(value, int):
             return torch.full((n,), value, dtype=torch.int64, device=self.device)
-        if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point:
+        if (not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype.is_complex
+                or value.dtype == torch.bool):
             raise TypeError(f"{what} must be an int or an integer tensor, got {value!r:.80}")
         if value.dim() != 1 or value.numel() != n:
             raise ValueError(f"{what} must be 1-D with one entry per key ({n}), got shape {tuple(value.shape)}")
@@ -276,7 +284,7 @@ class ScoredHashTable:
         can move its rows."""
         caps = self.capacities()
         if table_id is not None:
-            caps[table_id] = new_capacity
+            caps[self._table_id(table_id)] = new_capacity
         elif isinstance(new_capacity, int):
             caps = [new_capacity] * self.num_tables
         else:
@@ -302,25 +310,29 @@ class ScoredHashTable:
 
     def size(self, table_id: Optional[int] = None) -> int:
         """Live keys of one table, or of all tables."""
-        return int(self.sizes.sum() if table_id is None else self.sizes[table_id])
+        return int(self.sizes.sum() if table_id is None else self.sizes[self._table_id(table_id)])
 
     def capacities(self) -> List[int]:
         return [int(b) * self.bucket_capacity for b in self._table_buckets.diff().tolist()]
 
     def capacity(self, table_id: Optional[int] = None) -> int:
         caps = self.capacities()
-        return sum(caps) if table_id is None else caps[table_id]
+        return sum(caps) if table_id is None else caps[self._table_id(table_id)]
 
     def load_factor(self, table_id: Optional[int] = None) -> float:
         return self.size(table_id) / self.capacity(table_id)
 
     def get_counters(self, table_id: Optional[int] = None) -> dict:
         """{"inserted", "evicted", "failed"} since the last reset, of one table or all."""
-        c = self.counters.sum(0) if table_id is None else self.counters[table_id]
+        c = self.counters.sum(0) if table_id is None else self.counters[self._table_id(table_id)]
         return dict(zip(("inserted", "evicted", "failed"), c.tolist()))
 
-    def reset_counters(self) -> None:
-        self.counters.zero_()
+    def reset_counters(self, table_id: Optional[int] = None) -> None:
+        """Zeroes the counters of one table, or of all."""
+        if table_id is None:
+            self.counters.zero_()
+        else:
+            self.counters[self._table_id(table_id)].zero_()
 
     def scores_of(self, indices: torch.Tensor) -> torch.Tensor:
         return self.slot_scores[indices]

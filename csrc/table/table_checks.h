@@ -8,8 +8,15 @@
 
 #include <optional>
 
+#include "table/table_rules.h"
+
 namespace dynamicemb {
 namespace table {
+
+inline void check_strategy(int64_t strategy) {
+  TORCH_CHECK(strategy >= kTimestamp && strategy <= kTimestampLfu, "dynamicemb: unknown score strategy code ",
+              strategy);
+}
 
 inline void check_tensor(const at::Tensor& t, at::ScalarType dtype, const char* name,
                          const at::Device& dev) {

@@ -58,7 +58,14 @@ Layout make_layout(const Tensor& table_buckets, int64_t bucket_capacity) {
   TORCH_CHECK(bucket_capacity > 0 && bucket_capacity % kGroupSize == 0,
               "dynamicemb: bucket_capacity must be a positive multiple of ", kGroupSize, ", got ",
               bucket_capacity);
-  return Layout{table_buckets.data_ptr<int64_t>(), table_buckets.numel() - 1, bucket_capacity};
+  const int64_t* tb = table_buckets.data_ptr<int64_t>();
+  const int64_t T = table_buckets.numel() - 1;
+  // Table t owns buckets [tb[t], tb[t+1]): keys are placed without bounds
+  // checks, so every table must own at least one bucket from 0 on.
+  TORCH_CHECK(tb[0] == 0, "dynamicemb: table_buckets must start at 0, got ", tb[0]);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(tb[t + 1] > tb[t], "dynamicemb: table ", t, " owns no bucket (table_buckets must increase)");
+  return Layout{tb, T, bucket_capacity};
 }
 
 void check_slots(const Tensor& t, at::ScalarType dtype, const char* name, const Layout& L) {
@@ -387,6 +394,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
     const Tensor& slot_timestamps, const Tensor& table_buckets, const Tensor& keys,
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
     int64_t strategy, int64_t bucket_capacity, int64_t call_score) {
+  check_strategy(strategy);
   const Layout L = make_layout(table_buckets, bucket_capacity);
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
@@ -433,6 +441,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
     int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
     const std::optional<Tensor>& evictable) {
+  check_strategy(strategy);
   const Layout L = make_layout(table_buckets, bucket_capacity);
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);

@@ -414,6 +414,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cuda(
     const Tensor& slot_timestamps, const Tensor& table_buckets, const Tensor& keys,
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
     int64_t strategy, int64_t bucket_capacity, int64_t call_score) {
+  check_strategy(strategy);
   const c10::cuda::CUDAGuard guard(table_device(slot_keys));
   const Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
   check_slots(slot_keys, at::kLong, "slot_keys", L);
@@ -569,6 +570,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
     const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
     int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
     const std::optional<Tensor>& evictable) {
+  check_strategy(strategy);
   const c10::cuda::CUDAGuard guard(table_device(slot_keys));
   const Layout L = make_layout(table_buckets, bucket_capacity, slot_keys);
   check_slots(slot_keys, at::kLong, "slot_keys", L);

@@ -183,3 +183,51 @@ def test_other_bad_arguments():
     with pytest.raises(RuntimeError, match="slot_scores must hold 32 slots"):
         ops.table_lookup_refresh(t.slot_keys, t.slot_digests, t.slot_scores[:16], t.slot_timestamps,
                                  t.table_buckets, torch.tensor([1]), None, None, 0, 16, 0)
+
+
+def test_per_table_methods_refuse_bad_table_ids(t):
+    t.insert(torch.tensor([1, 2]), 0)
+    for bad in (-1, 2, True):
+        for call in (lambda: t.size(bad), lambda: t.capacity(bad), lambda: t.load_factor(bad),
+                     lambda: t.get_counters(bad), lambda: t.reset_counters(bad), lambda: list(t.export(table_id=bad)),
+                     lambda: t.grow(64, table_id=bad)):
+            with pytest.raises(ValueError, match=rf"table id {bad!r} is out of range \[0, 2\)"):
+                call()
+    assert t.capacities() == [32, 16] and t.get_counters(0)["inserted"] == 2
+
+
+def test_counters_reset_per_table(t):
+    t.insert(torch.tensor([1, 2]), 0)
+    t.insert(torch.tensor([3]), 1)
+    t.reset_counters(0)
+    assert t.get_counters(0)["inserted"] == 0 and t.get_counters(1)["inserted"] == 1
+    t.reset_counters()
+    assert t.get_counters()["inserted"] == 0
+
+
+def test_bool_and_complex_per_key_values_are_refused(t):
+    keys = torch.tensor([1, 2])
+    with pytest.raises(TypeError, match="keys must be an integer tensor"):
+        t.insert(torch.tensor([True, False]), 0)
+    with pytest.raises(TypeError, match="table_ids must be an int or an integer tensor"):
+        t.insert(keys, torch.tensor([True, False]))
+    c = ScoredHashTable(32, 16, S.CUSTOMIZED)
+    with pytest.raises(TypeError, match="scores must be an int or an integer tensor"):
+        c.insert(keys, scores=torch.tensor([1 + 1j, 2 + 0j]))
+
+
+def test_raw_ops_refuse_a_bad_layout_or_strategy():
+    t = ScoredHashTable(32, 16, S.STEP)
+    keys = torch.tensor([5])
+    args = lambda tb: (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, tb, keys,  # noqa: E731
+                       None, None, int(S.STEP), 16, 0)
+    with pytest.raises(RuntimeError, match="table_buckets must start at 0"):
+        ops.table_lookup_refresh(*args(torch.tensor([1, 2])))
+    # [0, 2, 2]: table 1 owns no bucket (its keys would land in another's).
+    two = ScoredHashTable([16, 16], 16, S.STEP, num_tables=2)
+    with pytest.raises(RuntimeError, match="table 1 owns no bucket"):
+        ops.table_lookup(two.slot_keys, two.slot_digests, torch.tensor([0, 2, 2]), keys, torch.tensor([1]), 16)
+    bad = list(args(t.table_buckets))
+    bad[8] = 9
+    with pytest.raises(RuntimeError, match="unknown score strategy code 9"):
+        ops.table_lookup_refresh(*bad)
