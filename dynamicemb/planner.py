@@ -5,7 +5,6 @@ our own storage estimate (their per-rank values and optimizer state, plus the
 hash table); TorchRec's planner plans the native tables unchanged, on a
 topology whose memory is reduced by what the dynamic tables take.
 """
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -140,13 +139,12 @@ class DynamicEmbeddingShardingPlanner:
     # ---- plans -------------------------------------------------------------------------
 
     def _native_sharders(self, sharders):
-        out = []
-        for s in sharders:
-            if isinstance(s, _DynamicSharderMixin):
-                s = copy.copy(s)
-                s._planning_exclude = frozenset(self._dynamic)
-            out.append(s)
-        return out
+        """The sharders TorchRec's planner plans the native tables with: ours
+        become the stock TorchRec sharders they extend (same fused_params),
+        blind to the dynamic tables, so native tables get exactly the plan
+        that TorchRec's sharders would give them."""
+        exclude = frozenset(self._dynamic)
+        return [s.planning_sharder(exclude) if isinstance(s, _DynamicSharderMixin) else s for s in sharders]
 
     def _has_native(self, module, sharders) -> bool:
         by_type = {s.module_type: s for s in sharders}

@@ -112,19 +112,23 @@ def _vs_sparse_adam(pg):
 
 
 def _mixed(world_pg, kind):
-    """native_table (FUSED, ROW_WISE through our sharder) beside two dynamic
-    tables, against the pure-native model of the same three tables."""
+    """native_table (FUSED) beside two dynamic tables, against the pure-native
+    model of the same three tables. The native table gets a sharding type that
+    TorchRec's own sharder offers on CPU: TABLE_WISE in the EBC (a sharding of
+    its own), ROW_WISE in the EC (the same RW sharding as the dynamic tables,
+    routed by TorchRec's block rule)."""
     names = ["native_table"] + TABLES
     configs = _configs(names) if kind == "ebc" else models.ec_configs(names, dim=8, num_embeddings=KEYS)
     start = models.initial_weights(configs, seed=2)
     for fused in FUSED[:2]:
         what = f"mixed {kind} {fused['optimizer'].name}"
         constraints = models.dynamic_constraints(TABLES)
-        constraints["native_table"] = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+        native_type = "table_wise" if kind == "ebc" else "row_wise"
+        constraints["native_table"] = ParameterConstraints(sharding_types=[native_type], compute_kernels=["fused"])
         mixed = models.build(kind, configs, world_pg, constraints, fused, collective=True)
         native = models.native_model(configs, world_pg, fused, kind)
         plan = mixed.plan.plan[""]
-        assert (plan["native_table"].sharding_type, plan["native_table"].compute_kernel) == ("row_wise", "fused")
+        assert (plan["native_table"].sharding_type, plan["native_table"].compute_kernel) == (native_type, "fused")
         assert all(plan[t].compute_kernel == "customized_kernel" for t in TABLES)
         for c in configs:
             models.set_native_rows(native, models.weight_fqn(kind, c.name), start[c.name])

@@ -5,6 +5,7 @@ include optimizer state, and misuse fails with the table's name."""
 import pytest
 import torch
 import torchrec
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
@@ -57,26 +58,52 @@ def test_huge_dynamic_table_plans_row_wise_with_per_rank_capacity():
     assert all(s.shard_sizes == [HUGE // WORLD, 64] for s in shards)
 
 
-def test_native_tables_get_torchrecs_plan():
-    configs = _configs()
-    ours = _planner(configs, models.dynamic_constraints(["huge_table"])).plan(_ebc(configs), _sharders()).plan[""]
+def _stock_plan(module, natives, world, fused=models.SGD):
+    """The reference: TorchRec's own planner and sharders on the native
+    tables alone (same fused_params)."""
+    sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    topology = Topology(world_size=world, compute_device="cpu", ddr_cap=2**60)
+    return EmbeddingShardingPlanner(topology=topology).plan(module(natives), sharders).plan[""]
+
+
+def _summary(plan):
+    return {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in plan.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_native_tables_get_stock_torchrecs_plan(kind, world):
+    """Native tables beside a dynamic one get exactly the plan of TorchRec's
+    planner with TorchRec's sharders: tiny ones data_parallel/dense where
+    TorchRec picks it, EBC tables table_wise on CPU (TorchRec's EBC sharder
+    offers no row_wise there), never a fused data_parallel table."""
+    make, module = ((models.ebc_configs, _ebc) if kind == "ebc"
+                    else (models.ec_configs, lambda c: torchrec.EmbeddingCollection(tables=c, device="meta")))
+    configs = (make(["dyn_table"], num_embeddings=HUGE) + make(["tiny_table"], num_embeddings=10)
+               + make(["small_table"], num_embeddings=1000) + make(["mid_table"], num_embeddings=200_000))
     natives = configs[1:]
-    stock = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60))
-    theirs = stock.plan(_ebc(natives), _sharders()).plan[""]
-    assert set(ours) == {"huge_table", "small_table", "other_table"}
-    for c in natives:
-        a, b = ours[c.name], theirs[c.name]
-        assert (a.sharding_type, a.compute_kernel, a.ranks) == (b.sharding_type, b.compute_kernel, b.ranks), c.name
-        assert a.compute_kernel != "customized_kernel"
+    ours = _planner(configs, models.dynamic_constraints(["dyn_table"]), world=world).plan(module(configs), _sharders())
+    ours = ours.plan[""]
+    assert (ours["dyn_table"].sharding_type, ours["dyn_table"].compute_kernel) == ("row_wise", "customized_kernel")
+    del ours["dyn_table"]
+    assert _summary(ours) == _summary(_stock_plan(module, natives, world))
+    assert all(p.compute_kernel != "fused" for p in ours.values() if p.sharding_type == "data_parallel")
 
 
-def test_only_native_tables_plan_as_torchrec_does():
+def test_only_native_tables_plan_as_stock_torchrec_does():
     natives = _configs()[1:]
-    ours = _planner(natives, {}).plan(_ebc(natives), _sharders()).plan[""]
-    theirs = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60)
-                                      ).plan(_ebc(natives), _sharders()).plan[""]
-    assert {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in ours.items()} == \
-        {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in theirs.items()}
+    for fused in (models.SGD, dict(optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=0.1, eps=1e-3)):
+        ours = _planner(natives, {}).plan(_ebc(natives), _sharders(fused)).plan[""]
+        assert _summary(ours) == _summary(_stock_plan(_ebc, natives, WORLD, fused))
+
+
+def test_our_sharders_offer_what_torchrecs_offer():
+    for ours, stock in ((DynamicEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()),
+                        (DynamicEmbeddingCollectionSharder(), EmbeddingCollectionSharder())):
+        for device in ("cpu", "cuda"):
+            assert ours.sharding_types(device) == stock.sharding_types(device)
+            for st in stock.sharding_types(device):
+                assert ours.compute_kernels(st, device) == stock.compute_kernels(st, device)
 
 
 @pytest.mark.parametrize("optimizer,width", [
