@@ -41,7 +41,7 @@ def shard(module, configs, world_size, constraints, fused_params, collective=Fal
     sharders = [DynamicEmbeddingBagCollectionSharder(fused_params=fused_params),
                 DynamicEmbeddingCollectionSharder(fused_params=fused_params)]
     planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=world_size, compute_device="cpu"),
-                                              constraints=constraints, optimizer=fused_params["optimizer"])
+                                              constraints=constraints)
     plan = (planner.collective_plan(module, sharders, env.process_group if env else None) if collective
             else planner.plan(module, sharders))
     return DistributedModelParallel(module, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)

@@ -2,6 +2,10 @@
 module on meta): huge dynamic tables plan ROW_WISE / CUSTOMIZED_KERNEL with
 per-rank capacities, native tables get TorchRec's own plan, storage estimates
 include optimizer state, and misuse fails with the table's name."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torchrec
@@ -34,7 +38,7 @@ def _sharders(fused=models.SGD):
             DynamicEmbeddingCollectionSharder(fused_params=fused)]
 
 
-def _planner(configs, constraints, world=WORLD, ddr_cap=2**60, optimizer=EmbOptimType.EXACT_SGD):
+def _planner(configs, constraints, world=WORLD, ddr_cap=2**60, optimizer=None):
     topology = Topology(world_size=world, compute_device="cpu", ddr_cap=ddr_cap)
     return DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints, optimizer=optimizer)
 
@@ -115,13 +119,54 @@ def test_value_bytes_include_optimizer_state(optimizer, width):
     assert get_table_value_bytes(1000, 16, torch.float32, optimizer, training=False) == 1000 * 16 * 4
 
 
-def test_planner_charges_dynamic_tables_with_their_optimizer():
-    configs = models.ebc_configs(["d_table"], dim=8, num_embeddings=4096)
-    sgd = _planner(configs, models.dynamic_constraints(["d_table"]), world=2).dynamic_bytes_per_rank()["d_table"]
-    adam = _planner(configs, models.dynamic_constraints(["d_table"]), world=2,
-                    optimizer=EmbOptimType.ADAM).dynamic_bytes_per_rank()["d_table"]
-    rows = get_sharded_table_capacity(4096, 2)
-    assert adam - sgd == rows * 2 * 8 * 4  # the two Adam moments, float32
+ADAM = dict(optimizer=EmbOptimType.ADAM, learning_rate=1e-3)
+
+
+def _ddr_taken(planner, configs, fused):
+    """Bytes of DDR per rank that planning with sharders of `fused` takes
+    for the dynamic tables (a CPU topology charges everything to DDR)."""
+    planner.plan(_ebc(configs), _sharders(fused))
+    return [2**60 - d.storage.ddr for d in planner._topology.devices]
+
+
+def test_planner_charges_dynamic_tables_with_their_sharders_optimizer():
+    """The estimate uses the optimizer of the sharder's fused_params: Adam
+    keeps two moments beside each row, 3 x dim values per row in all."""
+    dim, n, world = 8, 4096, 2
+    configs = models.ebc_configs(["d_table"], dim=dim, num_embeddings=n)
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]), world=world)
+    rows = -(-(-(-n // world)) // 128) * 128  # ceil(n / world), in buckets of 128
+    adam = rows * 3 * dim * 4 + rows * 21     # fp32 value + m + v, and the hash table's 21 bytes per slot
+    sgd = rows * dim * 4 + rows * 21
+    assert _ddr_taken(planner, configs, ADAM) == [adam] * world
+    assert planner.optimizers == {"d_table": EmbOptimType.ADAM}
+    assert planner.dynamic_bytes_per_rank() == {"d_table": adam}
+    # Planning again (here with SGD) reserves anew, not on top of the last plan.
+    assert _ddr_taken(planner, configs, models.SGD) == [sgd] * world
+    # An optimizer= that agrees with the sharders is accepted.
+    agreeing = _planner(configs, models.dynamic_constraints(["d_table"]), world=world, optimizer=EmbOptimType.ADAM)
+    assert agreeing.dynamic_bytes_per_rank() == {"d_table": adam}  # before plan(): the override
+    assert _ddr_taken(agreeing, configs, ADAM) == [adam] * world
+
+
+def test_optimizer_override_contradicting_the_sharder_is_refused():
+    configs = models.ebc_configs(["d_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]), optimizer=EmbOptimType.EXACT_SGD)
+    with pytest.raises(ValueError, match="d_table.*contradicts.*ADAM"):
+        planner.plan(_ebc(configs), _sharders(ADAM))
+
+
+def test_estimate_before_plan_needs_the_optimizer():
+    configs = models.ebc_configs(["d_table"])
+    with pytest.raises(RuntimeError, match="d_table.*plan"):
+        _planner(configs, models.dynamic_constraints(["d_table"])).dynamic_bytes_per_rank()
+
+
+def test_unsupported_optimizer_names_the_table():
+    configs = models.ebc_configs(["d_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]))
+    with pytest.raises(ValueError, match="d_table.*not supported"):
+        planner.plan(_ebc(configs), _sharders(dict(optimizer=EmbOptimType.LARS_SGD)))
 
 
 def test_sharded_capacity_rounds_to_whole_buckets():
@@ -152,10 +197,17 @@ def test_unknown_dist_type_names_the_table():
 
 
 @pytest.mark.parametrize("option,value,word", [
-    ("dim", 16, "dim"), ("embedding_dtype", torch.float16, "dtype")])
+    ("dim", 16, "dim"), ("embedding_dtype", torch.float16, "dtype"), ("num_embeddings", 5000, "num_embeddings")])
 def test_options_contradicting_the_config_name_the_table(option, value, word):
     msg = _error(models.ebc_configs(["d_table"], dim=8), models.dynamic_constraints(["d_table"], **{option: value}))
     assert "d_table" in msg and word in msg and str(value) in msg
+
+
+def test_dynamic_table_missing_from_the_module():
+    configs = models.ebc_configs(["d_table", "e_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table", "e_table"]))
+    with pytest.raises(ValueError, match="e_table"):
+        planner.plan(_ebc(configs[:1]), _sharders())
 
 
 def test_constraints_for_unknown_table():
@@ -200,6 +252,7 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
     hbm, ddr = 2**40, 2**41
     topology = Topology(world_size=world, compute_device="cuda", hbm_cap=hbm, ddr_cap=ddr)
     planner = DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints)
+    planner.plan(_ebc(configs), _sharders())
     opts = planner.options
     assert all(o.num_shards == world for o in opts.values())
     assert opts["big_table"].local_hbm_for_values == values - 1
@@ -217,3 +270,15 @@ def test_host_tier_refusals_name_the_table():
     with pytest.raises(ValueError, match="t_table.*caching=True"):
         DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=1 << 20,
                                caching=True).validate("t_table")
+
+
+def test_sizing_helpers_import_without_torchrec():
+    """tests/cuda import only torch and dynamicemb: the sizing helpers come
+    from the package root without importing torchrec."""
+    code = ("import sys, dynamicemb; from dynamicemb import get_sharded_table_capacity, get_table_value_bytes; "
+            "assert 'torchrec' not in sys.modules, 'torchrec imported'; "
+            "print(get_sharded_table_capacity(1000, 3), get_table_value_bytes(10, 4))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["384", "160"]
