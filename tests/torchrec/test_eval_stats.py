@@ -91,3 +91,14 @@ def test_eval_inserts_nothing_and_stats_sum_over_ranks():
     for kind in ("ebc", "ec"):
         # Both ranks hold part of each table (routing spreads the keys).
         assert all(per_rank[r][kind][t] > 0 for r in range(2) for t in TABLES), per_rank
+
+
+def test_stats_collective_device_follows_the_backend(monkeypatch):
+    """table_stats(model, pg) reduces on the device the group's backend takes:
+    CPU for gloo (and groups with a CPU backend), the current CUDA device for
+    NCCL alone (which rejects CPU tensors)."""
+    from dynamicemb import stats
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in [("gloo", "cpu"), ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cpu")]:
+        monkeypatch.setattr(dist, "get_backend", lambda pg=None, b=backend: b)
+        assert stats.collective_device(object()) == torch.device(device), backend
