@@ -127,6 +127,18 @@ def stored_rows(model, table: str, keys: torch.Tensor, pg: dist.ProcessGroup):
     return values, torch.where(holders == 1, owner, -1)
 
 
+def local_scores(model, table: str) -> Dict[int, int]:
+    """{key: score} of the keys this rank's storage holds for a dynamic table,
+    read from the kernel's storage."""
+    mods = [(m, m.table_names.index(table)) for m in dynamic_modules(model) if table in m.table_names]
+    assert len(mods) == 1, f"table {table!r} found in {len(mods)} dynamic modules"
+    m, t = mods[0]
+    out = {}
+    for keys, _, scores in m.storage.export(t):
+        out.update(zip(keys.tolist(), scores.tolist()))
+    return out
+
+
 def native_rows(model, fqn: str, pg: dist.ProcessGroup) -> torch.Tensor:
     """The full weight of a native sharded table (state_dict key `fqn`),
     assembled from the shards of every rank of `pg`."""
