@@ -7,6 +7,8 @@ from dynamicemb.options import (
     DynamicEmbTableOptions,
     FrequencyAdmissionStrategy,
     KVCounter,
+    get_sharded_table_capacity,
+    get_table_value_bytes,
 )
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
 from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
@@ -39,5 +41,7 @@ __all__ = [
     "InsertOutput",
     "InsertResult",
     "ScoredHashTable",
+    "get_sharded_table_capacity",
+    "get_table_value_bytes",
     "table_stats",
 ]

@@ -1,4 +1,4 @@
-"""Per-table options (API.md §1) and the admission types."""
+"""Per-table options (API.md §1), the admission types, and table sizing."""
 import enum
 import math
 from dataclasses import dataclass, field
@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
 
@@ -135,3 +136,22 @@ class DynamicEmbTableOptions:
                 "host memory that the kernels read and update in place")
         if (self.admit_strategy is None) != (self.admission_counter is None):
             bad("admit_strategy and admission_counter must be given together")
+
+
+# ---- sizing (used by the planner; importable without torchrec) -------------------------
+
+
+def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capacity: int = 128) -> int:
+    """Rows per rank of a dynamic table of `num_embeddings` rows over
+    `world_size` ranks: ceil(num_embeddings / world_size), in whole buckets."""
+    if num_embeddings <= 0 or world_size <= 0:
+        raise ValueError(f"num_embeddings ({num_embeddings}) and world_size ({world_size}) must be positive")
+    rows = -(-num_embeddings // world_size)
+    return -(-rows // bucket_capacity) * bucket_capacity
+
+
+def get_table_value_bytes(capacity: int, dim: int, embedding_dtype: torch.dtype = torch.float32,
+                          optimizer=EmbOptimType.EXACT_SGD, training: bool = True) -> int:
+    """Bytes of a table's values and optimizer state at `capacity` rows."""
+    width = dim + (state_width(optimizer_code(optimizer), dim) if training else 0)
+    return capacity * width * torch.empty((), dtype=embedding_dtype).element_size()

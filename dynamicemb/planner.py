@@ -5,10 +5,9 @@ our own storage estimate (their per-rank values and optimizer state, plus the
 hash table); TorchRec's planner plans the native tables unchanged, on a
 topology whose memory is reduced by what the dynamic tables take.
 """
-import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,11 +15,13 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.sharding_plan import row_wise
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
-from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
-from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.optimizer import EmbOptimType, optimizer_code
+# The sizing helpers live in options.py (importable without torchrec); re-exported here.
+from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
 from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
 
@@ -35,22 +36,6 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
     use_dynamicemb: bool = False
     dynamicemb_options: DynamicEmbTableOptions = field(default_factory=DynamicEmbTableOptions)
-
-
-def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capacity: int = 128) -> int:
-    """Rows per rank of a dynamic table of `num_embeddings` rows over
-    `world_size` ranks: ceil(num_embeddings / world_size), in whole buckets."""
-    if num_embeddings <= 0 or world_size <= 0:
-        raise ValueError(f"num_embeddings ({num_embeddings}) and world_size ({world_size}) must be positive")
-    rows = -(-num_embeddings // world_size)
-    return -(-rows // bucket_capacity) * bucket_capacity
-
-
-def get_table_value_bytes(capacity: int, dim: int, embedding_dtype: torch.dtype = torch.float32,
-                          optimizer=EmbOptimType.EXACT_SGD, training: bool = True) -> int:
-    """Bytes of a table's values and optimizer state at `capacity` rows."""
-    width = dim + (state_width(optimizer_code(optimizer), dim) if training else 0)
-    return capacity * width * torch.empty((), dtype=embedding_dtype).element_size()
 
 
 def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions, world_size: int
@@ -81,11 +66,18 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
 class DynamicEmbeddingShardingPlanner:
     """Plans dynamic tables ROW_WISE / CUSTOMIZED_KERNEL and delegates the
     native tables to TorchRec's EmbeddingShardingPlanner (extra keyword
-    arguments go to it)."""
+    arguments go to it).
+
+    A dynamic table's storage estimate includes the state of the optimizer
+    its kernel will run: the one in the `fused_params` of the sharder that
+    shards its module (or set on the parameter with TorchRec's
+    `apply_optimizer_in_backward`), known at `plan()` / `collective_plan()`.
+    `optimizer=` overrides that for the estimate only, and must agree with it.
+    """
 
     def __init__(self, eb_configs: Sequence[BaseEmbeddingConfig], topology: Optional[Topology] = None,
                  batch_size: Optional[int] = None, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 optimizer=EmbOptimType.EXACT_SGD, **kwargs):
+                 optimizer=None, **kwargs):
         self._configs = {c.name: c for c in eb_configs}
         constraints = dict(constraints or {})
         self._dynamic = {n: c for n, c in constraints.items()
@@ -100,63 +92,77 @@ class DynamicEmbeddingShardingPlanner:
         self._native = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=native,
                                                 **kwargs)
         self._topology = self._native._topology
-        self._optimizer = optimizer
+        if optimizer is not None:
+            optimizer_code(optimizer)  # refuses an optimizer we do not implement
+        self._optimizer_override = optimizer
+        # The optimizer of each dynamic table, from its sharder (set by plan()).
+        self.optimizers: Dict[str, object] = {}
+        # The topology's memory before our reservation: plan() reserves anew
+        # each time (the sharders, hence the optimizers, may change).
+        self._free = [(d.storage.hbm, d.storage.ddr) for d in self._topology.devices]
         self.options = {n: complete_options(self._configs[n], c.dynamicemb_options, self._topology.world_size)
                         for n, c in self._dynamic.items()}
-        self._reserve_dynamic_storage()
 
     # ---- storage -----------------------------------------------------------------------
 
     def dynamic_bytes_per_rank(self) -> Dict[str, int]:
         """Our storage estimate of each dynamic table on one rank: values and
-        optimizer state at max_capacity plus the hash table."""
-        return {n: self._value_bytes(o) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+        optimizer state at max_capacity plus the hash table. Needs the tables'
+        optimizers: call after plan() (or give the planner `optimizer=`)."""
+        return {n: self._value_bytes(n) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
 
-    def _value_bytes(self, o: DynamicEmbTableOptions) -> int:
-        return get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, self._optimizer, o.training)
+    def _value_bytes(self, name: str) -> int:
+        o = self.options[name]
+        optimizer = self.optimizers.get(name, self._optimizer_override)
+        if optimizer is None:
+            raise RuntimeError(f"table {name!r}: its optimizer (from the sharder's fused_params) is known once "
+                               f"plan() or collective_plan() ran; pass optimizer= to estimate before that")
+        return get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, optimizer, o.training)
 
     def _reserve_dynamic_storage(self) -> None:
-        """Takes our tables' bytes out of every rank's budget: on a CUDA
-        topology the hash tables and the values that fit global_hbm_for_values
-        from HBM, the other values (the host tier) from DDR."""
+        """Takes our tables' bytes out of every rank's budget (as it was
+        before any reservation): on a CUDA topology the hash tables and the
+        values that fit global_hbm_for_values from HBM, the other values (the
+        host tier) from DDR."""
         on_device = self._topology.compute_device == "cuda"
         hbm = ddr = 0
-        for o in self.options.values():
-            values, table = self._value_bytes(o), o.max_capacity * _TABLE_BYTES_PER_SLOT
+        for n, o in self.options.items():
+            values, table = self._value_bytes(n), o.max_capacity * _TABLE_BYTES_PER_SLOT
             if not on_device:
                 ddr += values + table
             elif o.values_on_device(values):
                 hbm += values + table
             else:
                 hbm, ddr = hbm + table, ddr + values
-        for d in self._topology.devices:
-            for kind, need, have in (("HBM", hbm, d.storage.hbm), ("DDR", ddr, d.storage.ddr)):
+        for d, (free_hbm, free_ddr) in zip(self._topology.devices, self._free):
+            for kind, need, have in (("HBM", hbm, free_hbm), ("DDR", ddr, free_ddr)):
                 if need > have:
                     raise ValueError(f"dynamic tables need {need} bytes of {kind} per rank "
                                      f"({self.dynamic_bytes_per_rank()}), more than rank {d.rank} has ({have} bytes)")
-            d.storage.hbm -= hbm
-            d.storage.ddr -= ddr
+            d.storage.hbm = free_hbm - hbm
+            d.storage.ddr = free_ddr - ddr
 
     # ---- plans -------------------------------------------------------------------------
 
     def _native_sharders(self, sharders):
-        out = []
-        for s in sharders:
-            if isinstance(s, _DynamicSharderMixin):
-                s = copy.copy(s)
-                s._planning_exclude = frozenset(self._dynamic)
-            out.append(s)
-        return out
+        """The sharders TorchRec's planner plans the native tables with: ours
+        become the stock TorchRec sharders they extend (same fused_params),
+        blind to the dynamic tables, so native tables get exactly the plan
+        that TorchRec's sharders would give them."""
+        exclude = frozenset(self._dynamic)
+        return [s.planning_sharder(exclude) if isinstance(s, _DynamicSharderMixin) else s for s in sharders]
 
     def _has_native(self, module, sharders) -> bool:
         by_type = {s.module_type: s for s in sharders}
         return any(type(m) in by_type and by_type[type(m)].shardable_parameters(m)
                    for _, m in module.named_modules())
 
-    def _add_dynamic(self, plan: ShardingPlan, module, sharders) -> ShardingPlan:
+    def _dynamic_tables(self, module, sharders) -> List[Tuple[str, str, torch.nn.Parameter, object]]:
+        """(module path, table, parameter, sharder) of every dynamic table;
+        refuses a dynamic table sharded by a sharder that is not ours, or
+        missing from the module."""
         by_type = {s.module_type: s for s in sharders}
-        world, local = self._topology.world_size, self._topology.local_world_size
-        device_type = self._topology.compute_device
+        found = []
         for path, m in module.named_modules():
             sharder = by_type.get(type(m))
             if sharder is None:
@@ -167,22 +173,72 @@ class DynamicEmbeddingShardingPlanner:
                 if not isinstance(sharder, _DynamicSharderMixin):
                     raise ValueError(f"table {name!r} is dynamic but module {path or '<root>'!r} is sharded by "
                                      f"{type(sharder).__name__}; use dynamicemb.shard's sharders")
-                ps = row_wise(compute_kernel=CUSTOMIZED)(param, local, world, device_type, sharder)
-                plan.plan.setdefault(path, EmbeddingModuleShardingPlan())[name] = DynamicEmbParameterSharding(
-                    sharding_type=ps.sharding_type, compute_kernel=ps.compute_kernel, ranks=ps.ranks,
-                    sharding_spec=ps.sharding_spec, dynamicemb_options=self.options[name])
+                found.append((path, name, param, sharder))
+        missing = sorted(set(self._dynamic) - {name for _, name, _, _ in found})
+        if missing:
+            raise ValueError(f"dynamic tables {missing} are in no module that the given sharders shard "
+                             f"({[type(s).__name__ for s in sharders]})")
+        return found
+
+    def _set_optimizers(self, tables) -> None:
+        """Each dynamic table's optimizer, as TorchRec merges it into the
+        table's fused_params: the sharder's, overridden by one set on the
+        parameter (apply_optimizer_in_backward); EXACT_SGD (the kernel's
+        default) when neither says."""
+        self.optimizers = {}
+        for _, name, param, sharder in tables:
+            optimizer = sharder_optimizer(sharder, param)
+            try:
+                code = optimizer_code(optimizer)
+            except ValueError as e:
+                raise ValueError(f"table {name!r}: {e}") from None
+            override = self._optimizer_override
+            if override is not None and optimizer_code(override) != code:
+                raise ValueError(f"table {name!r}: the planner's optimizer={getattr(override, 'name', override)} "
+                                 f"contradicts the optimizer {getattr(optimizer, 'name', optimizer)} that its sharder ({type(sharder).__name__}) trains it with")
+            self.optimizers[name] = optimizer
+
+    def _prepare(self, module, sharders):
+        tables = self._dynamic_tables(module, sharders)
+        self._set_optimizers(tables)
+        self._reserve_dynamic_storage()
+        return tables
+
+    def _add_dynamic(self, plan: ShardingPlan, tables) -> ShardingPlan:
+        world, local = self._topology.world_size, self._topology.local_world_size
+        device_type = self._topology.compute_device
+        for path, name, param, sharder in tables:
+            ps = row_wise(compute_kernel=CUSTOMIZED)(param, local, world, device_type, sharder)
+            plan.plan.setdefault(path, EmbeddingModuleShardingPlan())[name] = DynamicEmbParameterSharding(
+                sharding_type=ps.sharding_type, compute_kernel=ps.compute_kernel, ranks=ps.ranks,
+                sharding_spec=ps.sharding_spec, dynamicemb_options=self.options[name])
         return plan
 
     def plan(self, module: torch.nn.Module, sharders: List) -> ShardingPlan:
+        tables = self._prepare(module, sharders)
         native = self._native_sharders(sharders)
         plan = self._native.plan(module, native) if self._has_native(module, native) else ShardingPlan({})
-        return self._add_dynamic(plan, module, sharders)
+        return self._add_dynamic(plan, tables)
 
     def collective_plan(self, module: torch.nn.Module, sharders: List, pg: Optional[dist.ProcessGroup] = None
                         ) -> ShardingPlan:
+        tables = self._prepare(module, sharders)
         native = self._native_sharders(sharders)
         if self._has_native(module, native):
             plan = self._native.collective_plan(module, native, pg if pg is not None else dist.GroupMember.WORLD)
         else:
             plan = ShardingPlan({})
-        return self._add_dynamic(plan, module, sharders)
+        return self._add_dynamic(plan, tables)
+
+
+def sharder_optimizer(sharder, param: Optional[torch.nn.Parameter] = None):
+    """The optimizer a table's kernel runs with: `optimizer` of the sharder's
+    fused_params, overridden by one set on the parameter with TorchRec's
+    apply_optimizer_in_backward; EXACT_SGD (the kernel's default) if neither."""
+    fused = dict(sharder.fused_params or {})
+    kwargs = dict((getattr(param, "_optimizer_kwargs", None) or [{}])[0])
+    cls = (getattr(param, "_optimizer_classes", None) or [None])[0]
+    if cls is not None and "optimizer" not in kwargs:
+        kwargs["optimizer"] = optimizer_type_to_emb_opt_type(cls)
+    fused.update(kwargs)
+    return fused.get("optimizer", EmbOptimType.EXACT_SGD)

@@ -37,6 +37,17 @@ def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) 
     if pg is None:
         return stats
     names = sorted(stats)
-    t = torch.tensor([[stats[n][k] for k in STAT_KEYS] for n in names], dtype=torch.int64).reshape(-1, len(STAT_KEYS))
+    t = torch.tensor([[stats[n][k] for k in STAT_KEYS] for n in names], dtype=torch.int64,
+                     device=collective_device(pg)).reshape(-1, len(STAT_KEYS))
     dist.all_reduce(t, group=pg)
     return {n: dict(zip(STAT_KEYS, row)) for n, row in zip(names, t.tolist())}
+
+
+def collective_device(pg: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for a collective over `pg` must live: the current CUDA
+    device when the group has only NCCL (which rejects CPU tensors), else the
+    CPU (gloo, or a group with a CPU backend beside NCCL)."""
+    backend = str(dist.get_backend(pg)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

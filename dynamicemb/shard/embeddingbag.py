@@ -1,10 +1,9 @@
 """EmbeddingBagCollection with dynamic tables: a drop-in sharder."""
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from dynamicemb.shard.common import check_row_wise, lookups_train, reset_native_parameters
@@ -31,28 +30,47 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class _DynamicSharderMixin:
-    """ROW_WISE on every device. While planning, the planner hides dynamic
-    tables from TorchRec's planner (`_planning_exclude`) and places them
-    itself; CUSTOMIZED_KERNEL is never offered to a planner's enumerator
-    (TorchRec's estimators reject it, which broke planning native tables)."""
+    """What our sharders add to TorchRec's: `shard()` builds our sharded
+    collections. They offer TorchRec's own sharding types and compute kernels
+    (no more, no less), so a planner enumerates native tables exactly as with
+    TorchRec's sharders. Dynamic tables never go through an enumerator:
+    DynamicEmbeddingShardingPlanner places them ROW_WISE / CUSTOMIZED_KERNEL
+    itself, and TorchRec does not check a plan's sharding types or kernels
+    against the sharder at sharding time (only its planners' enumerators
+    consult `sharding_types` / `compute_kernels`)."""
 
-    _planning_exclude: frozenset = frozenset()
+    def planning_sharder(self, exclude=()):
+        """A TorchRec sharder (the stock class this one extends, same state:
+        fused_params, qcomm codecs, ...) for planning native tables; its
+        `shardable_parameters` leaves out the tables named in `exclude`."""
+        return _planning_sharder(self, frozenset(exclude))
 
-    def shardable_parameters(self, module):
-        params = super().shardable_parameters(module)
-        return {n: p for n, p in params.items() if n not in self._planning_exclude}
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        types = list(super().sharding_types(compute_device_type))
-        if ShardingType.ROW_WISE.value not in types:
-            types.append(ShardingType.ROW_WISE.value)
-        return types
+_PLANNING_CLASSES: Dict[type, type] = {}
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        if compute_device_type == "cpu" and EmbeddingComputeKernel.FUSED.value not in kernels:
-            kernels.append(EmbeddingComputeKernel.FUSED.value)  # TorchRec's fused CPU kernels work RW too
-        return kernels
+
+def _stock_class(sharder) -> type:
+    for cls in type(sharder).__mro__:
+        if not issubclass(cls, _DynamicSharderMixin) and cls.__module__.startswith("torchrec."):
+            return cls
+    raise TypeError(f"{type(sharder).__name__} extends no TorchRec sharder")
+
+
+def _planning_sharder(sharder, exclude: frozenset):
+    stock = _stock_class(sharder)
+    cls = _PLANNING_CLASSES.get(stock)
+    if cls is None:
+        def shardable_parameters(self, module):
+            params = stock.shardable_parameters(self, module)
+            return {n: p for n, p in params.items() if n not in self._planning_exclude}
+
+        cls = type(f"Planning{stock.__name__}", (stock,), {"shardable_parameters": shardable_parameters,
+                                                            "__module__": __name__})
+        _PLANNING_CLASSES[stock] = cls
+    out = cls.__new__(cls)
+    out.__dict__.update(sharder.__dict__)
+    out._planning_exclude = exclude
+    return out
 
 
 class DynamicEmbeddingBagCollectionSharder(_DynamicSharderMixin, EmbeddingBagCollectionSharder):
@@ -64,7 +82,8 @@ class DynamicEmbeddingBagCollectionSharder(_DynamicSharderMixin, EmbeddingBagCol
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None):
         return ShardedDynamicEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
-            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
 
     @property
     def sharded_module_type(self):

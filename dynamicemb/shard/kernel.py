@@ -1,8 +1,9 @@
 """TorchRec compute kernels (BaseEmbedding) over BatchedDynamicEmbeddingTables:
 one per group of dynamic tables of a sharding, built by the lookups of
 dynamicemb.shard.sharding for CUSTOMIZED_KERNEL groups."""
+import warnings
 from collections import OrderedDict
-from typing import Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -10,16 +11,85 @@ from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import pooling_type_to_pooling_mode
+from torchrec.modules.embedding_configs import DataType, data_type_to_dtype, pooling_type_to_pooling_mode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
-from dynamicemb.optimizer import EmbOptimType
-from dynamicemb.shard.parameter_sharding import init_stream, table_options
+from dynamicemb.optimizer import EmbOptimType, optimizer_code
+from dynamicemb.shard.parameter_sharding import OPTIONS_KEY, init_stream, table_options
 from dynamicemb.types import DynamicEmbPoolingMode
 
 # fused_params TorchRec users already pass to FUSED tables, and our extras.
 _HYPER = ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
+# What the kernel reads from fused_params.
+_USED = frozenset(_HYPER + ("optimizer", "weight_decay_mode", "output_dtype", "dynamicemb_seed", OPTIONS_KEY))
+# Keys with no effect on what a dynamic table computes: FBGEMM's cache,
+# placement, prefetch, index-type, bounds-check and stats settings (TorchRec
+# adds some itself from the plan: cache_*, prefetch_pipeline, enforce_hbm,
+# bounds_check_mode, output_dtype), TorchRec's own bookkeeping, and
+# hyper-parameters that FBGEMM itself reads only for optimizers we do not
+# implement (momentum, eta) or only with gradient_clipping (max_gradient).
+_NO_EFFECT = frozenset((
+    "cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory", "cache_precision",
+    "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "prefetch_pipeline",
+    "multipass_prefetch_config", "stats_reporter_config", "uvm_non_rowwise_momentum", "use_experimental_tbe",
+    "uvm_host_mapped", "bounds_check_mode", "embedding_table_index_type", "embedding_table_offset_type",
+    "tbe_input_multiplexer_config", "embedding_shard_info", "preallocated_host_buffers", "table_names",
+    "use_one_tbe_per_table", "_batch_key", "momentum", "eta", "max_gradient",
+))
+_FP32_ONLY = "only matters for float16 / bfloat16 rows, which dynamicemb rounds to nearest"
+# Keys of FBGEMM's TBE that change the math, with the values that do not:
+# (key, harmless(value, tables) -> bool, what it does).
+_REFUSED = (
+    ("gradient_clipping", lambda v, t: not v, "gradient clipping"),
+    ("max_norm", lambda v, t: not v, "row max-norm renormalization"),
+    ("stochastic_rounding", lambda v, t: not v or all(_dtype(x) == torch.float32 for x in t), _FP32_ONLY),
+    ("weights_precision", lambda v, t: all(_sparse_dtype(v) == _dtype(x) for x in t),
+     "a storage precision other than the table's data_type"),
+    ("optimizer_state_dtypes", lambda v, t: not v, "optimizer state in another precision"),
+    ("ensemble_mode", lambda v, t: v is None, "ensemble optimizers"),
+    ("emainplace_mode", lambda v, t: v is None, "EMA in-place optimizers"),
+    ("counter_based_regularization", lambda v, t: v is None, "counter-based regularization"),
+    ("cowclip_regularization", lambda v, t: v is None, "CowClip regularization"),
+    ("global_weight_decay", lambda v, t: v is None, "global weight decay"),
+    ("extra_optimizer_config", lambda v, t: v is None, "extra optimizer configuration"),
+    ("is_qr_tbe", lambda v, t: not v, "quotient-remainder tables"),
+    ("enable_raw_embedding_streaming", lambda v, t: not v, "raw embedding streaming"),
+    ("res_params", lambda v, t: v is None, "raw embedding streaming"),
+)
+
+
+def _dtype(table) -> torch.dtype:
+    return data_type_to_dtype(table.data_type)
+
+
+def _sparse_dtype(v):
+    return v.as_dtype() if isinstance(v, SparseType) else (data_type_to_dtype(v) if isinstance(v, DataType) else v)
+
+
+def check_fused_params(fused: Dict[str, Any], tables: Sequence) -> None:
+    """Refuses (ValueError naming the tables and the key) fused_params that
+    would change what FBGEMM computes and that dynamicemb does not implement;
+    warns about keys it does not know. Keys TorchRec adds by itself (cache,
+    prefetch, bounds-check, output dtype, its internal `__register_*` keys)
+    pass."""
+    names = [t.name for t in tables]
+    try:
+        optimizer_code(fused.get("optimizer", EmbOptimType.EXACT_SGD))
+    except ValueError as e:
+        raise ValueError(f"dynamic tables {names}: {e}") from None
+    refused = {key: (ok, what) for key, ok, what in _REFUSED}
+    for key, value in fused.items():
+        if key in _USED or key in _NO_EFFECT or key.startswith("__register"):
+            continue
+        if key in refused:
+            ok, what = refused[key]
+            if not ok(value, tables):
+                raise ValueError(f"dynamic tables {names}: fused_params {key}={value!r} ({what}) is not "
+                                 f"implemented by dynamicemb; remove it from the sharder's fused_params")
+            continue
+        warnings.warn(f"dynamic tables {names}: fused_params key {key!r} is unknown to dynamicemb and has no "
+                      f"effect on these tables", stacklevel=3)
 
 
 def _output_dtype(fused_params) -> torch.dtype:
@@ -35,6 +105,10 @@ class _DynamicKernel(BaseEmbedding):
         self._pg = pg
         fused = dict(config.fused_params or {})
         tables = config.embedding_tables
+        check_fused_params(fused, tables)
+        extra = {k: fused[k] for k in _HYPER if k in fused}
+        if "weight_decay_mode" in fused:  # FBGEMM's WeightDecayMode (or its int); NONE when absent
+            extra["weight_decay_mode"] = fused["weight_decay_mode"]
         options = []
         for t in tables:
             o = table_options(t)
@@ -52,7 +126,7 @@ class _DynamicKernel(BaseEmbedding):
             device=device,
             seed=int(fused.get("dynamicemb_seed", 0)),
             init_streams=[init_stream(t.name) for t in tables],
-            **{k: fused[k] for k in _HYPER if k in fused},
+            **extra,
         )
 
     @property

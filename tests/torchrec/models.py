@@ -41,7 +41,7 @@ def shard(module, configs, world_size, constraints, fused_params, collective=Fal
     sharders = [DynamicEmbeddingBagCollectionSharder(fused_params=fused_params),
                 DynamicEmbeddingCollectionSharder(fused_params=fused_params)]
     planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=world_size, compute_device="cpu"),
-                                              constraints=constraints, optimizer=fused_params["optimizer"])
+                                              constraints=constraints)
     plan = (planner.collective_plan(module, sharders, env.process_group if env else None) if collective
             else planner.plan(module, sharders))
     return DistributedModelParallel(module, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)
@@ -125,6 +125,18 @@ def stored_rows(model, table: str, keys: torch.Tensor, pg: dist.ProcessGroup):
         dist.all_reduce(t_, group=pg)
     assert bool((holders <= 1).all()), f"table {table!r}: keys held by several ranks"
     return values, torch.where(holders == 1, owner, -1)
+
+
+def local_scores(model, table: str) -> Dict[int, int]:
+    """{key: score} of the keys this rank's storage holds for a dynamic table,
+    read from the kernel's storage."""
+    mods = [(m, m.table_names.index(table)) for m in dynamic_modules(model) if table in m.table_names]
+    assert len(mods) == 1, f"table {table!r} found in {len(mods)} dynamic modules"
+    m, t = mods[0]
+    out = {}
+    for keys, _, scores in m.storage.export(t):
+        out.update(zip(keys.tolist(), scores.tolist()))
+    return out
 
 
 def native_rows(model, fqn: str, pg: dist.ProcessGroup) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Eval mode looks keys up without inserting them (missing keys read zeros);
-train mode inserts again; dynamicemb.table_stats is rank-local, and with a
-process group sums over the ranks."""
+"""Eval mode looks keys up without inserting them (missing keys read zeros)
+and leaves every stored key's score unchanged; train mode inserts again;
+dynamicemb.table_stats is rank-local, and with a process group sums over the
+ranks. A dynamic table given a non-ROW_WISE plan by hand is refused when
+sharding."""
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,8 @@ def _eval_stats(rank, world):
         for t, f in zip(TABLES, FEATURES):
             assert summed[t]["size"] == summed[t]["inserted"] == len(stored[f]), (t, summed[t])
         before = {t: models.stored_rows(model, t, torch.tensor(stored[f]), pg)[0] for t, f in zip(TABLES, FEATURES)}
+        scores = {t: models.local_scores(model, t) for t in TABLES}
+        assert all(scores[t] for t in TABLES), "this rank stores no keys: the score check would be empty"
 
         # Eval: new keys read zeros and are not stored; known keys read their rows.
         model.eval()
@@ -61,6 +65,8 @@ def _eval_stats(rank, world):
         out = models.resolved(model(models.kjt(_batch(rank, eval_bags))))
         assert _sizes(model, pg) == {t: summed[t]["size"] for t in TABLES}, "eval inserted keys"
         assert dynamicemb.table_stats(model, pg) == summed, "eval changed the counters"
+        for t in TABLES:
+            assert models.local_scores(model, t) == scores[t], f"{t}: eval changed scores"
         for t, f in zip(TABLES, FEATURES):
             rows, _ = models.stored_rows(model, t, torch.tensor(stored[f]), pg)
             assert torch.equal(rows, before[t]), f"{t}: eval changed rows"
@@ -83,7 +89,41 @@ def _eval_stats(rank, world):
         assert _sizes(model, pg) == {t: len(grown[f]) for t, f in zip(TABLES, FEATURES)}, "train did not insert"
         _check_stats_sum(model, pg)
         results[kind] = _sizes(model)  # this rank's share
+        if kind == "ebc":  # training refreshes the scores of the keys it touches (TIMESTAMP)
+            after = models.local_scores(model, TABLES[0])
+            touched = [k for k in scores[TABLES[0]] if k in set(_batch(rank, eval_bags)[FEATURES[0]][1])]
+            assert all(after[k] > scores[TABLES[0]][k] for k in touched), "train did not refresh scores"
+    _refuse_table_wise_dynamic(pg)
     return results
+
+
+def _refuse_table_wise_dynamic(pg):
+    """A plan written by hand that gives a dynamic table TABLE_WISE is
+    refused by our sharded collection, naming the table."""
+    import pytest
+    import torchrec
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import table_wise
+    from torchrec.distributed.types import ShardingEnv
+    from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder
+    from dynamicemb.shard.parameter_sharding import DynamicEmbParameterSharding
+
+    configs = models.ebc_configs(TABLES, dim=DIM, num_embeddings=256)
+    module = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    sharder = DynamicEmbeddingBagCollectionSharder(fused_params=models.SGD)
+    planner = models.DynamicEmbeddingShardingPlanner(
+        configs, topology=models.Topology(world_size=pg.size(), compute_device="cpu"),
+        constraints=models.dynamic_constraints(TABLES))
+    plan = planner.plan(module, [sharder])
+    ps = plan.plan[""][TABLES[0]]
+    tw = table_wise(rank=0, compute_kernel="customized_kernel")(
+        module.embedding_bags[TABLES[0]].weight, pg.size(), pg.size(), "cpu", sharder)
+    plan.plan[""][TABLES[0]] = DynamicEmbParameterSharding(
+        sharding_type=tw.sharding_type, compute_kernel=tw.compute_kernel, ranks=tw.ranks,
+        sharding_spec=tw.sharding_spec, dynamicemb_options=ps.dynamicemb_options)
+    with pytest.raises(ValueError, match=f"{TABLES[0]}.*table_wise.*ROW_WISE only"):
+        DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                 plan=plan, sharders=[sharder])
 
 
 def test_eval_inserts_nothing_and_stats_sum_over_ranks():
@@ -91,3 +131,14 @@ def test_eval_inserts_nothing_and_stats_sum_over_ranks():
     for kind in ("ebc", "ec"):
         # Both ranks hold part of each table (routing spreads the keys).
         assert all(per_rank[r][kind][t] > 0 for r in range(2) for t in TABLES), per_rank
+
+
+def test_stats_collective_device_follows_the_backend(monkeypatch):
+    """table_stats(model, pg) reduces on the device the group's backend takes:
+    CPU for gloo (and groups with a CPU backend), the current CUDA device for
+    NCCL alone (which rejects CPU tensors)."""
+    from dynamicemb import stats
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in [("gloo", "cpu"), ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cpu")]:
+        monkeypatch.setattr(dist, "get_backend", lambda pg=None, b=backend: b)
+        assert stats.collective_device(object()) == torch.device(device), backend

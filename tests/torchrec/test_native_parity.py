@@ -2,7 +2,8 @@
 table's rows stored for every key 0..N-1) and fed the same batches, a dynamic
 table trains exactly like TorchRec's FUSED CPU kernel while nothing is evicted
 (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD); ADAM, which TorchRec's CPU
-kernels lack, matches torch.optim.SparseAdam on 1 and 2 ranks; a collection
+kernels lack, matches torch.optim.SparseAdam on 1 and 2 ranks; MEAN pooling
+on 2 ranks matches nn.EmbeddingBag(mode="mean") with SGD; a collection
 mixing a native FUSED table with dynamic tables matches the pure-native model."""
 import torch
 import torchrec
@@ -111,20 +112,57 @@ def _vs_sparse_adam(pg):
     _check_rows(dynamic, configs, {n: b.weight.detach() for n, b in bags.items()}, pg, f"adam {pg.size()} ranks")
 
 
+def _mean_vs_embedding_bag(pg):
+    """MEAN pooling on the ranks of `pg` against torch's nn.EmbeddingBag
+    (mode="mean", SGD on its sparse gradient) over the same rows and the
+    global batch: outputs of every step (empty bags read zeros) and the
+    trained rows."""
+    configs = [torchrec.EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=KEYS,
+                                           feature_names=[n.replace("table", "feature")],
+                                           pooling=torchrec.PoolingType.MEAN) for n in TABLES]
+    start = models.initial_weights(configs, seed=3)
+    bags = {c.name: nn.EmbeddingBag(KEYS, c.embedding_dim, mode="mean", sparse=True) for c in configs}
+    for c in configs:
+        with torch.no_grad():
+            bags[c.name].weight.copy_(start[c.name])
+    sgd = torch.optim.SGD([b.weight for b in bags.values()], lr=FUSED[0]["learning_rate"])
+    dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES), FUSED[0])
+    for c in configs:
+        models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
+    saw_empty = False
+    for step in range(STEPS):
+        batch, kjt = _step_input(step, pg)
+        saw_empty |= any(not bag for f in FEATURES for bag in batch[f])
+        full = models.kjt(batch).to_dict()
+        ref = torch.cat([bags[c.name](full[f].values(), full[f].offsets()) for c, f in zip(configs, FEATURES)], 1)
+        out = models.resolved(dynamic(kjt))
+        _close(out.values(), ref[models.local_samples(BATCH, pg)], f"mean {pg.size()} ranks step {step} output")
+        sgd.zero_grad()
+        ((ref.to(torch.float64) - 0.5) ** 2).sum().backward()
+        sgd.step()
+        _backward(out, pg)
+    assert saw_empty, "the batches had no empty bag"
+    _check_rows(dynamic, configs, {n: b.weight.detach() for n, b in bags.items()}, pg, f"mean {pg.size()} ranks")
+
+
 def _mixed(world_pg, kind):
-    """native_table (FUSED, ROW_WISE through our sharder) beside two dynamic
-    tables, against the pure-native model of the same three tables."""
+    """native_table (FUSED) beside two dynamic tables, against the pure-native
+    model of the same three tables. The native table gets a sharding type that
+    TorchRec's own sharder offers on CPU: TABLE_WISE in the EBC (a sharding of
+    its own), ROW_WISE in the EC (the same RW sharding as the dynamic tables,
+    routed by TorchRec's block rule)."""
     names = ["native_table"] + TABLES
     configs = _configs(names) if kind == "ebc" else models.ec_configs(names, dim=8, num_embeddings=KEYS)
     start = models.initial_weights(configs, seed=2)
     for fused in FUSED[:2]:
         what = f"mixed {kind} {fused['optimizer'].name}"
         constraints = models.dynamic_constraints(TABLES)
-        constraints["native_table"] = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+        native_type = "table_wise" if kind == "ebc" else "row_wise"
+        constraints["native_table"] = ParameterConstraints(sharding_types=[native_type], compute_kernels=["fused"])
         mixed = models.build(kind, configs, world_pg, constraints, fused, collective=True)
         native = models.native_model(configs, world_pg, fused, kind)
         plan = mixed.plan.plan[""]
-        assert (plan["native_table"].sharding_type, plan["native_table"].compute_kernel) == ("row_wise", "fused")
+        assert (plan["native_table"].sharding_type, plan["native_table"].compute_kernel) == (native_type, "fused")
         assert all(plan[t].compute_kernel == "customized_kernel" for t in TABLES)
         for c in configs:
             models.set_native_rows(native, models.weight_fqn(kind, c.name), start[c.name])
@@ -150,6 +188,7 @@ def _parity(rank, world):
     _vs_fused(world_pg)
     _vs_sparse_adam(own_pg)
     _vs_sparse_adam(world_pg)
+    _mean_vs_embedding_bag(world_pg)
     _mixed(world_pg, "ebc")
     _mixed(world_pg, "ec")
     return True

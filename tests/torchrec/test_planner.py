@@ -2,9 +2,14 @@
 module on meta): huge dynamic tables plan ROW_WISE / CUSTOMIZED_KERNEL with
 per-rank capacities, native tables get TorchRec's own plan, storage estimates
 include optimizer state, and misuse fails with the table's name."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torchrec
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
@@ -33,7 +38,7 @@ def _sharders(fused=models.SGD):
             DynamicEmbeddingCollectionSharder(fused_params=fused)]
 
 
-def _planner(configs, constraints, world=WORLD, ddr_cap=2**60, optimizer=EmbOptimType.EXACT_SGD):
+def _planner(configs, constraints, world=WORLD, ddr_cap=2**60, optimizer=None):
     topology = Topology(world_size=world, compute_device="cpu", ddr_cap=ddr_cap)
     return DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints, optimizer=optimizer)
 
@@ -57,26 +62,52 @@ def test_huge_dynamic_table_plans_row_wise_with_per_rank_capacity():
     assert all(s.shard_sizes == [HUGE // WORLD, 64] for s in shards)
 
 
-def test_native_tables_get_torchrecs_plan():
-    configs = _configs()
-    ours = _planner(configs, models.dynamic_constraints(["huge_table"])).plan(_ebc(configs), _sharders()).plan[""]
+def _stock_plan(module, natives, world, fused=models.SGD):
+    """The reference: TorchRec's own planner and sharders on the native
+    tables alone (same fused_params)."""
+    sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    topology = Topology(world_size=world, compute_device="cpu", ddr_cap=2**60)
+    return EmbeddingShardingPlanner(topology=topology).plan(module(natives), sharders).plan[""]
+
+
+def _summary(plan):
+    return {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in plan.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_native_tables_get_stock_torchrecs_plan(kind, world):
+    """Native tables beside a dynamic one get exactly the plan of TorchRec's
+    planner with TorchRec's sharders: tiny ones data_parallel/dense where
+    TorchRec picks it, EBC tables table_wise on CPU (TorchRec's EBC sharder
+    offers no row_wise there), never a fused data_parallel table."""
+    make, module = ((models.ebc_configs, _ebc) if kind == "ebc"
+                    else (models.ec_configs, lambda c: torchrec.EmbeddingCollection(tables=c, device="meta")))
+    configs = (make(["dyn_table"], num_embeddings=HUGE) + make(["tiny_table"], num_embeddings=10)
+               + make(["small_table"], num_embeddings=1000) + make(["mid_table"], num_embeddings=200_000))
     natives = configs[1:]
-    stock = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60))
-    theirs = stock.plan(_ebc(natives), _sharders()).plan[""]
-    assert set(ours) == {"huge_table", "small_table", "other_table"}
-    for c in natives:
-        a, b = ours[c.name], theirs[c.name]
-        assert (a.sharding_type, a.compute_kernel, a.ranks) == (b.sharding_type, b.compute_kernel, b.ranks), c.name
-        assert a.compute_kernel != "customized_kernel"
+    ours = _planner(configs, models.dynamic_constraints(["dyn_table"]), world=world).plan(module(configs), _sharders())
+    ours = ours.plan[""]
+    assert (ours["dyn_table"].sharding_type, ours["dyn_table"].compute_kernel) == ("row_wise", "customized_kernel")
+    del ours["dyn_table"]
+    assert _summary(ours) == _summary(_stock_plan(module, natives, world))
+    assert all(p.compute_kernel != "fused" for p in ours.values() if p.sharding_type == "data_parallel")
 
 
-def test_only_native_tables_plan_as_torchrec_does():
+def test_only_native_tables_plan_as_stock_torchrec_does():
     natives = _configs()[1:]
-    ours = _planner(natives, {}).plan(_ebc(natives), _sharders()).plan[""]
-    theirs = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**60)
-                                      ).plan(_ebc(natives), _sharders()).plan[""]
-    assert {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in ours.items()} == \
-        {n: (p.sharding_type, p.compute_kernel, p.ranks) for n, p in theirs.items()}
+    for fused in (models.SGD, dict(optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=0.1, eps=1e-3)):
+        ours = _planner(natives, {}).plan(_ebc(natives), _sharders(fused)).plan[""]
+        assert _summary(ours) == _summary(_stock_plan(_ebc, natives, WORLD, fused))
+
+
+def test_our_sharders_offer_what_torchrecs_offer():
+    for ours, stock in ((DynamicEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()),
+                        (DynamicEmbeddingCollectionSharder(), EmbeddingCollectionSharder())):
+        for device in ("cpu", "cuda"):
+            assert ours.sharding_types(device) == stock.sharding_types(device)
+            for st in stock.sharding_types(device):
+                assert ours.compute_kernels(st, device) == stock.compute_kernels(st, device)
 
 
 @pytest.mark.parametrize("optimizer,width", [
@@ -88,13 +119,54 @@ def test_value_bytes_include_optimizer_state(optimizer, width):
     assert get_table_value_bytes(1000, 16, torch.float32, optimizer, training=False) == 1000 * 16 * 4
 
 
-def test_planner_charges_dynamic_tables_with_their_optimizer():
-    configs = models.ebc_configs(["d_table"], dim=8, num_embeddings=4096)
-    sgd = _planner(configs, models.dynamic_constraints(["d_table"]), world=2).dynamic_bytes_per_rank()["d_table"]
-    adam = _planner(configs, models.dynamic_constraints(["d_table"]), world=2,
-                    optimizer=EmbOptimType.ADAM).dynamic_bytes_per_rank()["d_table"]
-    rows = get_sharded_table_capacity(4096, 2)
-    assert adam - sgd == rows * 2 * 8 * 4  # the two Adam moments, float32
+ADAM = dict(optimizer=EmbOptimType.ADAM, learning_rate=1e-3)
+
+
+def _ddr_taken(planner, configs, fused):
+    """Bytes of DDR per rank that planning with sharders of `fused` takes
+    for the dynamic tables (a CPU topology charges everything to DDR)."""
+    planner.plan(_ebc(configs), _sharders(fused))
+    return [2**60 - d.storage.ddr for d in planner._topology.devices]
+
+
+def test_planner_charges_dynamic_tables_with_their_sharders_optimizer():
+    """The estimate uses the optimizer of the sharder's fused_params: Adam
+    keeps two moments beside each row, 3 x dim values per row in all."""
+    dim, n, world = 8, 4096, 2
+    configs = models.ebc_configs(["d_table"], dim=dim, num_embeddings=n)
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]), world=world)
+    rows = -(-(-(-n // world)) // 128) * 128  # ceil(n / world), in buckets of 128
+    adam = rows * 3 * dim * 4 + rows * 21     # fp32 value + m + v, and the hash table's 21 bytes per slot
+    sgd = rows * dim * 4 + rows * 21
+    assert _ddr_taken(planner, configs, ADAM) == [adam] * world
+    assert planner.optimizers == {"d_table": EmbOptimType.ADAM}
+    assert planner.dynamic_bytes_per_rank() == {"d_table": adam}
+    # Planning again (here with SGD) reserves anew, not on top of the last plan.
+    assert _ddr_taken(planner, configs, models.SGD) == [sgd] * world
+    # An optimizer= that agrees with the sharders is accepted.
+    agreeing = _planner(configs, models.dynamic_constraints(["d_table"]), world=world, optimizer=EmbOptimType.ADAM)
+    assert agreeing.dynamic_bytes_per_rank() == {"d_table": adam}  # before plan(): the override
+    assert _ddr_taken(agreeing, configs, ADAM) == [adam] * world
+
+
+def test_optimizer_override_contradicting_the_sharder_is_refused():
+    configs = models.ebc_configs(["d_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]), optimizer=EmbOptimType.EXACT_SGD)
+    with pytest.raises(ValueError, match="d_table.*contradicts.*ADAM"):
+        planner.plan(_ebc(configs), _sharders(ADAM))
+
+
+def test_estimate_before_plan_needs_the_optimizer():
+    configs = models.ebc_configs(["d_table"])
+    with pytest.raises(RuntimeError, match="d_table.*plan"):
+        _planner(configs, models.dynamic_constraints(["d_table"])).dynamic_bytes_per_rank()
+
+
+def test_unsupported_optimizer_names_the_table():
+    configs = models.ebc_configs(["d_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table"]))
+    with pytest.raises(ValueError, match="d_table.*not supported"):
+        planner.plan(_ebc(configs), _sharders(dict(optimizer=EmbOptimType.LARS_SGD)))
 
 
 def test_sharded_capacity_rounds_to_whole_buckets():
@@ -125,10 +197,17 @@ def test_unknown_dist_type_names_the_table():
 
 
 @pytest.mark.parametrize("option,value,word", [
-    ("dim", 16, "dim"), ("embedding_dtype", torch.float16, "dtype")])
+    ("dim", 16, "dim"), ("embedding_dtype", torch.float16, "dtype"), ("num_embeddings", 5000, "num_embeddings")])
 def test_options_contradicting_the_config_name_the_table(option, value, word):
     msg = _error(models.ebc_configs(["d_table"], dim=8), models.dynamic_constraints(["d_table"], **{option: value}))
     assert "d_table" in msg and word in msg and str(value) in msg
+
+
+def test_dynamic_table_missing_from_the_module():
+    configs = models.ebc_configs(["d_table", "e_table"])
+    planner = _planner(configs, models.dynamic_constraints(["d_table", "e_table"]))
+    with pytest.raises(ValueError, match="e_table"):
+        planner.plan(_ebc(configs[:1]), _sharders())
 
 
 def test_constraints_for_unknown_table():
@@ -173,6 +252,7 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
     hbm, ddr = 2**40, 2**41
     topology = Topology(world_size=world, compute_device="cuda", hbm_cap=hbm, ddr_cap=ddr)
     planner = DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints)
+    planner.plan(_ebc(configs), _sharders())
     opts = planner.options
     assert all(o.num_shards == world for o in opts.values())
     assert opts["big_table"].local_hbm_for_values == values - 1
@@ -190,3 +270,15 @@ def test_host_tier_refusals_name_the_table():
     with pytest.raises(ValueError, match="t_table.*caching=True"):
         DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=1 << 20,
                                caching=True).validate("t_table")
+
+
+def test_sizing_helpers_import_without_torchrec():
+    """tests/cuda import only torch and dynamicemb: the sizing helpers come
+    from the package root without importing torchrec."""
+    code = ("import sys, dynamicemb; from dynamicemb import get_sharded_table_capacity, get_table_value_bytes; "
+            "assert 'torchrec' not in sys.modules, 'torchrec imported'; "
+            "print(get_sharded_table_capacity(1000, 3), get_table_value_bytes(10, 4))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["384", "160"]
