@@ -24,6 +24,7 @@ import torch.distributed._shard.sharded_tensor  # noqa: F401  (gathering native 
 import torchrec
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dynamicemb import (
     DynamicEmbDump,
@@ -104,7 +105,9 @@ def run(rank, world_size, port, args, out_dir):
     torch.manual_seed(0)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     model = shard(world_size)
-    dense_opt = torch.optim.Adam([p for n, p in model.named_parameters() if "mlp" in n], lr=1e-2)
+    # Every parameter not trained in backward (the MLP, and a native table that
+    # TorchRec planned DATA_PARALLEL/DENSE): fused tables update themselves.
+    dense_opt = torch.optim.Adam([p for _, p in in_backward_optimizer_filter(model.named_parameters())], lr=1e-2)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     say(f"[train] {world_size} rank(s), {args.steps} steps of {args.batch_size} samples per rank")
     for step in range(args.steps):
