@@ -133,7 +133,9 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
         if counter:
             if not meta["has_counter"]:
                 raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
-            if ref.storage.admission[ref.index] is None:
+            # Manifests before "admission_counter": a counter file says the table had one.
+            dumped = meta.get("admission_counter", any(e["kind"] == "counter" for e in meta["files"]))
+            if dumped and ref.storage.admission[ref.index] is None:
                 raise CheckpointError(f"table {name!r}: counter=True, but the model's table has no admission "
                                       f"counter (admit_strategy / admission_counter); load with counter=False")
         # Keys go where the *model's* routing sends them. Same world size and
@@ -169,7 +171,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
         if cap is not None and rows > cap:
             raise CheckpointError(f"table {name!r}: {rows} keys of the dump at {path} go to rank {rank} of {world}, "
                                   f"more than the table's maximum capacity there ({cap} rows)")
-        if counter:
+        if counter and ref.storage.admission[ref.index] is not None:
             adm = ref.storage.admission[ref.index]
             keys = torch.cat(ckeys) if ckeys else torch.zeros(0, dtype=torch.int64)
             counts = torch.cat(ccounts) if ccounts else torch.zeros(0, dtype=torch.int64)
