@@ -2,10 +2,13 @@
 parallel, in chunks, into PATH.tmp-<id> beside PATH, fsyncing each file; once
 all ranks have finished, rank 0 writes the manifest, fsyncs the directories
 and publishes with a rename (an existing PATH: an atomic exchange, see
-_publish), then fsyncs the parent. A dump that dies midway leaves PATH as it
-was, and its PATH.tmp-<id> (or PATH.old-<id>) behind: dumps never remove such
-siblings, as another dump may be writing them; `python -m dynamicemb.checkpoint
-PATH` lists them, and they can be deleted when no dump to PATH is running."""
+_publish), then fsyncs the parent. Each step ends in a collective carrying
+every rank's status, so that an error on one rank raises on all of them: a
+write error removes PATH.tmp-<id> and publishes nothing. A dump that dies
+midway leaves PATH as it was, and its PATH.tmp-<id> (or PATH.old-<id>) behind:
+dumps never remove other dumps' siblings, as another dump may be writing
+them; `python -m dynamicemb.checkpoint PATH` lists them, and they can be
+deleted when no dump to PATH is running."""
 import ctypes
 import errno
 import os
