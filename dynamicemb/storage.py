@@ -494,3 +494,17 @@ class HashTableStorage(EmbeddingStorage):
         ht = self.groups[g][0]
         return dict(size=ht.size(lt), capacity=ht.capacity(lt), **ht.get_counters(lt),
                     admission_rejected=int(self.rejected[table_id]))
+
+    def clear_table(self, table_id: int) -> int:
+        """Removes every entry of one table (keys, scores, values and
+        optimizer state; its capacity stays); other tables of the same
+        physical hash table are untouched. Returns the number removed."""
+        g, lt = self.group_of[table_id]
+        ht = self.groups[g][0]
+        keys = [b.keys for b in ht.export(table_id=lt)]
+        removed = 0
+        if keys:
+            keys = torch.cat(keys)
+            removed = int(ht.erase(keys, torch.full_like(keys, lt)).sum())
+        self._weights[table_id].zero_()
+        return removed

@@ -2,10 +2,13 @@
 parallel, in chunks, into PATH.tmp-<id> beside PATH, fsyncing each file; once
 all ranks have finished, rank 0 writes the manifest, fsyncs the directories
 and publishes with a rename (an existing PATH: an atomic exchange, see
-_publish), then fsyncs the parent. A dump that dies midway leaves PATH as it
-was, and its PATH.tmp-<id> (or PATH.old-<id>) behind: dumps never remove such
-siblings, as another dump may be writing them; `python -m dynamicemb.checkpoint
-PATH` lists them, and they can be deleted when no dump to PATH is running."""
+_publish), then fsyncs the parent. Each step ends in a collective carrying
+every rank's status, so that an error on one rank raises on all of them: a
+write error removes PATH.tmp-<id> and publishes nothing. A dump that dies
+midway leaves PATH as it was, and its PATH.tmp-<id> (or PATH.old-<id>) behind:
+dumps never remove other dumps' siblings, as another dump may be writing
+them; `python -m dynamicemb.checkpoint PATH` lists them, and they can be
+deleted when no dump to PATH is running."""
 import ctypes
 import errno
 import os
@@ -122,7 +125,9 @@ def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
     swaps the two atomically, so that a crash leaves the old or the new dump
     at path; where renameat2(RENAME_EXCHANGE) is unavailable it falls back to
     path -> path.old-<id>, tmp -> path, leaving no dump at path for a crash
-    between the two renames (the old one is then in path.old-<id>)."""
+    between the two renames (the old one is then in path.old-<id>, which a
+    load's "no checkpoint" error names). An error (not a crash) in between
+    moves the old dump back."""
     parent = os.path.dirname(path)
     old = None
     if not os.path.exists(path):
@@ -134,10 +139,28 @@ def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
     else:
         old = f"{path}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
     fsync_dir(parent)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _status(error: Optional[BaseException]) -> Optional[str]:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_any(errors: List[Optional[str]], mine: Optional[BaseException], rank: int, what: str) -> None:
+    """Raises on every rank when one failed: its own error on the failing
+    rank, a RuntimeError naming that rank on the others."""
+    if mine is not None:
+        raise mine
+    bad = next((r for r, e in enumerate(errors) if e is not None), None)
+    if bad is not None:
+        raise RuntimeError(f"dynamicemb dump: {what} failed on rank {bad}: {errors[bad]}")
 
 
 # Non-blocking dumps: one background gloo group per set of ranks, made on the
@@ -189,34 +212,66 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     path = os.path.abspath(path)
     rank, world = rank_world(pg)
     distributed = dist.is_initialized() and world > 1
-    if os.path.exists(path) and not allow_overwrite:
-        raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
-    tables = model_tables(model, table_names)
-    # Steps, Adam's step count and CUSTOMIZED scores as at the call: a
-    # non-blocking dump writes the manifest while training goes on.
-    metas = {name: ref.meta() for name, ref in tables.items()}
-    token = [uuid.uuid4().hex[:12]]
+    # Checks every rank makes, agreed on before anything is written (a rank
+    # that raised alone would leave the others waiting in a collective).
+    error, tables, metas = None, None, None
+    try:
+        if os.path.exists(path) and not allow_overwrite:
+            raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+        tables = model_tables(model, table_names)
+        # Steps, Adam's step count and CUSTOMIZED scores as at the call: a
+        # non-blocking dump writes the manifest while training goes on.
+        metas = {name: ref.meta() for name, ref in tables.items()}
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    token = uuid.uuid4().hex[:12]
     if distributed:
-        dist.broadcast_object_list(token, src=dist.get_global_rank(pg, 0) if pg else 0, group=pg)
-    tmp = f"{path}.tmp-{token[0]}"
+        starts = [None] * world
+        dist.all_gather_object(starts, (token, _status(error)), group=pg)
+        token = starts[0][0]
+        _raise_any([e for _, e in starts], error, rank, "the checks before writing")
+    elif error is not None:
+        raise error
+    tmp = f"{path}.tmp-{token}"
 
     def finish(parts_of=None, group=pg):
-        os.makedirs(tmp, exist_ok=True)
-        mine = _write_shard(tmp, rank, tables, optim, counter, chunk_rows, parts_of)
+        # 1. Every rank writes its files; all learn whether all succeeded.
+        mine, error = None, None
+        try:
+            os.makedirs(tmp, exist_ok=True)
+            mine = _write_shard(tmp, rank, tables, optim, counter, chunk_rows, parts_of)
+        except Exception as e:  # noqa: BLE001
+            error = e
         shards = [None] * world
         if distributed:
-            dist.all_gather_object(shards, mine, group=group)
+            dist.all_gather_object(shards, (mine, _status(error)), group=group)
         else:
-            shards = [mine]
+            shards = [(mine, _status(error))]
+        if any(e is not None for _, e in shards):
+            if rank == 0:  # every rank is past its writes: nothing is published, the tmp directory goes
+                shutil.rmtree(tmp, ignore_errors=True)
+            _raise_any([e for _, e in shards], error, rank, "writing")
+        shards = [s for s, _ in shards]
+        # 2. Rank 0 writes the manifest and publishes; all learn whether it did.
         if rank == 0:
-            write_manifest(tmp, _manifest(metas, shards, world, optim, counter))
-            # The files' directory entries, then the directory's own.
-            for d in sorted({os.path.dirname(f["file"]) for s in shards for t in s.values() for f in t["files"]}):
-                fsync_dir(os.path.join(tmp, d))
-            fsync_dir(tmp)
-            _publish(tmp, path, allow_overwrite)
+            try:
+                write_manifest(tmp, _manifest(metas, shards, world, optim, counter))
+                # The files' directory entries, then the directory's own.
+                for d in sorted({os.path.dirname(f["file"]) for s in shards for t in s.values()
+                                 for f in t["files"]}):
+                    fsync_dir(os.path.join(tmp, d))
+                fsync_dir(tmp)
+                _publish(tmp, path, allow_overwrite)
+            except Exception as e:  # noqa: BLE001
+                error = e
+                shutil.rmtree(tmp, ignore_errors=True)  # not published (_publish restores PATH on an error)
         if distributed:
-            dist.barrier(group=group)
+            published = [_status(error)]
+            dist.broadcast_object_list(published, src=dist.get_global_rank(group, 0) if group else 0,
+                                       group=group)
+            _raise_any([published[0]] + [None] * (world - 1), error, rank, "publishing")
+        elif error is not None:
+            raise error
 
     if blocking:
         finish()

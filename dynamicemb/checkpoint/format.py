@@ -140,6 +140,51 @@ def check_file(root: str, entry: dict, table: str, crc: bool = True) -> str:
     return path
 
 
+def read_header(path: str) -> Dict[str, dict]:
+    """The tensors of a safetensors file: {name: {"dtype", "shape"}}, read
+    from its header alone."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = struct.unpack("<Q", raw)[0]
+        if n > os.path.getsize(path) - 8:
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: {"dtype": v["dtype"], "shape": list(v["shape"])} for k, v in header.items()}
+
+
+def check_tensors(root: str, entry: dict, table: str, expected: Dict[str, tuple]) -> None:
+    """Refuses a file of the manifest whose tensors are not exactly
+    `expected` ({name: (safetensors dtype, shape)}), naming the table and the
+    file: a manifest that does not match its files."""
+    path = os.path.join(root, entry["file"])
+    try:
+        got = read_header(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"table {table!r}: file {path} has no readable safetensors header: {e}") from None
+    got = {k: (v["dtype"], tuple(v["shape"])) for k, v in got.items()}
+    if set(got) != set(expected):
+        raise CheckpointError(f"table {table!r}: file {path} holds tensors {sorted(got)}, the manifest implies "
+                              f"{sorted(expected)}")
+    for k, want in expected.items():
+        if got[k] != want:
+            raise CheckpointError(f"table {table!r}: file {path}: tensor {k!r} is {got[k][0]} of shape "
+                                  f"{list(got[k][1])}, the manifest implies {want[0]} of shape {list(want[1])}")
+
+
+def dtype_code(dtype: str) -> str:
+    """The safetensors dtype of a manifest dtype name ("float32" -> "F32")."""
+    return _DTYPES[getattr(torch, dtype)]
+
+
+def read_tensors(root: str, entry: dict, names) -> Dict[str, torch.Tensor]:
+    """Some tensors of a file of the manifest (e.g. only its keys), unchecked."""
+    with safe_open(os.path.join(root, entry["file"]), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in names}
+
+
 def read_part(root: str, entry: dict, table: str, crc: bool = True) -> Dict[str, torch.Tensor]:
     """Reads one file of the manifest after check_file (crc=False: the caller
     verified it already)."""
@@ -166,7 +211,7 @@ def write_manifest(root: str, manifest: dict) -> None:
 def read_manifest(root: str) -> dict:
     path = os.path.join(root, MANIFEST)
     if not os.path.isdir(root):
-        raise CheckpointError(f"no checkpoint at {root}")
+        raise CheckpointError(f"no checkpoint at {root}{_old_hint(root)}")
     if not os.path.exists(path):
         raise CheckpointError(f"{root} has no {MANIFEST}: not a complete dynamicemb checkpoint")
     try:
@@ -178,6 +223,17 @@ def read_manifest(root: str) -> dict:
         raise CheckpointError(f"{path}: unsupported format {manifest.get('format')!r} version "
                               f"{manifest.get('format_version')!r} (expected dynamicemb {FORMAT_VERSION})")
     return manifest
+
+
+def _old_hint(root: str) -> str:
+    """Where a dump that died while replacing PATH (the two-rename fallback of
+    dump._publish) left the previous dump: PATH.old-<id>."""
+    old = [d for d in stale_siblings(root) if ".old-" in os.path.basename(d)
+           and os.path.exists(os.path.join(d, MANIFEST))]
+    if not old:
+        return ""
+    return (f"; {', '.join(old)} holds a complete earlier dump, moved aside by a dump to {root} that died while "
+            f"replacing it: rename it to {root} to load it")
 
 
 def verify_files(root: str, manifest: dict) -> int:

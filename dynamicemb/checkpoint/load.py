@@ -1,14 +1,29 @@
 """DynamicEmbLoad: loads a dump into a model of any world size. Each rank
-keeps exactly the keys its routing assigns to it. Every file a rank reads is
-checked against the manifest (size, checksum) before any row is loaded, and a
-damaged one refuses the load on every rank: the model is left unchanged."""
+keeps exactly the keys its routing assigns to it, and a loaded table holds
+exactly the dump's keys afterwards (what it held before is removed).
+
+A load runs in two phases, each closed by an all-gather of every rank's status,
+so that a failure on one rank raises on every rank instead of leaving the
+others waiting in a collective:
+
+1. Checks, without changing the model: the manifest against the model, every
+   file this rank reads against the manifest (size, checksum, tensor names,
+   dtypes and shapes, row counts), and the keys (read alone, and routed) that
+   each table receives on this rank against its maximum capacity; admission
+   counters (counter=True) are built aside. One rank's failed check refuses
+   the load on every rank, with the model unchanged.
+2. The load: each table is cleared, then filled. A failure here (e.g. the keys
+   of one bucket do not fit, which phase 1 cannot see) raises on every rank,
+   naming the table and the file; the failing rank's tables are then partly
+   loaded, and the model must be loaded again."""
 import os
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dynamicemb.checkpoint.format import CheckpointError, check_file, read_manifest, read_part
+from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_tensors, dtype_code, read_manifest,
+                                          read_part, read_tensors)
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage import RowBatch
@@ -32,76 +47,200 @@ def _check_table(name: str, ref, meta: dict, optim: bool, path: str) -> None:
                               f"{mine['score_strategy']}")
 
 
-def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,
-                   optim: bool = True, counter: bool = False, pg: Optional[dist.ProcessGroup] = None) -> None:
-    """Loads the dump at `path` into the model's dynamic tables (API.md §4)."""
-    path = os.path.abspath(path)
-    manifest = read_manifest(path)
-    rank, world = rank_world(pg)
-    tables = model_tables(model, table_names)
-    steps = {}
-    distributed = dist.is_initialized() and world > 1
-    files, same_layouts = {}, {}
-    # Every table is checked against the manifest before any row is loaded,
-    # so that a mismatch refuses the load without changing the model.
+def _check_rows(name: str, meta: dict, world_size: int, path: str) -> None:
+    """The manifest's own consistency: its files' row counts add up to rows_per_rank."""
+    where = f"table {name!r} in {os.path.join(path, 'manifest.json')}"
+    per_rank = meta["rows_per_rank"]
+    if len(per_rank) != world_size:
+        raise CheckpointError(f"{where}: rows_per_rank has {len(per_rank)} entries for world size {world_size}")
+    summed = [0] * world_size
+    for e in meta["files"]:
+        if not 0 <= e["rank"] < world_size:
+            raise CheckpointError(f"{where}: file {e['file']} is of rank {e['rank']}, outside the world of "
+                                  f"{world_size}")
+        if e["kind"] == "part":
+            summed[e["rank"]] += e["rows"]
+    if summed != per_rank:
+        raise CheckpointError(f"{where}: the part files hold {summed} rows per rank, rows_per_rank says {per_rank}")
+
+
+def _expected(meta: dict, entry: dict) -> Dict[str, tuple]:
+    """{tensor: (safetensors dtype, shape)} that the manifest implies for one file."""
+    n = entry["rows"]
+    if entry["kind"] == "counter":
+        return {"keys": ("I64", (n,)), "counts": ("I64", (n,))}
+    vdt = dtype_code(meta["dtype"])
+    out = {"keys": ("I64", (n,)), "values": (vdt, (n, meta["dim"])), "scores": ("I64", (n,))}
+    if meta["has_optimizer_state"]:
+        out["optimizer_state"] = (vdt, (n, meta["optimizer_state_width"]))
+    if has_timestamps(meta["score_strategy"]):
+        out["timestamps"] = ("I64", (n,))
+    return out
+
+
+def _gather_status(error: Optional[Exception], rank: int, world: int, pg, distributed: bool, after: str) -> None:
+    """Every rank learns every rank's status; if one failed, every rank
+    raises: the failing rank its own error, the others a CheckpointError
+    naming that rank and its error."""
+    if not distributed:
+        if error is not None:
+            raise error
+        return
+    msgs: List[Optional[str]] = [None] * world
+    mine = None if error is None else (str(error) if isinstance(error, CheckpointError)
+                                       else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(msgs, mine, group=pg)
+    if error is not None:
+        raise error
+    bad = next((r for r, m in enumerate(msgs) if m is not None), None)
+    if bad is not None:
+        raise CheckpointError(f"{msgs[bad]} (found by rank {bad}{after})")
+
+
+class _Plan:
+    """What phase 1 found: per table the files this rank reads, whether its
+    keys are exactly one dump rank's, and the admission counts built aside."""
+
+    def __init__(self):
+        self.manifest: dict = {}
+        self.tables: dict = {}
+        self.files: Dict[str, list] = {}
+        self.same_layout: Dict[str, bool] = {}
+        self.counters: Dict[str, object] = {}
+
+
+def _mine(part: Dict[str, torch.Tensor], same: bool, meta: dict, world: int, rank: int, num_embeddings):
+    """The entries of a file that routing gives to this rank."""
+    if same or world == 1:
+        return part
+    keep = owners(part["keys"], meta["dist_type"], world, num_embeddings) == rank
+    return {k: v[keep] for k, v in part.items()}
+
+
+def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
+    """Phase 1: every check that needs no change to the model."""
+    plan = _Plan()
+    plan.manifest = manifest = read_manifest(path)
+    plan.tables = tables = model_tables(model, table_names)
+    # Every table is checked against the manifest before any file is read.
     for name, ref in tables.items():
         meta = manifest["tables"].get(name)
         if meta is None:
             raise CheckpointError(f"table {name!r}: {os.path.join(path, 'manifest.json')} has no table {name!r} "
                                   f"(it has {sorted(manifest['tables'])})")
         _check_table(name, ref, meta, optim, path)
-        if counter and not meta["has_counter"]:
-            raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
+        _check_rows(name, meta, manifest["world_size"], path)
+        if counter:
+            if not meta["has_counter"]:
+                raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
+            # Manifests before "admission_counter": a counter file says the table had one.
+            dumped = meta.get("admission_counter", any(e["kind"] == "counter" for e in meta["files"]))
+            if dumped and ref.storage.admission[ref.index] is None:
+                raise CheckpointError(f"table {name!r}: counter=True, but the model's table has no admission "
+                                      f"counter (admit_strategy / admission_counter); load with counter=False")
         # Keys go where the *model's* routing sends them. Same world size and
         # routing (continuous routing also depends on num_embeddings): this
         # rank's keys are exactly dump rank `rank`'s, in its files alone.
-        same_layouts[name] = same = manifest["world_size"] == world and (
+        plan.same_layout[name] = same = manifest["world_size"] == world and (
             meta["dist_type"] != "continuous" or meta["num_embeddings"] == ref.options.num_embeddings)
-        files[name] = [e for e in meta["files"]
-                       if not (same and e["rank"] != rank) and (e["kind"] != "counter" or counter)]
-    # Every file this rank reads is verified (streamed, 8 MiB at a time) before
-    # any row is loaded; one rank's damaged file refuses the load on all ranks.
-    error = None
-    try:
-        for name, entries in files.items():
-            for entry in entries:
-                check_file(path, entry, name)
-    except CheckpointError as e:
-        error = str(e)
-    if distributed:
-        errors = [None] * world
-        dist.all_gather_object(errors, error, group=pg)
-        bad = next((r for r, e in enumerate(errors) if e is not None), None)
-        if bad is not None:
-            raise CheckpointError(errors[bad] if bad == rank else f"{errors[bad]} (found by rank {bad})")
-    elif error is not None:
-        raise CheckpointError(error)
-    for name, ref in tables.items():
+        plan.files[name] = [e for e in meta["files"]
+                            if not (same and e["rank"] != rank) and (e["kind"] != "counter" or counter)]
+    # Every file this rank reads is verified (size, checksum streamed 8 MiB at
+    # a time, tensors against the manifest) before any row is loaded.
+    for name, entries in plan.files.items():
         meta = manifest["tables"][name]
+        for entry in entries:
+            check_file(path, entry, name)
+            check_tensors(path, entry, name, _expected(meta, entry))
+    # The keys each table receives here (read alone) against its capacity;
+    # admission counts are built aside, to be swapped in by phase 2.
+    for name, ref in tables.items():
+        meta, same = manifest["tables"][name], plan.same_layout[name]
+        num_embeddings = ref.options.num_embeddings
+        rows = 0
+        ckeys, ccounts = [], []
+        for entry in plan.files[name]:
+            if entry["kind"] == "part":
+                rows += _mine(read_tensors(path, entry, ["keys"]), same, meta, world, rank,
+                              num_embeddings)["keys"].numel()
+            else:
+                c = _mine(read_tensors(path, entry, ["keys", "counts"]), same, meta, world, rank, num_embeddings)
+                ckeys.append(c["keys"])
+                ccounts.append(c["counts"])
+        cap = ref.storage.max_caps[ref.index] if hasattr(ref.storage, "max_caps") else None
+        if cap is not None and rows > cap:
+            raise CheckpointError(f"table {name!r}: {rows} keys of the dump at {path} go to rank {rank} of {world}, "
+                                  f"more than the table's maximum capacity there ({cap} rows)")
+        if counter and ref.storage.admission[ref.index] is not None:
+            adm = ref.storage.admission[ref.index]
+            keys = torch.cat(ckeys) if ckeys else torch.zeros(0, dtype=torch.int64)
+            counts = torch.cat(ccounts) if ccounts else torch.zeros(0, dtype=torch.int64)
+            if keys.numel() > adm.capacity():
+                raise CheckpointError(f"table {name!r}: {keys.numel()} admission counts of the dump at {path} go "
+                                      f"to rank {rank} of {world}, more than the counter's capacity there "
+                                      f"({adm.capacity()}); load with counter=False or a larger KVCounter")
+            table, dropped = adm.build(keys, counts)
+            if dropped:
+                raise CheckpointError(f"table {name!r}: {dropped} of the {keys.numel()} admission counts of the "
+                                      f"dump at {path} that go to rank {rank} of {world} do not fit the counter "
+                                      f"(capacity {adm.capacity()}: their buckets are full); load with "
+                                      f"counter=False or a larger KVCounter")
+            plan.counters[name] = table
+    return plan
+
+
+def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
+    """Phase 2: replaces each table's content by the dump's."""
+    steps = {}
+    for name, ref in plan.tables.items():
+        meta = plan.manifest["tables"][name]
         strategy = meta["score_strategy"]
         num_embeddings = ref.options.num_embeddings
+        ref.storage.clear_table(ref.index)  # the table holds the dump's keys alone
         now = ref.storage.now(ref.index)  # ages become scores on the table's own clock
-        for entry in files[name]:
-            part = read_part(path, entry, name, crc=False)
-            keys = part["keys"]
-            if not same_layouts[name] and world > 1:
-                keep = owners(keys, meta["dist_type"], world, num_embeddings) == rank
-                part = {k: v[keep] for k, v in part.items()}
-                keys = part["keys"]
-            if not keys.numel():
-                continue
+        for entry in plan.files[name]:
             if entry["kind"] == "counter":
-                ref.storage.admission[ref.index].counts.insert(keys, scores=part["counts"])
-                continue
-            scores = now - part["scores"] if clock_scored(strategy) else part["scores"]
-            ts = now - part["timestamps"] if has_timestamps(strategy) and "timestamps" in part else None
-            ref.storage.load_rows(ref.index, RowBatch(keys, part["values"], part.get("optimizer_state") if optim
-                                                      else None, scores, ts))
+                continue  # built in phase 1
+            try:
+                part = _mine(read_part(path, entry, name, crc=False), plan.same_layout[name], meta, world, rank,
+                             num_embeddings)
+                keys = part["keys"]
+                if not keys.numel():
+                    continue
+                scores = now - part["scores"] if clock_scored(strategy) else part["scores"]
+                ts = now - part["timestamps"] if has_timestamps(strategy) and "timestamps" in part else None
+                ref.storage.load_rows(ref.index, RowBatch(keys, part["values"], part.get("optimizer_state")
+                                                          if optim else None, scores, ts))
+            except Exception as e:  # noqa: BLE001 - re-raised naming the table and the file
+                raise CheckpointError(f"table {name!r}: loading {os.path.join(path, entry['file'])} on rank {rank} "
+                                      f"failed: {e}; this rank's tables are now partly loaded: load again") from e
+        if name in plan.counters:
+            ref.storage.admission[ref.index].replace(plan.counters[name])
         ref.storage.custom_scores[ref.index] = meta.get("custom_score", 0)
         steps.setdefault(id(ref.module), (ref.module, meta))
     for module, meta in steps.values():
         module.step = meta["step"]
         if optim:
             module.optimizer_step = meta["optimizer_step"]
-    if distributed:
-        dist.barrier(group=pg)
+
+
+def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,
+                   optim: bool = True, counter: bool = False, pg: Optional[dist.ProcessGroup] = None) -> None:
+    """Loads the dump at `path` into the model's dynamic tables, replacing
+    their content (API.md §4). Every rank of `pg` must call it; a failure on
+    any rank raises on all of them (see the module's doc)."""
+    path = os.path.abspath(path)
+    rank, world = rank_world(pg)
+    distributed = dist.is_initialized() and world > 1
+    plan, error = None, None
+    try:
+        plan = _prepare(path, model, table_names, optim, counter, rank, world)
+    except Exception as e:  # noqa: BLE001 - every rank raises, after the gather
+        error = e
+    _gather_status(error, rank, world, pg, distributed, "; the model is unchanged")
+    try:
+        _load(path, plan, optim, rank, world)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _gather_status(error, rank, world, pg, distributed,
+                   " while loading: that rank's tables are partly loaded; load the model again")

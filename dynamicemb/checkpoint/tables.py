@@ -44,6 +44,7 @@ class TableRef:
             "dist_type": o.dist_type,
             "num_embeddings": o.num_embeddings,
             "bucket_capacity": o.bucket_capacity,
+            "admission_counter": self.storage.admission[self.index] is not None,
         }
 
 

@@ -49,11 +49,12 @@ def _as_bytes(rank, world, fn, *args):
     return buf.getvalue()
 
 
-def run_ranks(fn, world: int, *args):
+def run_ranks(fn, world: int, *args, timeout: float = 300):
     """tests/multiprocess.run_ranks, the results sent back as bytes: a tensor
     put on the queue as is travels as a file descriptor that the rank's exit
-    may close before the parent reads it."""
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in _run_ranks(_as_bytes, world, fn, *args)]
+    may close before the parent reads it. Raises TimeoutError after `timeout` s."""
+    return [torch.load(io.BytesIO(b), weights_only=False)
+            for b in _run_ranks(_as_bytes, world, fn, *args, timeout=timeout)]
 
 
 def once(fn):

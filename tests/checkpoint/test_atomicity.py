@@ -2,17 +2,31 @@
 after writing its first file leaves the previous dump at PATH byte for byte as
 it was, and loadable; every file and directory is fsynced before the publish,
 the parent after it; allow_overwrite=False refuses an existing PATH, True
-replaces it by an atomic exchange (two renames where that is unavailable)."""
+replaces it by an atomic exchange (two renames where that is unavailable:
+an error between them restores PATH, and a load of a missing PATH names the
+PATH.old-* a crash between them leaves). On 2 ranks, a rank killed in the
+middle of a part file leaves the previous dump intact, and the other rank
+raises instead of waiting."""
 import glob
+import json
 import os
+import struct
 import subprocess
 import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import pytest
 
 import ckpt_helpers as H
 import dynamicemb.checkpoint.dump as D
-from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
+import dynamicemb.checkpoint.format as F
+from dynamicemb.checkpoint import CheckpointError, DynamicEmbDump, DynamicEmbLoad
+from multiprocess import free_port
 
 
 # Dumps another model over PATH, dying (os._exit: no cleanup, like a kill)
@@ -137,3 +151,135 @@ def test_crash_after_the_exchange(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-m", "dynamicemb.checkpoint", "--no-verify", path],
                          capture_output=True, text=True)
     assert out.returncode == 0 and f"stale: {stale} (a complete dump" in out.stdout
+
+
+def test_two_renames_an_error_between_restores_path(tmp_path, monkeypatch):
+    """Without renameat2, an error in the second rename moves the old dump back."""
+    path = str(tmp_path / "ckpt")
+    m = H.plain_module()
+    H.plain_train(m, [1])
+    DynamicEmbDump(path, m)
+    before = _files(path)
+    monkeypatch.setattr(D, "_RENAMEAT2", None)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if ".tmp-" in src:
+            raise OSError(5, "injected")
+        real_rename(src, dst)
+    monkeypatch.setattr(os, "rename", rename)
+    H.plain_train(m, [2])
+    with pytest.raises(OSError, match="injected"):
+        DynamicEmbDump(path, m, allow_overwrite=True)
+    assert _files(path) == before and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_no_checkpoint_names_the_old_sibling(tmp_path):
+    """A crash between the two renames leaves PATH missing and the old dump in
+    PATH.old-<id>: the load's error says where it is."""
+    path = str(tmp_path / "ckpt")
+    m = H.plain_module()
+    H.plain_train(m, [1])
+    DynamicEmbDump(path, m)
+    os.rename(path, path + ".old-0123abcd")
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*ckpt; .*ckpt\.old-0123abcd holds a complete "
+                                              r"earlier dump.*rename it to"):
+        DynamicEmbLoad(path, H.plain_module())
+    os.rename(path + ".old-0123abcd", path)
+    DynamicEmbLoad(path, H.plain_module())
+
+
+# ---- a rank killed in the middle of a part file, on 2 ranks ---------------------------------
+
+
+def _disjoint_train(m, rank, seeds):
+    """Training on keys of this rank alone (offset by rank), so that the two
+    ranks' shards hold distinct keys and load together in one process."""
+    m.train()
+    for s in seeds:
+        indices, offsets = H.plain_batch(s, m.num_tables)
+        out = m(indices + 1000 * rank, offsets)
+        (out * out).sum().backward()
+
+
+def _kill_worker(rank, port, path, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A short timeout: the surviving rank must not wait forever for the dead one.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    m = H.plain_module()
+    _disjoint_train(m, rank, [1, 2, 3])
+    DynamicEmbDump(path, m, chunk_rows=16)
+    dist.barrier()
+    queue.put((rank, "first dump", None))
+    _disjoint_train(m, rank, [4, 5])
+    if rank == 1:
+        # Unbuffered writes, so that the bytes written before the kill reach
+        # the file; the second file dies after its header and first block.
+        F.open = lambda p, mode: open(p, mode, buffering=0)
+        real_write_part, real_blocks, files = D.write_part, F._blocks, [0]
+
+        def counting_write_part(*args, **kwargs):
+            files[0] += 1
+            return real_write_part(*args, **kwargs)
+
+        def dying_blocks(v):
+            for b in real_blocks(v):
+                yield b
+                if files[0] == 2:
+                    os._exit(17)  # after the second file's header and first block
+        D.write_part, F._blocks = counting_write_part, dying_blocks
+    start = time.monotonic()
+    try:
+        DynamicEmbDump(path, m, allow_overwrite=True, chunk_rows=16)
+        queue.put((rank, "returned", time.monotonic() - start))
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        queue.put((rank, f"raised {type(e).__name__}: {str(e)[:200]}", time.monotonic() - start))
+
+
+def test_rank_killed_mid_file_in_a_two_rank_dump(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_kill_worker, args=(r, port, path, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                rank, what, secs = queue.get(timeout=1)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            if what == "first dump":
+                if rank == 0:
+                    got["before"] = _files(path)  # both ranks are past the first dump's barrier
+                got.setdefault(f"first{rank}", True)
+            else:
+                got[rank] = (what, secs)
+            if 0 in got and "before" in got:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == 17, "rank 1 was not killed mid-dump"
+    assert 0 in got, f"the surviving rank hung or died (exit code {procs[0].exitcode})"
+    assert got[0][0].startswith("raised") and got[0][1] < 60, got[0]  # an error, not a wait of 20+ s
+    # The dead rank left a partial file: fewer bytes than its header announces.
+    partial, = glob.glob(path + ".tmp-*")
+    short = []
+    for rel, data in _files(partial).items():
+        n = struct.unpack("<Q", data[:8])[0]
+        end = max(t["data_offsets"][1] for t in json.loads(data[8:8 + n]).values())
+        if len(data) < 8 + n + end:
+            short.append(rel)
+    assert short and all("rank00001" in r for r in short), short
+    # PATH is the first dump, byte for byte, and loads.
+    assert _files(path) == got["before"]
+    DynamicEmbLoad(path, H.plain_module())

@@ -96,7 +96,9 @@ def test_missing_or_invalid_manifest(copy):
     (lambda: H.plain_module(dist_type="roundrobin"), r"table 'a' in .*manifest.json: dist_type is 'hash_roundrobin'"),
     (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy"),
     (lambda: H.plain_module(names=("a", "c")), r"table 'c': .*manifest.json has no table 'c'"),
-], ids=["dim", "optimizer", "dist_type", "score_strategy", "missing_table"])
+    (lambda: H.plain_module(embedding_dtype=torch.float16), r"table 'a' in .*manifest.json: dtype is 'float32', "
+                                                             r"the model's is 'float16'"),
+], ids=["dim", "optimizer", "dist_type", "score_strategy", "missing_table", "dtype"])
 def test_manifest_of_another_model(dumped, model, message):
     m = model()
     with pytest.raises(CheckpointError, match=message):
@@ -125,3 +127,39 @@ def test_dump_without_optimizer_state(dumped, tmp_path):
     fresh = H.plain_module(optimizer=EmbOptimType.EXACT_SGD)
     DynamicEmbLoad(str(tmp_path / "values"), fresh, optim=False)
     H.assert_same_entries([H.entries(m)], [H.entries(fresh)], optim=False, dist_types=H.PLAIN_DIST)
+
+
+def _rewrite(path, rel, change):
+    """Rewrites one file of the dump with change(tensors) and fixes its size
+    and checksum in the manifest: only the tensors disagree with it."""
+    from dynamicemb.checkpoint.format import read_part, write_part
+    m = _manifest(path)
+    entry = next(e for t in m["tables"].values() for e in t["files"] if e["file"] == rel)
+    tensors = change({k: v.clone() for k, v in read_part(path, entry, "b").items()})  # not the mmapped file
+    new = write_part(path, rel, tensors)
+    entry.update(bytes=new["bytes"], crc32=new["crc32"])
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {**t, "values": t["values"].double()}, r"tensor 'values' is F64 of shape \[\d+, 4\], the manifest "
+                                                      r"implies F32"),
+    (lambda t: {**t, "values": t["values"][:, :3].contiguous()}, r"tensor 'values' is F32 of shape \[\d+, 3\]"),
+    (lambda t: {k: v[:-1] for k, v in t.items()}, r"tensor 'keys' is I64 of shape \[\d+\], the manifest implies "
+                                                  r"I64 of shape"),
+    (lambda t: {k: v for k, v in t.items() if k != "optimizer_state"}, r"holds tensors .* the manifest implies"),
+], ids=["values_dtype", "values_width", "rows", "no_optimizer_state"])
+def test_files_that_do_not_match_the_manifest(copy, change, message):
+    rel, _ = _last_file(copy)
+    _rewrite(copy, rel, change)
+    _refused_unchanged(copy, r"table 'b': file .*" + rel + ".*" + message)
+
+
+def test_rows_per_rank_that_do_not_match_the_files(copy):
+    m = _manifest(copy)
+    m["tables"]["b"]["rows_per_rank"][0] += 1
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    _refused_unchanged(copy, r"table 'b' in .*manifest.json: the part files hold \[\d+\] rows per rank, "
+                             r"rows_per_rank says")

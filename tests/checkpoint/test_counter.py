@@ -59,3 +59,36 @@ def test_counter_load_needs_a_counter_dump(tmp_path):
         assert "table 'a'" in str(e) and "admission counters" in str(e)
     else:
         raise AssertionError("a dump without counters loaded with counter=True")
+
+
+def test_counts_that_do_not_fit_their_buckets_are_counted():
+    """AdmissionCounter.build (a load builds the counts aside): the keys that
+    do not fit are counted, the highest counts are kept, the counter in use
+    is untouched until replace()."""
+    from dynamicemb.admission import AdmissionCounter
+    adm = AdmissionCounter(FrequencyAdmissionStrategy(threshold=100), KVCounter(capacity=32, bucket_capacity=16),
+                           "a", "cpu")
+    keys = torch.arange(48, dtype=torch.int64)
+    counts = keys + 1
+    table, dropped = adm.build(keys, counts)
+    assert dropped == 48 - table.size() and dropped >= 16 and adm.counts.size() == 0
+    idx, found = table.lookup(keys)
+    assert torch.equal(table.slot_scores[idx[found]], counts[found])  # kept with their exact counts
+    # Placed in descending order of count: the 16 highest counts are all kept.
+    assert bool(found[-16:].all())
+    adm.replace(table)
+    assert adm.counts is table
+
+
+def test_counter_true_into_a_model_without_counters(tmp_path):
+    m = _module()
+    _see(m, ONCE)
+    DynamicEmbDump(str(tmp_path / "ckpt"), m, counter=True)
+    plain = H.plain_module()
+    try:
+        DynamicEmbLoad(str(tmp_path / "ckpt"), plain, counter=True)
+    except CheckpointError as e:
+        assert str(e).startswith("table 'a': ") and "no admission counter" in str(e)
+    else:
+        raise AssertionError("counters loaded into a model without admission counters")
+    assert all(plain.storage.size(t) == 0 for t in range(2))
