@@ -507,4 +507,5 @@ class HashTableStorage(EmbeddingStorage):
             keys = torch.cat(keys)
             removed = int(ht.erase(keys, torch.full_like(keys, lt)).sum())
         self._weights[table_id].zero_()
+        self.version += 1  # rows returned before belong to no key now
         return removed
