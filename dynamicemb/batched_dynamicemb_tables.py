@@ -20,7 +20,7 @@ from dynamicemb._ops import ops
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
-from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device
 
 
 def pooling_code(pooling) -> int:
@@ -116,7 +116,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         check_weight_decay(self.optimizer, weight_decay, self.weight_decay_mode)
         self.output_dtype = output_dtype
         self.seed = seed
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = canonical_device(device)
         dtypes = {o.embedding_dtype or torch.float32 for o in table_options}
         if len(dtypes) > 1:
             raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")

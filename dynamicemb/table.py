@@ -9,7 +9,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult, strategy_code
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult, canonical_device, strategy_code
 
 _S = DynamicEmbScoreStrategy
 _INT32_MAX = 2**31 - 1
@@ -76,7 +76,7 @@ class ScoredHashTable:
             raise ValueError(f"table_names has {len(self.table_names)} entries for {num_tables} tables")
         for t, c in enumerate(caps):
             self._check_capacity(t, c, bucket_capacity)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.bucket_capacity = bucket_capacity
         self.num_tables = num_tables
         self.strategy = strategy_code(score_strategy)

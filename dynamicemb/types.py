@@ -1,6 +1,8 @@
 """Enums and small value types of the public API (API.md §1, §6)."""
 import enum
 
+import torch
+
 
 class DynamicEmbScoreStrategy(enum.IntEnum):
     """How a row's score is set; eviction takes the lowest score of a bucket.
@@ -58,3 +60,12 @@ class DynamicEmbPoolingMode(enum.IntEnum):
     SUM = 0
     MEAN = 1
     NONE = 2
+
+
+def canonical_device(device) -> torch.device:
+    """The device with its index ("cuda" -> "cuda:<current>"), so that it
+    compares equal to the device of the tensors placed on it."""
+    d = torch.device("cpu" if device is None else device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d

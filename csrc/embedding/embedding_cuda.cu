@@ -227,7 +227,8 @@ __global__ void group_order_kernel(const int64_t* start, int64_t G, int64_t n, c
     const uint64_t hash =
         table::fmix64(static_cast<uint64_t>(key[f]) ^ table::fmix64(static_cast<uint64_t>(tid[f]) + 1));
     const int64_t part = partitioned ? static_cast<int64_t>(hash >> (64 - kPartBits)) : 0;
-    order_key[g] = (part << (64 - kPartBits)) | f;  // f < n < 2^58
+    // Parts in ascending order as the CPU's: the key stays non-negative.
+    order_key[g] = (part << (63 - kPartBits)) | f;  // f < n < 2^57
   }
 }
 
@@ -258,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
   const Bags bags = check_bags(n, offsets, feature_table, num_tables, dev, stream);
-  TORCH_CHECK(n < (int64_t{1} << 58), "dynamicemb: too many indices (", n, ")");
+  TORCH_CHECK(n < (int64_t{1} << 57), "dynamicemb: too many indices (", n, ")");
   const auto L = indices.options();
   Tensor inverse = at::empty({n}, L);
   if (n == 0) return {at::empty({0}, L), at::empty({0}, L), inverse, at::empty({0}, L)};

@@ -252,7 +252,7 @@ __device__ __forceinline__ int64_t tile_find_slot(const Tile& tile, const uint8_
                                                   int64_t cap, int32_t b, uint8_t d, int64_t key) {
   if (b < 0) return -1;
   const int64_t base = static_cast<int64_t>(b) * cap;
-  const int s = tile_find_in_bucket<false>(tile, sd + base, sk + base, static_cast<int>(cap), d, key, nullptr);
+  const int s = tile_find_key(tile, sd + base, sk + base, static_cast<int>(cap), d, key);
   return s >= 0 ? base + s : -1;
 }
 
