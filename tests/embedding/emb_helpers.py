@@ -1,5 +1,7 @@
 """Shared helpers of the embedding-module tests: building modules, random TBE
-batches, reading stored rows, and the hand-computable DEBUG initial value."""
+batches, reading stored rows, and the hand-computable DEBUG initial value.
+Modules and batches go on `device` (the conftest fixture's "cpu" / "cuda");
+what the helpers read back is on the CPU, where the references are."""
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -25,17 +27,17 @@ def debug_rows(keys: Sequence[int], dim: int) -> torch.Tensor:
 
 def make_module(dims: Sequence[int], pooling=DynamicEmbPoolingMode.SUM, optimizer=EmbOptimType.EXACT_SGD,
                 feature_table_map: Optional[Sequence[int]] = None, max_capacity: int = 1024,
-                bucket_capacity: int = 16, module_kwargs: Optional[dict] = None,
+                bucket_capacity: int = 16, module_kwargs: Optional[dict] = None, device: str = "cpu",
                 **option_kwargs) -> BatchedDynamicEmbeddingTables:
     """One DynamicEmbTableOptions per dim, all with the same extra options."""
     opts = [DynamicEmbTableOptions(dim=d, max_capacity=max_capacity, bucket_capacity=bucket_capacity,
                                    **option_kwargs) for d in dims]
     return BatchedDynamicEmbeddingTables(opts, feature_table_map=feature_table_map, pooling_mode=pooling,
-                                         optimizer=optimizer, **(module_kwargs or {}))
+                                         optimizer=optimizer, device=device, **(module_kwargs or {}))
 
 
 def random_batch(gen: torch.Generator, feature_table_map: Sequence[int], num_keys: Sequence[int], batch: int,
-                 max_len: int, min_len: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                 max_len: int, min_len: int = 0, device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
     """TBE input: bag j = f * batch + b holds min_len..max_len keys of
     table feature_table_map[f], drawn from [0, num_keys[table])."""
     F = len(feature_table_map)
@@ -44,23 +46,24 @@ def random_batch(gen: torch.Generator, feature_table_map: Sequence[int], num_key
     parts = [torch.randint(0, num_keys[feature_table_map[j // batch]], (int(n),), generator=gen)
              for j, n in enumerate(lengths.tolist())]
     indices = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return indices.to(torch.int64), offsets
+    return indices.to(device=device, dtype=torch.int64), offsets.to(device)
 
 
-def bags(lists: List[List[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+def bags(lists: List[List[int]], device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
     """(indices, offsets) from explicit bags, in TBE order."""
     offsets = [0]
     for b in lists:
         offsets.append(offsets[-1] + len(b))
     flat = [k for b in lists for k in b]
-    return torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+    return (torch.tensor(flat, dtype=torch.int64, device=device),
+            torch.tensor(offsets, dtype=torch.int64, device=device))
 
 
 def stored(module: BatchedDynamicEmbeddingTables, table_id: int, keys) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(found mask, rows [n, dim + state] as float32, zeros where missing)."""
-    keys = torch.as_tensor(keys, dtype=torch.int64)
-    rows = module.storage.find(keys, torch.full_like(keys, table_id))
-    w = module.storage.weights()[table_id]
+    """(found mask, rows [n, dim + state] as float32, zeros where missing), on the CPU."""
+    keys = torch.as_tensor(keys, dtype=torch.int64).to(module.device)
+    rows = module.storage.find(keys, torch.full_like(keys, table_id)).cpu()
+    w = module.storage.weights()[table_id].cpu()
     out = torch.zeros(keys.numel(), w.shape[1], dtype=torch.float32)
     found = rows >= 0
     out[found] = w[rows[found]].float()

@@ -45,9 +45,9 @@ class AdmissionModel:
 
 
 @pytest.mark.parametrize("threshold", [1, 3])
-def test_admission_matches_model(threshold):
+def test_admission_matches_model(threshold, device):
     m = make_module([D], initializer_args=DEBUG_INIT, admit_strategy=FrequencyAdmissionStrategy(threshold),
-                    admission_counter=KVCounter(1024), module_kwargs=dict(learning_rate=LR))
+                    admission_counter=KVCounter(1024), module_kwargs=dict(learning_rate=LR), device=device)
     ref = AdmissionModel(threshold)
     gen = torch.Generator().manual_seed(11)
     B = 6
@@ -56,9 +56,9 @@ def test_admission_matches_model(threshold):
         bag_keys = [indices[offsets[j]:offsets[j + 1]].tolist() for j in range(B)]
         grad = torch.randn(B, D, generator=gen)
         out_ref = ref.step(bag_keys, grad)
-        out = m(indices, offsets)
-        torch.testing.assert_close(out.detach(), out_ref, atol=1e-5, rtol=0)
-        (out * grad).sum().backward()
+        out = m(indices.to(device), offsets.to(device))
+        torch.testing.assert_close(out.detach().cpu(), out_ref, atol=1e-5, rtol=0)
+        (out * grad.to(device)).sum().backward()
     assert stored_keys(m, 0) == set(ref.rows)
     assert all(ref.seen[k] >= threshold for k in stored_keys(m, 0))
     keys = sorted(ref.rows)

@@ -13,14 +13,14 @@ LR, EPS, B1, B2 = 0.1, 1e-8, 0.9, 0.999
 D = 4
 
 
-def _module(optimizer, strategy):
+def _module(optimizer, strategy, device):
     return make_module([D], optimizer=optimizer, max_capacity=16, bucket_capacity=16, score_strategy=strategy,
                        initializer_args=DEBUG_INIT,
-                       module_kwargs=dict(learning_rate=LR, eps=EPS, beta1=B1, beta2=B2))
+                       module_kwargs=dict(learning_rate=LR, eps=EPS, beta1=B1, beta2=B2), device=device)
 
 
 def _row_of(m, key):
-    return int(m.storage.find(torch.tensor([key]), torch.tensor([0]))[0])
+    return int(m.storage.find(torch.tensor([key], device=m.device), torch.tensor([0], device=m.device))[0])
 
 
 def _after_one_update(optimizer, init, step):
@@ -36,16 +36,16 @@ def _after_one_update(optimizer, init, step):
 
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                                        EmbOptimType.ADAM], ids=lambda o: o.name)
-def test_step_evicts_oldest_and_reused_slot_is_fresh(optimizer):
-    m = _module(optimizer, DynamicEmbScoreStrategy.STEP)
+def test_step_evicts_oldest_and_reused_slot_is_fresh(optimizer, device):
+    m = _module(optimizer, DynamicEmbScoreStrategy.STEP, device)
     old, recent = list(range(8, 16)), list(range(8))
     for keys in (recent, old, recent):  # steps 1-3: `old` last seen at step 2
-        m(*bags([keys])).sum().backward()
+        m(*bags([keys], device)).sum().backward()
     assert m.table_stats()["t0"]["size"] == 16
     # Victims: the two lowest-scored (step 2) keys in the lowest slots.
     victims = sorted(old, key=lambda k: _row_of(m, k))[:2]
     victim_rows = sorted(_row_of(m, k) for k in victims)
-    out = m(*bags([[100], [101]]))
+    out = m(*bags([[100], [101]], device))
     assert stored_keys(m, 0) == (set(range(16)) - set(victims)) | {100, 101}
     assert sorted([_row_of(m, 100), _row_of(m, 101)]) == victim_rows
     assert m.table_stats()["t0"]["evicted"] == 2
@@ -53,7 +53,7 @@ def test_step_evicts_oldest_and_reused_slot_is_fresh(optimizer):
     _, rows = stored(m, 0, [100, 101])
     torch.testing.assert_close(rows[:, :D], debug_rows([100, 101], D), atol=0, rtol=0)
     assert torch.count_nonzero(rows[:, D:]) == 0
-    torch.testing.assert_close(out.detach(), debug_rows([100, 101], D), atol=0, rtol=0)
+    torch.testing.assert_close(out.detach().cpu(), debug_rows([100, 101], D), atol=0, rtol=0)
     out.sum().backward()
     _, rows = stored(m, 0, [100, 101])
     for i, key in enumerate([100, 101]):
@@ -63,15 +63,15 @@ def test_step_evicts_oldest_and_reused_slot_is_fresh(optimizer):
     assert stored_scores(m, 0)[100] == 4
 
 
-def test_lfu_evicts_least_frequent():
-    m = _module(EmbOptimType.EXACT_ROWWISE_ADAGRAD, DynamicEmbScoreStrategy.LFU)
+def test_lfu_evicts_least_frequent(device):
+    m = _module(EmbOptimType.EXACT_ROWWISE_ADAGRAD, DynamicEmbScoreStrategy.LFU, device)
     # Key k seen k % 4 + 1 times: 0, 4, 8, 12 are the least frequent.
-    m(*bags([[k for k in range(16) for _ in range(k % 4 + 1)]])).sum().backward()
+    m(*bags([[k for k in range(16) for _ in range(k % 4 + 1)]], device)).sum().backward()
     rare = sorted([0, 4, 8, 12], key=lambda k: _row_of(m, k))
-    m(*bags([[200, 200]])).sum().backward()  # count 2: still a new key, it evicts
+    m(*bags([[200, 200]], device)).sum().backward()  # count 2: still a new key, it evicts
     assert stored_keys(m, 0) == (set(range(16)) - {rare[0]}) | {200}
     assert stored_scores(m, 0)[200] == 2
-    m(*bags([[201]])).sum().backward()  # count-1 keys left: rare[1:]
+    m(*bags([[201]], device)).sum().backward()  # count-1 keys left: rare[1:]
     assert stored_keys(m, 0) == (set(range(16)) - {rare[0], rare[1]}) | {200, 201}
     _, rows = stored(m, 0, [201])
     torch.testing.assert_close(rows[0, D:], torch.ones(1), atol=1e-6, rtol=0)  # one update from zero

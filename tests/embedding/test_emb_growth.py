@@ -17,25 +17,25 @@ NUM_KEYS = [3000, 700]  # table 1 grows less, and later, than table 0
 FEATURE_TABLE = [0, 1, 0]
 
 
-def _module(optimizer, init_capacity, bucket_capacity):
+def _module(optimizer, init_capacity, bucket_capacity, device):
     opts = [DynamicEmbTableOptions(dim=d, init_capacity=init_capacity, max_capacity=8192, bucket_capacity=bucket_capacity,
                                    num_embeddings=n) for d, n in zip(DIMS, NUM_KEYS)]
     return BatchedDynamicEmbeddingTables(opts, feature_table_map=FEATURE_TABLE, pooling_mode=DynamicEmbPoolingMode.SUM,
-                                         optimizer=optimizer, learning_rate=0.1)
+                                         optimizer=optimizer, learning_rate=0.1, device=device)
 
 
 @pytest.mark.parametrize("bucket_capacity", [16, 64])
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM],
                          ids=lambda o: o.name)
-def test_growth_keeps_every_row(optimizer, bucket_capacity):
-    small, big = _module(optimizer, 256, bucket_capacity), _module(optimizer, None, bucket_capacity)
+def test_growth_keeps_every_row(optimizer, bucket_capacity, device):
+    small, big = _module(optimizer, 256, bucket_capacity, device), _module(optimizer, None, bucket_capacity, device)
     caps = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]
     assert caps == [256, 256]
     gen = torch.Generator().manual_seed(21)
     grew = [0, 0]
     for _ in range(25):
-        indices, offsets = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=32, max_len=6)
-        probe = torch.randn(32, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen)
+        indices, offsets = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=32, max_len=6, device=device)
+        probe = torch.randn(32, sum(DIMS[t] for t in FEATURE_TABLE), generator=gen).to(device)
         before = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]
         out_small, out_big = small(indices, offsets), big(indices, offsets)
         after = [small.table_stats()[t]["capacity"] for t in ("t0", "t1")]

@@ -27,11 +27,11 @@ def _occurrences(batch):
 
 
 @pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
-def test_sgd_all_ones_gradient_moves_rows_by_occurrences(pooling):
+def test_sgd_all_ones_gradient_moves_rows_by_occurrences(pooling, device):
     dims = [4, 4]
     m = make_module(dims, pooling=pooling, feature_table_map=FEATURE_TABLE, initializer_args=DEBUG_INIT,
-                    module_kwargs=dict(learning_rate=1.0))
-    indices, offsets = bags(BATCH)
+                    module_kwargs=dict(learning_rate=1.0), device=device)
+    indices, offsets = bags(BATCH, device)
     m(indices, offsets).sum().backward()
     count, mean_w = _occurrences(BATCH)
     for (t, k), c in count.items():
@@ -43,9 +43,9 @@ def test_sgd_all_ones_gradient_moves_rows_by_occurrences(pooling):
     assert stored_keys(m, 1) == {k for (t, k) in count if t == 1}
 
 
-def test_learning_rate_change_between_steps():
-    m = make_module([4], initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0))
-    indices, offsets = bags([[3, 3, 8]])
+def test_learning_rate_change_between_steps(device):
+    m = make_module([4], initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0), device=device)
+    indices, offsets = bags([[3, 3, 8]], device)
     m(indices, offsets).sum().backward()  # key 3: -2, key 8: -1
     m.set_learning_rate(0.25)
     assert m.learning_rate == 0.25
@@ -57,13 +57,13 @@ def test_learning_rate_change_between_steps():
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM, EmbOptimType.EXACT_ADAGRAD,
                                        EmbOptimType.EXACT_ROWWISE_ADAGRAD], ids=lambda o: o.name)
 @pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
-def test_eval_forward_reads_stored_rows_and_inserts_nothing(optimizer, pooling):
+def test_eval_forward_reads_stored_rows_and_inserts_nothing(optimizer, pooling, device):
     gen = torch.Generator().manual_seed(3)
-    m = make_module([8, 8], pooling=pooling, optimizer=optimizer, feature_table_map=[0, 1, 0])
+    m = make_module([8, 8], pooling=pooling, optimizer=optimizer, feature_table_map=[0, 1, 0], device=device)
     for _ in range(5):
-        indices, offsets = random_batch(gen, [0, 1, 0], [40, 40], batch=4, max_len=4)
+        indices, offsets = random_batch(gen, [0, 1, 0], [40, 40], batch=4, max_len=4, device=device)
         out = m(indices, offsets)
-        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        (out * torch.randn(out.shape, generator=gen).to(device)).sum().backward()
     stats = m.table_stats()
     # Keys 0..39 were seen (mostly), 1000.. never: eval gives their eval
     # initial value (zeros) and stores nothing.
@@ -71,7 +71,7 @@ def test_eval_forward_reads_stored_rows_and_inserts_nothing(optimizer, pooling):
     indices = torch.where(torch.rand(indices.shape, generator=gen) < 0.3, indices + 1000, indices)
     assert bool((indices >= 1000).any()) and bool((indices < 1000).any())
     m.eval()
-    out_eval = m(indices, offsets)
+    out_eval = m(indices.to(device), offsets.to(device)).cpu()
     assert m.table_stats() == stats
     m.train()
     # Reference: stored rows for stored keys, zeros for missing ones, pooled by hand.
@@ -90,14 +90,14 @@ def test_eval_forward_reads_stored_rows_and_inserts_nothing(optimizer, pooling):
     torch.testing.assert_close(out_eval, expected, atol=1e-6, rtol=0)
 
 
-def test_eval_forward_then_train_forward_on_stored_keys_agree():
+def test_eval_forward_then_train_forward_on_stored_keys_agree(device):
     gen = torch.Generator().manual_seed(5)
-    m = make_module([6], pooling=SUM, optimizer=EmbOptimType.EXACT_ADAGRAD)
+    m = make_module([6], pooling=SUM, optimizer=EmbOptimType.EXACT_ADAGRAD, device=device)
     for _ in range(3):
-        indices, offsets = random_batch(gen, [0], [20], batch=8, max_len=5, min_len=1)
+        indices, offsets = random_batch(gen, [0], [20], batch=8, max_len=5, min_len=1, device=device)
         m(indices, offsets).sum().backward()
     keys = sorted(stored_keys(m, 0))
-    indices, offsets = bags([keys[i::3] for i in range(3)])
+    indices, offsets = bags([keys[i::3] for i in range(3)], device)
     m.eval()
     out_eval = m(indices, offsets)
     m.train()
@@ -106,13 +106,13 @@ def test_eval_forward_then_train_forward_on_stored_keys_agree():
     torch.testing.assert_close(out_train.detach(), out_eval, atol=0, rtol=0)
 
 
-def test_missing_keys_in_eval_read_eval_initializer_and_are_not_inserted():
-    m = make_module([4], initializer_args=DEBUG_INIT)
-    indices, offsets = bags([[1, 2], [3]])
+def test_missing_keys_in_eval_read_eval_initializer_and_are_not_inserted(device):
+    m = make_module([4], initializer_args=DEBUG_INIT, device=device)
+    indices, offsets = bags([[1, 2], [3]], device)
     m(indices, offsets).sum().backward()
     before = m.table_stats()
     m.eval()
-    out = m(*bags([[1, 100], [200, 300]]))
+    out = m(*bags([[1, 100], [200, 300]], device)).cpu()
     assert m.table_stats() == before and stored_keys(m, 0) == {1, 2, 3}
     _, row1 = stored(m, 0, [1])
     torch.testing.assert_close(out[0], row1[0], atol=0, rtol=0)
@@ -122,23 +122,24 @@ def test_missing_keys_in_eval_read_eval_initializer_and_are_not_inserted():
 # ---- scores -----------------------------------------------------------------------------
 
 
-def test_step_scores_follow_the_module_step():
-    m = make_module([4], score_strategy=DynamicEmbScoreStrategy.STEP)
+def test_step_scores_follow_the_module_step(device):
+    m = make_module([4], score_strategy=DynamicEmbScoreStrategy.STEP, device=device)
     for keys in ([1, 2, 3], [2, 3], [3, 4]):
-        m(*bags([keys])).sum().backward()
+        m(*bags([keys], device)).sum().backward()
     assert m.step == 3
     assert stored_scores(m, 0) == {1: 1, 2: 2, 3: 3, 4: 3}
     m.eval()
-    m(*bags([[1, 2]]))  # eval lookups do not touch scores
+    m(*bags([[1, 2]], device))  # eval lookups do not touch scores
     assert stored_scores(m, 0) == {1: 1, 2: 2, 3: 3, 4: 3}
 
 
-def test_customized_scores_come_from_set_score():
-    m = make_module([4, 4], feature_table_map=[0, 1], score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED)
+def test_customized_scores_come_from_set_score(device):
+    m = make_module([4, 4], feature_table_map=[0, 1], score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED,
+                    device=device)
     m.set_score(10)
-    m(*bags([[1, 2], [1]])).sum().backward()
+    m(*bags([[1, 2], [1]], device)).sum().backward()
     m.set_score(25, table_id=1)
-    m(*bags([[2], [1, 5]])).sum().backward()
+    m(*bags([[2], [1, 5]], device)).sum().backward()
     assert stored_scores(m, 0) == {1: 10, 2: 10}
     assert stored_scores(m, 1) == {1: 25, 5: 25}
 
@@ -146,10 +147,10 @@ def test_customized_scores_come_from_set_score():
 @pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.LFU,
                                       (DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU)],
                          ids=["LFU", "TIMESTAMP_LFU"])
-def test_lfu_scores_count_occurrences(strategy):
-    m = make_module([4], score_strategy=strategy)
-    m(*bags([[1, 1, 2], [1]])).sum().backward()
-    m(*bags([[2], [3, 1]])).sum().backward()
+def test_lfu_scores_count_occurrences(strategy, device):
+    m = make_module([4], score_strategy=strategy, device=device)
+    m(*bags([[1, 1, 2], [1]], device)).sum().backward()
+    m(*bags([[2], [3, 1]], device)).sum().backward()
     assert stored_scores(m, 0) == {1: 4, 2: 2, 3: 1}
 
 
@@ -160,7 +161,7 @@ def test_lfu_scores_count_occurrences(strategy):
                                             (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "L2"),
                                             (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "DECOUPLE")],
                          ids=["ADAM", "ROWWISE_L2", "ROWWISE_DECOUPLE"])
-def test_weight_decay_by_hand(optimizer, mode):
+def test_weight_decay_by_hand(optimizer, mode, device):
     # FBGEMM's (GPU) rules: Adam adds weight_decay * w to the update (not to
     # the moments); rowwise Adagrad with L2 decays the gradient that enters
     # the state and scales the old weight by 1 - multiplier * wd; with
@@ -170,11 +171,11 @@ def test_weight_decay_by_hand(optimizer, mode):
     lr, wd, eps, b1, b2 = 0.1, 0.5, 1e-8, 0.9, 0.999
     m = make_module([3], optimizer=optimizer, initializer_args=DEBUG_INIT,
                     module_kwargs=dict(learning_rate=lr, weight_decay=wd, weight_decay_mode=mode, eps=eps,
-                                       beta1=b1, beta2=b2))
+                                       beta1=b1, beta2=b2), device=device)
     w = debug_rows([42], 3)[0]
     m1 = m2 = acc = torch.zeros(3)
     for step, g in enumerate([torch.ones(3), torch.tensor([0.5, -2.0, 1.5])], start=1):
-        (m(*bags([[42]])) * g).sum().backward()
+        (m(*bags([[42]], device)) * g.to(device)).sum().backward()
         if optimizer == EmbOptimType.ADAM:
             m1, m2 = b1 * m1 + (1 - b1) * g, b2 * m2 + (1 - b2) * g * g
             w = w - lr * ((m1 / (1 - b1**step)) / ((m2 / (1 - b2**step)).sqrt() + eps) + wd * w)
@@ -232,15 +233,16 @@ def test_results_do_not_depend_on_thread_count(optimizer):
 
 
 @pytest.mark.parametrize("pooling", [SUM, MEAN], ids=lambda p: p.name)
-def test_per_sample_weight_gradient_by_hand(pooling):
+def test_per_sample_weight_gradient_by_hand(pooling, device):
     # d loss / d weight_i = <row_i before the update, gradient of its bag> (/ bag length for MEAN).
-    m = make_module([2, 3], pooling=pooling, initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0))
-    indices, offsets = bags([[1, 2], [3], [4, 5, 4], []])  # F = 2, B = 2
-    psw = torch.tensor([0.5, 2.0, -1.0, 1.0, 3.0, 0.25], requires_grad=True)
+    m = make_module([2, 3], pooling=pooling, initializer_args=DEBUG_INIT, module_kwargs=dict(learning_rate=1.0),
+                    device=device)
+    indices, offsets = bags([[1, 2], [3], [4, 5, 4], []], device)  # F = 2, B = 2
+    psw = torch.tensor([0.5, 2.0, -1.0, 1.0, 3.0, 0.25], device=device, requires_grad=True)
     probe = torch.tensor([[1.0, -2.0, 0.5, 1.0, 2.0], [3.0, 1.0, -1.0, 0.0, 4.0]])
-    (m(indices, offsets, psw) * probe).sum().backward()
+    (m(indices, offsets, psw) * probe.to(device)).sum().backward()
     r = {k: debug_rows([k], 2 if k < 4 else 3)[0] for k in (1, 2, 3, 4, 5)}
     g = [probe[0, :2], probe[0, :2], probe[1, :2], probe[0, 2:], probe[0, 2:], probe[0, 2:]]
     lens = [2, 2, 1, 3, 3, 3] if pooling == MEAN else [1] * 6
     expected = torch.stack([(r[k] * gi).sum() / n for k, gi, n in zip([1, 2, 3, 4, 5, 4], g, lens)])
-    torch.testing.assert_close(psw.grad, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(psw.grad.cpu(), expected, atol=1e-5, rtol=0)

@@ -35,18 +35,20 @@ class _Clock:
         return self.now
 
 
-def _t(v):
-    return torch.tensor(v, dtype=torch.int64) if isinstance(v, list) else v
-
-
 class Pair:
-    def __init__(self, strategy: int, bucket_counts: List[int], bucket_capacity: int = 16):
+    def __init__(self, strategy: int, bucket_counts: List[int], bucket_capacity: int = 16, device: str = "cpu"):
         self.cap = bucket_capacity
         self.clock = _Clock()
         self.table = ScoredHashTable([b * bucket_capacity for b in bucket_counts], bucket_capacity,
-                                     score_strategy=API_STRATEGY[strategy], num_tables=len(bucket_counts))
+                                     score_strategy=API_STRATEGY[strategy], num_tables=len(bucket_counts),
+                                     device=device)
+        self.device = self.table.device
         self.model = RefTable(bucket_counts, bucket_capacity, strategy)
         self.check_state()
+
+    def _t(self, v):
+        """A list argument as an int64 tensor on the table's device."""
+        return torch.tensor(v, dtype=torch.int64, device=self.device) if isinstance(v, list) else v
 
     def _call(self, fn, *args, **kwargs):
         with mock.patch.object(table_mod.ScoredHashTable, "now", self.clock.read):
@@ -59,7 +61,7 @@ class Pair:
         self.clock.now, self.table.step = now, step
         before = self.live()
         sizes0, ctr0 = self.table.sizes.tolist(), self.table.counters.tolist()
-        out = self._call(self.table.insert, _t(keys), _t(tids), _t(scores), evict=evict, same_call=same_call)
+        out = self._call(self.table.insert, self._t(keys), self._t(tids), self._t(scores), evict=evict, same_call=same_call)
         idx, res, ev = self.model.insert(keys, tids, scores, now=now, step=step, evict=evict, same_call=same_call)
         got_ev = list(zip(*(x.tolist() for x in out.evicted))) if out.evicted.keys.numel() else []
         assert out.indices.tolist() == idx
@@ -73,7 +75,7 @@ class Pair:
     def lookup(self, keys: List[int], tids=None, update_score=False, scores=None, now=0, step=0):
         self.clock.now, self.table.step = now, step
         before = self.live()
-        idx, found = self._call(self.table.lookup, _t(keys), _t(tids), update_score, _t(scores))
+        idx, found = self._call(self.table.lookup, self._t(keys), self._t(tids), update_score, self._t(scores))
         if update_score:
             want = self.model.lookup_refresh(keys, tids, scores, now=now, step=step)
         else:
@@ -85,7 +87,7 @@ class Pair:
     def erase(self, keys: List[int], tids=None):
         before = self.live()
         sizes0 = self.table.sizes.tolist()
-        erased = self.table.erase(_t(keys), _t(tids)).tolist()
+        erased = self.table.erase(self._t(keys), self._t(tids)).tolist()
         assert erased == self.model.erase(keys, tids)
         # keys before - erased = keys after (per table)
         per_t = Counter(t for t, e in zip(self.model._tids(tids, len(keys)), erased) if e)
@@ -183,6 +185,6 @@ class Pair:
         # Every stored key is found where the insert put it.
         ok = [i for i, r in enumerate(res) if r != FAILED]
         if ok:
-            li, lf = self.table.lookup(torch.tensor([keys[i] for i in ok]),
-                                       None if tids is None else torch.tensor([tl[i] for i in ok]))
+            li, lf = self.table.lookup(self._t([keys[i] for i in ok]),
+                                       None if tids is None else self._t([tl[i] for i in ok]))
             assert lf.all() and li.tolist() == [idx[i] for i in ok]

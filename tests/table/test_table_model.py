@@ -48,10 +48,10 @@ def _table_ids(data, num_tables, n):
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @PROPERTY
 @given(data=st.data())
-def test_random_operations_match_model(strategy, data):
+def test_random_operations_match_model(strategy, device, data):
     counts = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3), label="bucket counts")
     cap = data.draw(st.sampled_from([16, 16, 32]), label="bucket_capacity")
-    p = Pair(strategy, counts, cap)
+    p = Pair(strategy, counts, cap, device)
     for _ in range(data.draw(st.integers(1, 20), label="ops")):
         op = data.draw(st.sampled_from(
             ["insert"] * 4 + ["lookup", "refresh", "erase", "export", "grow", "reset"]))
@@ -117,10 +117,10 @@ def _batch(rng, n, key_range, num_tables):
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_large_batches_match_model(strategy, threads):
+def test_large_batches_match_model(strategy, threads, device):
     rng = random.Random(strategy)
     # 3 tables (2, 40 and 150 buckets): the small one fails and evicts a lot.
-    p = Pair(strategy, [2, 40, 150])
+    p = Pair(strategy, [2, 40, 150], device=device)
     n, seen = 6000, set()
     for step in range(3):
         keys, tids = _batch(rng, n, 4000, 3)
@@ -137,11 +137,11 @@ def test_large_batches_match_model(strategy, threads):
     assert seen == ({0, 1, 3} if strategy == NO_EVICTION else {0, 1, 2, 3})
 
 
-def test_very_large_batch_matches_model(threads):
+def test_very_large_batch_matches_model(threads, device):
     """n >= 32768: the per-table tallies and the evicted-key compaction split
     the batch in several chunks; the output order must still be input order."""
     rng = random.Random(7)
-    p = Pair(LFU, [256, 64])
+    p = Pair(LFU, [256, 64], device=device)
     keys, tids = _batch(rng, 40000, 9000, 2)
     p.insert(keys, tids, [rng.randrange(5) for _ in keys])
     keys, tids = _batch(rng, 40000, 9000, 2)
@@ -152,13 +152,13 @@ def test_very_large_batch_matches_model(threads):
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("cap,buckets", [(16, [300, 40]), (128, [2, 40])])
-def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads):
+def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads, device):
     """Full buckets that get many keys of one call (insert takes several
     victims from one scan of a bucket): assigns, tombstones reused, evictions
     with tied scores and failures once a bucket is all held, mixed in batches
     that take the parallel path."""
     rng = random.Random(1000 + strategy + cap)
-    p = Pair(strategy, buckets, cap)
+    p = Pair(strategy, buckets, cap, device)
     slots = sum(buckets) * cap
 
     def scores(n, step):
@@ -191,7 +191,7 @@ def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads):
         res = out.results.tolist()
         seen |= set(res)
         if strategy != NO_EVICTION:  # several victims taken from one bucket in one call
-            per_bucket = torch.bincount(out.evicted.indices // cap)
+            per_bucket = torch.bincount(out.evicted.indices.cpu() // cap)
             assert int(per_bucket.max()) > 1
         live = sorted(p.live())
     p.lookup([k for _, k in live[:5000]], [t for t, _ in live[:5000]], update_score=True,
