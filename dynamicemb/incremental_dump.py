@@ -32,8 +32,9 @@ def _per_table(value: Threshold, name: str) -> int:
 
 def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Optional[dist.ProcessGroup] = None
                      ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
-    """({table: (keys, values)}, {table: next threshold}). With `pg`, every
-    rank receives the keys and values of all ranks (concatenated in rank order)."""
+    """({table: (keys, values)}, {table: next threshold}), on the table's
+    device. With `pg`, every rank receives the keys and values of all ranks
+    (concatenated in rank order) on the CPU."""
     out, nxt = {}, {}
     for name, ref in model_tables(model).items():
         now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
@@ -43,9 +44,10 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
         for k, rows, _ in storage.export(t, threshold=threshold):
             keys.append(k)
             values.append(rows[:, :ref.options.dim])
-        dim = ref.options.dim
-        out[name] = (torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64),
-                     torch.cat(values) if values else torch.empty(0, dim, dtype=ref.module.embedding_dtype))
+        dim, dev = ref.options.dim, ref.module.device
+        out[name] = (torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=dev),
+                     torch.cat(values).to(dev) if values
+                     else torch.empty(0, dim, dtype=ref.module.embedding_dtype, device=dev))
         strategy = storage.strategy(t)
         if strategy in _CLOCKED:
             nxt[name] = now
@@ -55,7 +57,8 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
             nxt[name] = threshold
     if pg is not None and rank_world(pg)[1] > 1:
         gathered = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(gathered, out, group=pg)
+        # Pickled tensors would unpickle on the sender's device: send CPU copies.
+        dist.all_gather_object(gathered, {n: (k.cpu(), v.cpu()) for n, (k, v) in out.items()}, group=pg)
         out = {n: (torch.cat([g[n][0] for g in gathered]), torch.cat([g[n][1] for g in gathered])) for n in out}
     return out, nxt
 

@@ -24,6 +24,7 @@
 #include "common/parallel_cpu.h"
 #include "embedding/embedding_cpu.h"
 #include "embedding/optimizer_rules.h"
+#include "embedding/unique_rules.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -47,11 +48,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   TORCH_CHECK(n < (int64_t{1} << 31), "dynamicemb: emb_unique takes fewer than 2^31 indices, got ", n);
   const int64_t* key = indices.data_ptr<int64_t>();
   std::vector<uint64_t> salt(num_tables);  // per table, mixed into its keys' hashes
-  for (int64_t t = 0; t < num_tables; ++t) salt[t] = table::fmix64(static_cast<uint64_t>(t) + 1);
-  auto hash_of = [&](int64_t k, int64_t t) { return table::fmix64(static_cast<uint64_t>(k) ^ salt[t]); };
-  constexpr int kPartBits = 6;
-  const int64_t P = n >= 4096 ? (1 << kPartBits) : 1;
-  auto part_of = [&](uint64_t h) { return P == 1 ? 0 : static_cast<int64_t>(h >> (64 - kPartBits)); };
+  for (int64_t t = 0; t < num_tables; ++t) salt[t] = unique::salt(t);
+  auto hash_of = [&](int64_t k, int64_t t) { return unique::pair_hash(k, salt[t]); };
+  const bool partitioned = n >= unique::kPartsFrom;
+  const int64_t P = partitioned ? (1 << unique::kPartBits) : 1;
+  auto part_of = [&](uint64_t h) { return unique::part(h, partitioned); };
   struct Rec {
     int64_t key;
     int32_t tid, pos;

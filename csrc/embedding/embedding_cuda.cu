@@ -44,6 +44,7 @@
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/optimizer_rules.h"
+#include "embedding/unique_rules.h"
 #include "table/table_rules.h"
 
 namespace dynamicemb {
@@ -219,16 +220,13 @@ __global__ void group_starts_kernel(const int64_t* head, const int64_t* seg, int
 __global__ void group_order_kernel(const int64_t* start, int64_t G, int64_t n, const int64_t* pos,
                                    const int64_t* key, const int64_t* tid, bool partitioned, int64_t* first,
                                    int64_t* count, int64_t* order_key) {
-  constexpr int kPartBits = 6;  // as unique_cpu
   for (int64_t g = thread_begin(); g < G; g += thread_stride()) {
     const int64_t s = start[g], e = g + 1 < G ? start[g + 1] : n, f = pos[s];
     first[g] = f;
     count[g] = e - s;
-    const uint64_t hash =
-        table::fmix64(static_cast<uint64_t>(key[f]) ^ table::fmix64(static_cast<uint64_t>(tid[f]) + 1));
-    const int64_t part = partitioned ? static_cast<int64_t>(hash >> (64 - kPartBits)) : 0;
+    const int64_t part = unique::part(unique::pair_hash(key[f], unique::salt(tid[f])), partitioned);
     // Parts in ascending order as the CPU's: the key stays non-negative.
-    order_key[g] = (part << (63 - kPartBits)) | f;  // f < n < 2^57
+    order_key[g] = (part << (63 - unique::kPartBits)) | f;  // f < n < 2^57
   }
 }
 
@@ -294,7 +292,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   group_order_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
       start.data_ptr<int64_t>(), G, n, pos.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
-      tid.data_ptr<int64_t>(), n >= 4096, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
+      tid.data_ptr<int64_t>(), n >= unique::kPartsFrom, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
       order_key.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const Tensor order = std::get<1>(stable_sort(order_key));  // keys are distinct

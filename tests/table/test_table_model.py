@@ -198,3 +198,19 @@ def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads, 
              scores=scores(min(5000, len(live)), 4), now=4, step=4)
     p.export()
     assert seen == ({0, 1, 3} if strategy == NO_EVICTION else {0, 1, 2, 3})
+
+
+def test_export_and_grow_of_a_large_table_match_model(threads, device):
+    """>= 32768 slots and > 256 buckets: export's compaction and grow's rehash
+    split the table into several chunks that run in parallel; the result must
+    still be the model's (slot order, every entry and score kept)."""
+    rng = random.Random(11)
+    p = Pair(LFU, [2100, 300], device=device)  # 38400 slots of 16
+    keys, tids = _batch(rng, 30000, 1 << 40, 2)
+    p.insert(keys, tids, [rng.randrange(1, 5) for _ in keys])
+    p.erase(keys[:3000], tids[:3000])
+    p.export(batch_size=1 << 16)
+    p.export(threshold=3, batch_size=10000)
+    p.grow([4200, 300])
+    p.grow([8400, 600])
+    p.export()

@@ -87,29 +87,45 @@ def _vs_fused(world_pg):
         _check_rows(dynamic, configs, trained, world_pg, what)
 
 
-def _vs_sparse_adam(pg):
-    configs = _configs()
-    start = models.initial_weights(configs, seed=1)
-    bags = {c.name: nn.EmbeddingBag(KEYS, c.embedding_dim, mode="sum", sparse=True) for c in configs}
+def _embedding_bags(configs, start, mode):
+    """torch's nn.EmbeddingBag per table (sparse gradients), holding `start`'s rows."""
+    bags = {c.name: nn.EmbeddingBag(KEYS, c.embedding_dim, mode=mode, sparse=True) for c in configs}
     for c in configs:
         with torch.no_grad():
             bags[c.name].weight.copy_(start[c.name])
+    return bags
+
+
+def _train_beside(configs, bags, opt, dynamic, pg, label) -> bool:
+    """STEPS steps of the dynamic model on this rank's samples and of the
+    reference bags (optimizer `opt`) on the global batch: outputs every step,
+    rows at the end. Returns whether some batch had an empty bag."""
+    saw_empty = False
+    for step in range(STEPS):
+        batch, kjt = _step_input(step, pg)
+        saw_empty |= any(not bag for f in FEATURES for bag in batch[f])
+        full = models.kjt(batch).to_dict()  # the reference sees the global batch
+        ref = torch.cat([bags[c.name](full[f].values(), full[f].offsets()) for c, f in zip(configs, FEATURES)], 1)
+        out = models.resolved(dynamic(kjt))
+        _close(out.values(), ref[models.local_samples(BATCH, pg)], f"{label} step {step} output")
+        opt.zero_grad()
+        ((ref.to(torch.float64) - 0.5) ** 2).sum().backward()
+        opt.step()
+        _backward(out, pg)
+    _check_rows(dynamic, configs, {n: b.weight.detach() for n, b in bags.items()}, pg, label)
+    return saw_empty
+
+
+def _vs_sparse_adam(pg):
+    configs = _configs()
+    start = models.initial_weights(configs, seed=1)
+    bags = _embedding_bags(configs, start, "sum")
     adam = torch.optim.SparseAdam([b.weight for b in bags.values()], lr=ADAM["learning_rate"],
                                   betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
     dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES), ADAM)
     for c in configs:
         models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
-    for step in range(STEPS):
-        batch, kjt = _step_input(step, pg)
-        full = models.kjt(batch).to_dict()  # the reference sees the global batch
-        ref = torch.cat([bags[c.name](full[f].values(), full[f].offsets()) for c, f in zip(configs, FEATURES)], 1)
-        out = models.resolved(dynamic(kjt))
-        _close(out.values(), ref[models.local_samples(BATCH, pg)], f"adam {pg.size()} ranks step {step} output")
-        adam.zero_grad()
-        ((ref.to(torch.float64) - 0.5) ** 2).sum().backward()
-        adam.step()
-        _backward(out, pg)
-    _check_rows(dynamic, configs, {n: b.weight.detach() for n, b in bags.items()}, pg, f"adam {pg.size()} ranks")
+    _train_beside(configs, bags, adam, dynamic, pg, f"adam {pg.size()} ranks")
 
 
 def _mean_vs_embedding_bag(pg):
@@ -121,28 +137,12 @@ def _mean_vs_embedding_bag(pg):
                                            feature_names=[n.replace("table", "feature")],
                                            pooling=torchrec.PoolingType.MEAN) for n in TABLES]
     start = models.initial_weights(configs, seed=3)
-    bags = {c.name: nn.EmbeddingBag(KEYS, c.embedding_dim, mode="mean", sparse=True) for c in configs}
-    for c in configs:
-        with torch.no_grad():
-            bags[c.name].weight.copy_(start[c.name])
+    bags = _embedding_bags(configs, start, "mean")
     sgd = torch.optim.SGD([b.weight for b in bags.values()], lr=FUSED[0]["learning_rate"])
     dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES), FUSED[0])
     for c in configs:
         models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
-    saw_empty = False
-    for step in range(STEPS):
-        batch, kjt = _step_input(step, pg)
-        saw_empty |= any(not bag for f in FEATURES for bag in batch[f])
-        full = models.kjt(batch).to_dict()
-        ref = torch.cat([bags[c.name](full[f].values(), full[f].offsets()) for c, f in zip(configs, FEATURES)], 1)
-        out = models.resolved(dynamic(kjt))
-        _close(out.values(), ref[models.local_samples(BATCH, pg)], f"mean {pg.size()} ranks step {step} output")
-        sgd.zero_grad()
-        ((ref.to(torch.float64) - 0.5) ** 2).sum().backward()
-        sgd.step()
-        _backward(out, pg)
-    assert saw_empty, "the batches had no empty bag"
-    _check_rows(dynamic, configs, {n: b.weight.detach() for n, b in bags.items()}, pg, f"mean {pg.size()} ranks")
+    assert _train_beside(configs, bags, sgd, dynamic, pg, f"mean {pg.size()} ranks"), "the batches had no empty bag"
 
 
 def _mixed(world_pg, kind):
