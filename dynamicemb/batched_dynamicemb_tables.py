@@ -9,9 +9,8 @@ initial value), gathers and pools; the backward reduces one gradient per
 unique key and applies the optimizer to the rows in place (fused: no dense
 gradient, no optimizer.step()). In eval mode keys are only looked up.
 """
-import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn

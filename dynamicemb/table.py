@@ -9,7 +9,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult, canonical_device, strategy_code
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_device, strategy_code
 
 _S = DynamicEmbScoreStrategy
 _INT32_MAX = 2**31 - 1

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "embedding/optimizer_rules.h"
+
 namespace dynamicemb {
 namespace embedding {
 
@@ -37,6 +39,14 @@ void check_offset_values(int64_t first, int64_t last, int64_t n, int64_t bad, Pa
   const std::pair<int64_t, int64_t> v = pair_at(bad);
   TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", bad + 1, "] = ", v.second,
               " < offsets[", bad, "])");
+}
+
+// The fused update's codes: an optimizer and a weight decay mode the rules know.
+inline void check_optimizer(int64_t optimizer, int64_t weight_decay_mode) {
+  TORCH_CHECK(optimizer >= optim::kSgd && optimizer <= optim::kRowwiseAdagrad, "dynamicemb: unknown optimizer ",
+              optimizer);
+  TORCH_CHECK(weight_decay_mode >= optim::kDecayNone && weight_decay_mode <= optim::kDecayDecoupled,
+              "dynamicemb: unknown weight_decay_mode ", weight_decay_mode, " (0 NONE, 1 L2, 2 DECOUPLE)");
 }
 
 }  // namespace embedding

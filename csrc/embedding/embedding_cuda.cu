@@ -747,8 +747,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
                   grad_output.dim() == 2,
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor on ", dev);
-  TORCH_CHECK(optimizer >= optim::kSgd && optimizer <= optim::kRowwiseAdagrad, "dynamicemb: unknown optimizer ",
-              optimizer);
+  check_optimizer(optimizer, weight_decay_mode);
   for (int64_t t = 0; t < (int64_t)R.w.size(); ++t)
     TORCH_CHECK(R.stride[t] >= R.dim[t] + optim::state_width(optimizer, R.dim[t]), "dynamicemb: table ", t,
                 " rows have no room for the optimizer state");

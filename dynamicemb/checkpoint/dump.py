@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, fsync_dir, part_name, write_manifest, write_part
+from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 
 DEFAULT_CHUNK_ROWS = 1 << 18
@@ -149,18 +150,9 @@ def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _status(error: Optional[BaseException]) -> Optional[str]:
-    return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def _raise_any(errors: List[Optional[str]], mine: Optional[BaseException], rank: int, what: str) -> None:
-    """Raises on every rank when one failed: its own error on the failing
-    rank, a RuntimeError naming that rank on the others."""
-    if mine is not None:
-        raise mine
-    bad = next((r for r, e in enumerate(errors) if e is not None), None)
-    if bad is not None:
-        raise RuntimeError(f"dynamicemb dump: {what} failed on rank {bad}: {errors[bad]}")
+def _raise_any(errors: List[Optional[str]], mine: Optional[BaseException], what: str) -> None:
+    """rank_errors.raise_any: the others raise a RuntimeError naming the rank."""
+    raise_any(errors, mine, lambda r, e: RuntimeError(f"dynamicemb dump: {what} failed on rank {r}: {e}"))
 
 
 # Non-blocking dumps: one background gloo group per set of ranks, made on the
@@ -227,9 +219,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     token = uuid.uuid4().hex[:12]
     if distributed:
         starts = [None] * world
-        dist.all_gather_object(starts, (token, _status(error)), group=pg)
+        dist.all_gather_object(starts, (token, status(error)), group=pg)
         token = starts[0][0]
-        _raise_any([e for _, e in starts], error, rank, "the checks before writing")
+        _raise_any([e for _, e in starts], error, "the checks before writing")
     elif error is not None:
         raise error
     tmp = f"{path}.tmp-{token}"
@@ -244,13 +236,13 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
             error = e
         shards = [None] * world
         if distributed:
-            dist.all_gather_object(shards, (mine, _status(error)), group=group)
+            dist.all_gather_object(shards, (mine, status(error)), group=group)
         else:
-            shards = [(mine, _status(error))]
+            shards = [(mine, status(error))]
         if any(e is not None for _, e in shards):
             if rank == 0:  # every rank is past its writes: nothing is published, the tmp directory goes
                 shutil.rmtree(tmp, ignore_errors=True)
-            _raise_any([e for _, e in shards], error, rank, "writing")
+            _raise_any([e for _, e in shards], error, "writing")
         shards = [s for s, _ in shards]
         # 2. Rank 0 writes the manifest and publishes; all learn whether it did.
         if rank == 0:
@@ -266,10 +258,10 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
                 error = e
                 shutil.rmtree(tmp, ignore_errors=True)  # not published (_publish restores PATH on an error)
         if distributed:
-            published = [_status(error)]
+            published = [status(error)]
             dist.broadcast_object_list(published, src=dist.get_global_rank(group, 0) if group else 0,
                                        group=group)
-            _raise_any([published[0]] + [None] * (world - 1), error, rank, "publishing")
+            _raise_any([published[0]] + [None] * (world - 1), error, "publishing")
         elif error is not None:
             raise error
 

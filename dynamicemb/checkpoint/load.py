@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_tensors, dtype_code, read_manifest,
                                           read_part, read_tensors)
+from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage import RowBatch
@@ -78,23 +79,14 @@ def _expected(meta: dict, entry: dict) -> Dict[str, tuple]:
     return out
 
 
-def _gather_status(error: Optional[Exception], rank: int, world: int, pg, distributed: bool, after: str) -> None:
+def _gather_status(error: Optional[Exception], world: int, pg, distributed: bool, after: str) -> None:
     """Every rank learns every rank's status; if one failed, every rank
     raises: the failing rank its own error, the others a CheckpointError
     naming that rank and its error."""
-    if not distributed:
-        if error is not None:
-            raise error
-        return
     msgs: List[Optional[str]] = [None] * world
-    mine = None if error is None else (str(error) if isinstance(error, CheckpointError)
-                                       else f"{type(error).__name__}: {error}")
-    dist.all_gather_object(msgs, mine, group=pg)
-    if error is not None:
-        raise error
-    bad = next((r for r, m in enumerate(msgs) if m is not None), None)
-    if bad is not None:
-        raise CheckpointError(f"{msgs[bad]} (found by rank {bad}{after})")
+    if distributed:
+        dist.all_gather_object(msgs, status(error), group=pg)
+    raise_any(msgs, error, lambda r, m: CheckpointError(f"{m} (found by rank {r}{after})"))
 
 
 class _Plan:
@@ -237,10 +229,10 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         plan = _prepare(path, model, table_names, optim, counter, rank, world)
     except Exception as e:  # noqa: BLE001 - every rank raises, after the gather
         error = e
-    _gather_status(error, rank, world, pg, distributed, "; the model is unchanged")
+    _gather_status(error, world, pg, distributed, "; the model is unchanged")
     try:
         _load(path, plan, optim, rank, world)
     except Exception as e:  # noqa: BLE001
         error = e
-    _gather_status(error, rank, world, pg, distributed,
+    _gather_status(error, world, pg, distributed,
                    " while loading: that rank's tables are partly loaded; load the model again")

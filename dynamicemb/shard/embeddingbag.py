@@ -46,9 +46,6 @@ class _DynamicSharderMixin:
         return _planning_sharder(self, frozenset(exclude))
 
 
-_PLANNING_CLASSES: Dict[type, type] = {}
-
-
 def _stock_class(sharder) -> type:
     for cls in type(sharder).__mro__:
         if not issubclass(cls, _DynamicSharderMixin) and cls.__module__.startswith("torchrec."):
@@ -58,18 +55,10 @@ def _stock_class(sharder) -> type:
 
 def _planning_sharder(sharder, exclude: frozenset):
     stock = _stock_class(sharder)
-    cls = _PLANNING_CLASSES.get(stock)
-    if cls is None:
-        def shardable_parameters(self, module):
-            params = stock.shardable_parameters(self, module)
-            return {n: p for n, p in params.items() if n not in self._planning_exclude}
-
-        cls = type(f"Planning{stock.__name__}", (stock,), {"shardable_parameters": shardable_parameters,
-                                                            "__module__": __name__})
-        _PLANNING_CLASSES[stock] = cls
-    out = cls.__new__(cls)
+    out = stock.__new__(stock)  # the sharder's state in TorchRec's class
     out.__dict__.update(sharder.__dict__)
-    out._planning_exclude = exclude
+    params = out.shardable_parameters
+    out.shardable_parameters = lambda module: {n: p for n, p in params(module).items() if n not in exclude}
     return out
 
 

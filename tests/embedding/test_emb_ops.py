@@ -93,3 +93,15 @@ def test_lookup_compiles_and_exports_with_dynamic_shapes():
     exported = torch.export.export(f, (indices, offsets), dynamic_shapes=dims).module()
     for args, exp in zip([(indices, offsets), other], expected):
         torch.testing.assert_close(exported(*args), exp, atol=0, rtol=0)
+
+
+def test_backward_update_refuses_unknown_codes():
+    m, _, offsets, ukeys, utids, inverse, rows = _inputs(DynamicEmbPoolingMode.SUM)
+    out = ops.emb_forward(m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, None, 0,
+                          m.storage.init_params, 0, torch.float32)
+    weights = [w.clone() for w in m.storage.weights()]
+    for optimizer, mode, msg in ((9, 0, "unknown optimizer 9"), (3, 7, "unknown weight_decay_mode 7")):
+        with pytest.raises(RuntimeError, match=msg):
+            ops.emb_backward_update(torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE,
+                                    m.dims, None, 0, optimizer, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, mode)
+    assert all(torch.equal(a, b) for a, b in zip(weights, m.storage.weights()))
