@@ -23,11 +23,15 @@ def _extension():
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if os.environ.get("DYNAMICEMB_NO_CUDA") == "1":
         with_cuda = False
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off", "-g0"]
+    # -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers
+    # (ATen/ParallelOpenMP.h); without the flag it silently runs serially.
+    # The extension then needs libgomp.so.1, which torch has already loaded.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off", "-g0", "-fopenmp"]
     common = dict(
         name="dynamicemb._C",
         include_dirs=[os.path.join(HERE, "csrc")],
         py_limited_api=False,
+        extra_link_args=["-fopenmp"],
     )
     if not with_cuda:
         return cpp_extension.CppExtension(sources=_sources("*.cpp"), extra_compile_args={"cxx": cxx}, **common)
