@@ -49,6 +49,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   // The clock of the clock-scored strategies (TIMESTAMP, NO_EVICTION, the
   // pair's access time) on the device of `like`: [1] int64 ns.
   m.def("table_clock(Tensor like) -> Tensor");
+  // Asks for 2 MiB pages behind a large CPU tensor not yet touched
+  // (common/huge_pages_cpu.h); returns whether the kernel took the advice.
+  m.def("advise_huge_pages(Tensor t) -> bool");
 
   // Embedding layer (csrc/embedding): bags in TBE layout (offsets [F * B + 1]),
   // rows are table-local (-1: no row; the key reads its initial value).

@@ -54,6 +54,11 @@ def _table_clock_fake(like):
     return like.new_empty(1, dtype=torch.int64)
 
 
+@torch.library.register_fake(_lib + "advise_huge_pages")
+def _advise_huge_pages_fake(t):
+    return False
+
+
 @torch.library.register_fake(_lib + "table_rehash")
 def _rehash_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, old_table_buckets,
                  new_table_buckets, bucket_capacity):

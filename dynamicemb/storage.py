@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
@@ -193,7 +194,7 @@ class HashTableStorage(EmbeddingStorage):
         initialisation touches them)."""
         if self.host_tier[t]:
             return torch.zeros(rows, width, dtype=self.dtype, pin_memory=True)
-        return torch.zeros(rows, width, dtype=self.dtype, device=self.device)
+        return memory.zeros((rows, width), self.dtype, self.device)
 
     def _group_slot_begin(self, g: int) -> torch.Tensor:
         ht, _ = self.groups[g]

@@ -8,6 +8,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_device, strategy_code
 
@@ -103,13 +104,12 @@ class ScoredHashTable:
         return offsets.to(self.device)
 
     def _alloc_slots(self, num_slots: int) -> None:
-        z = dict(device=self.device)
-        self.slot_keys = torch.zeros(num_slots, dtype=torch.int64, **z)
-        self.slot_digests = torch.zeros(num_slots, dtype=torch.uint8, **z)  # all kEmpty
-        self.slot_scores = torch.zeros(num_slots, dtype=torch.int64, **z)
+        self.slot_keys = memory.zeros(num_slots, torch.int64, self.device)
+        self.slot_digests = memory.zeros(num_slots, torch.uint8, self.device)  # all kEmpty
+        self.slot_scores = memory.zeros(num_slots, torch.int64, self.device)
         n_ts = num_slots if self.strategy == TIMESTAMP_LFU else 0
-        self.slot_timestamps = torch.zeros(n_ts, dtype=torch.int64, **z)
-        self.slot_epochs = torch.zeros(num_slots, dtype=torch.int32, **z)
+        self.slot_timestamps = memory.zeros(n_ts, torch.int64, self.device)
+        self.slot_epochs = memory.zeros(num_slots, torch.int32, self.device)
 
     @property
     def table_buckets(self) -> torch.Tensor:
@@ -300,7 +300,7 @@ class ScoredHashTable:
             self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
             new_tb, self.bucket_capacity)
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
-        epochs = torch.zeros(keys.numel(), dtype=torch.int32, device=self.device)
+        epochs = memory.zeros(keys.numel(), torch.int32, self.device)
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
         self.slot_epochs = epochs
         self._table_buckets = new_tb

@@ -148,7 +148,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 
 template <class W>
 void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
-  // fill_row takes 16 Philox blocks at a time on AVX-512 CPUs (philox_cpu.cpp)
+  // fill_row takes 16 Philox blocks at a time on AVX-512 and AVX2 CPUs (philox_cpu.cpp)
   init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
   for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);  // fresh optimizer state
 }
@@ -306,12 +306,9 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   // (deterministic sums): a counting sort by unique id. Each thread owns a
   // range of unique ids and scans every index, so there are no per-thread
   // counters and the result does not depend on the thread count.
-  struct Occ {
-    const float* g;
-    float scale;
-  };
   std::vector<int64_t> begin(U + 1, 0);
-  std::unique_ptr<Occ[]> occ(new Occ[n]);
+  std::unique_ptr<const float*[]> occ_g(new const float*[n]);
+  std::unique_ptr<float[]> occ_s(new float[n]);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16384));
   auto for_each_part = [&](auto fn) {
     at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
@@ -333,7 +330,8 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         if (u < lo || u >= hi) continue;
         float scale = psw ? psw[i] : 1.0f;
         if (pooling == kMean) scale /= static_cast<float>(L);
-        occ[cursor[u]++] = Occ{pooling == kNone ? grad + i * R.dim[bags.table[f]] : go, scale};
+        occ_g[cursor[u]] = pooling == kNone ? grad + i * R.dim[bags.table[f]] : go;
+        occ_s[cursor[u]++] = scale;
       }
     }
   });
@@ -362,12 +360,11 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         if (u + kGradAhead < ue) {
           const int64_t ua = u + kGradAhead, bytes = R.dim[ut[ua]] * static_cast<int64_t>(sizeof(float));
           for (int64_t k = begin[ua]; k < std::min(begin[ua + 1], begin[ua] + kGradPrefetches); ++k)
-            prefetch_row(occ[k].g, bytes);
+            prefetch_row(occ_g[k], bytes);
         }
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
-        std::fill_n(g.data(), D, 0.0f);
-        for (int64_t k = begin[u]; k < begin[u + 1]; ++k) add_scaled(g.data(), occ[k].g, occ[k].scale, D);
+        sum_rows(g.data(), occ_g.get() + begin[u], occ_s.get() + begin[u], begin[u + 1] - begin[u], D, 0);
         update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
       }
     });

@@ -68,7 +68,7 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
 #if !defined(__CUDA_ARCH__)
 // Host: blocks first .. first + 15 at once, out[16 i + l] = output i of block
 // first + l, exactly philox4's; false (nothing written) where the CPU lacks
-// AVX-512. Defined in philox_cpu.cpp.
+// AVX-512 and AVX2. Defined in philox_cpu.cpp.
 bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
 #endif
 

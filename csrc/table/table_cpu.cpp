@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/huge_pages_cpu.h"
 #include "common/parallel_cpu.h"
 #include "table/table_checks.h"
 #include "table/table_rules.h"
@@ -661,8 +662,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cpu(
   if (with_ts) check_slots(slot_timestamps, at::kLong, "slot_timestamps", O);
 
   const int64_t S = N.num_slots(), cap = O.cap;
-  Tensor nk = new_tensor(S, at::kLong), nd = new_tensor(S, at::kByte), ns = new_tensor(S, at::kLong);
-  Tensor nt = with_ts ? new_tensor(S, at::kLong) : new_tensor(0, at::kLong);
+  Tensor nk = cpu::empty_huge({S}, at::kLong), nd = cpu::empty_huge({S}, at::kByte),
+         ns = cpu::empty_huge({S}, at::kLong);
+  Tensor nt = with_ts ? cpu::empty_huge({S}, at::kLong) : new_tensor(0, at::kLong);
   std::fill_n(nd.data_ptr<uint8_t>(), S, kEmpty);  // kEmpty marks unused slots
   std::fill_n(nk.data_ptr<int64_t>(), S, 0);
   std::fill_n(ns.data_ptr<int64_t>(), S, 0);

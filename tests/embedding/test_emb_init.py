@@ -158,7 +158,7 @@ def _reference_rows(mode, keys, dim, seed, stream, lo, hi, mean, std):
     return torch.tensor(out, dtype=torch.float64).to(torch.float32)
 
 
-@pytest.mark.parametrize("dim", [1, 5, 16, 63, 64, 70, 130])  # >= 64 / 32 blocks: the 16-block (AVX-512) path too
+@pytest.mark.parametrize("dim", [1, 5, 16, 63, 64, 70, 130])  # >= 64 / 32 blocks: the 16-block (AVX-512 / AVX2) path too
 @pytest.mark.parametrize("mode", ["UNIFORM", "NORMAL"])
 def test_initial_rows_match_a_python_philox_model(mode, dim):
     from dynamicemb._ops import ops
