@@ -123,6 +123,17 @@ class BucketOrder {
         num_buckets_(num_buckets),
         sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
 
+  // fn(pos, bucket, m) for each part, in parallel: the part's m key
+  // positions in bucket order (input order within a bucket), and their buckets.
+  template <class PartFn>
+  void for_each_part(PartFn fn) const {
+    sp_.for_each_part([&](int64_t p) {
+      std::vector<int64_t> order, bucket;
+      sorted_part(p, order, bucket);
+      fn(order.data(), bucket.data(), static_cast<int64_t>(order.size()));
+    });
+  }
+
   // fn(bucket, positions, count) for each run of one bucket's keys (positions
   // in input order); ahead(pos, bucket) may prefetch for a key soon due. The order
   // visits positions at random, so `ahead` should fetch the key's inputs and
@@ -130,16 +141,13 @@ class BucketOrder {
   template <class RunFn, class Ahead>
   void run_buckets(RunFn fn, Ahead ahead) const {
     constexpr int64_t kAhead = 32;  // keys
-    sp_.for_each_part([&](int64_t p) {
-      std::vector<int64_t> order, bucket;
-      sorted_part(p, order, bucket);
-      const int64_t m = static_cast<int64_t>(order.size());
+    for_each_part([&](const int64_t* order, const int64_t* bucket, int64_t m) {
       for (int64_t q = 0; q < std::min(m, kAhead); ++q) ahead(order[q], bucket[q]);
       for (int64_t j = 0; j < m;) {
         int64_t k = j + 1;
         while (k < m && bucket[k] == bucket[j]) ++k;
         for (int64_t q = j + kAhead; q < std::min(m, k + kAhead); ++q) ahead(order[q], bucket[q]);
-        fn(bucket[j], order.data() + j, k - j);
+        fn(bucket[j], order + j, k - j);
         j = k;
       }
     });
@@ -482,53 +490,90 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
 
   const bool evicts = may_evict(strategy);
   const int cap = static_cast<int>(L.cap);
-  BucketOrder(n, P.bucket.data(), L.num_buckets())
-      .run_buckets(
-          [&](int64_t bucket, const int64_t* pos, int64_t m) {
-            const int64_t base = bucket * L.cap;
-            RunVictims victims;
-            for (int64_t q = 0; q < m; ++q) {
-              const int64_t i = pos[q];
-              const int64_t key_score = ks ? ks[i] : dflt;
-              int free_slot;
-              int s = find_in_bucket<true>(sd + base, sk + base, cap, P.digest[i], k[i], &free_slot);
-              if (s >= 0) {
-                sc[base + s] = score_on_access(strategy, sc[base + s], call_score, key_score);
-                res[i] = kAssigned;
-              } else {
-                s = free_slot;
-                res[i] = kInserted;
-                if (s < 0 && evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])) {
-                  s = victims.next(sc + base, ep + base, cap, e32, m - q);
-                  if (s >= 0) {
-                    ev_key[i] = sk[base + s];
-                    ev_score[i] = sc[base + s];
-                    res[i] = kEvicted;
-                  }
-                }
-                if (s < 0) {
-                  res[i] = kFailed;
-                  out[i] = -1;
-                  continue;
-                }
-                sk[base + s] = k[i];
-                sd[base + s] = P.digest[i];
-                sc[base + s] = score_on_insert(strategy, call_score, key_score);
-              }
-              if (ts) ts[base + s] = call_score;
-              ep[base + s] = e32;
-              out[i] = base + s;
+  // Per part, the keys' inputs are gathered into bucket order first and the
+  // results scattered back last: the bucket walk itself then reads and writes
+  // per-key data in sequence (in input order it would miss the cache per key).
+  BucketOrder(n, P.bucket.data(), L.num_buckets()).for_each_part([&](const int64_t* pos, const int64_t* bkt, int64_t m) {
+    struct In {
+      int64_t key, score;
+      uint8_t digest;
+      bool may_evict;
+    };
+    struct Out {
+      int64_t slot, ev_key, ev_score;
+      int8_t res;
+    };
+    std::vector<In> in(m);
+    std::vector<Out> got(m);
+    constexpr int64_t kGatherAhead = 16;
+    for (int64_t j = 0; j < m; ++j) {
+      if (j + kGatherAhead < m) prefetch(k + pos[j + kGatherAhead]);
+      const int64_t i = pos[j];
+      in[j] = In{k[i], ks ? ks[i] : dflt, digest_of(key_hash(k[i])),
+                 evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])};
+    }
+    // Two prefetch distances (keys): a bucket's digest lines first, then,
+    // once they are in, the line of the key a digest match points at.
+    constexpr int64_t kDigestAhead = 16, kKeyAhead = 6;
+    auto ahead = [&](int64_t q) {
+      if (q + kDigestAhead < m) prefetch_bucket(sd, bkt[q + kDigestAhead] * L.cap, L.cap);
+      if (q + kKeyAhead < m) {
+        const int64_t b = bkt[q + kKeyAhead] * L.cap;
+        const int c = first_digest_match(sd + b, cap, in[q + kKeyAhead].digest);
+        if (c >= 0) prefetch(sk + b + c);
+      }
+    };
+    for (int64_t j = 0; j < std::min(m, kDigestAhead); ++j) prefetch_bucket(sd, bkt[j] * L.cap, L.cap);
+    for (int64_t j = 0; j < m;) {
+      int64_t e = j + 1;
+      while (e < m && bkt[e] == bkt[j]) ++e;
+      const int64_t base = bkt[j] * L.cap;
+      RunVictims victims;
+      for (int64_t q = j; q < e; ++q) {
+        ahead(q);
+        const In& x = in[q];
+        Out& o = got[q];
+        int free_slot;
+        int s = find_in_bucket<true>(sd + base, sk + base, cap, x.digest, x.key, &free_slot);
+        if (s >= 0) {
+          sc[base + s] = score_on_access(strategy, sc[base + s], call_score, x.score);
+          o.res = kAssigned;
+        } else {
+          s = free_slot;
+          o.res = kInserted;
+          if (s < 0 && x.may_evict) {
+            s = victims.next(sc + base, ep + base, cap, e32, e - q);
+            if (s >= 0) {
+              o.ev_key = sk[base + s];
+              o.ev_score = sc[base + s];
+              o.res = kEvicted;
             }
-          },
-          [&](int64_t i, int64_t bucket) {
-            prefetch_key(sd, L, bucket, k, P, ks, i);
-            prefetch_write(out + i);
-            prefetch_write(res + i);
-            if (evicts) {
-              prefetch_write(&ev_key[i]);
-              prefetch_write(&ev_score[i]);
-            }
-          });
+          }
+          if (s < 0) {
+            o.res = kFailed;
+            o.slot = -1;
+            continue;
+          }
+          sk[base + s] = x.key;
+          sd[base + s] = x.digest;
+          sc[base + s] = score_on_insert(strategy, call_score, x.score);
+        }
+        if (ts) ts[base + s] = call_score;
+        ep[base + s] = e32;
+        o.slot = base + s;
+      }
+      j = e;
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = pos[j];
+      out[i] = got[j].slot;
+      res[i] = got[j].res;
+      if (got[j].res == kEvicted) {
+        ev_key[i] = got[j].ev_key;
+        ev_score[i] = got[j].ev_score;
+      }
+    }
+  });
 
   // Counters: inserted (new keys stored, by a free slot or by evicting),
   // evicted, failed; the size grows by the keys that took a free slot.
