@@ -70,6 +70,18 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
 // first + l, exactly philox4's; false (nothing written) where the CPU lacks
 // AVX-512 and AVX2. Defined in philox_cpu.cpp.
 bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
+
+// Host: the 32-bit outputs 4 first .. 4 first + 63 of the stream of (seed,
+// table, key), in order.
+inline void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
+  uint32_t w[64];
+  if (philox4_x16(seed, table, key, first, w)) {
+    for (int l = 0; l < 16; ++l)
+      for (int i = 0; i < 4; ++i) out[4 * l + i] = w[16 * i + l];
+    return;
+  }
+  for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
+}
 #endif
 
 // fn(b, o) for the Philox blocks b in [0, blocks) of the stream of (seed,
@@ -102,6 +114,11 @@ DE_HD uint32_t philox_u32(uint64_t seed, int64_t table, int64_t key, uint64_t n)
 
 // A 32-bit output as a uniform in the open interval (0, 1).
 DE_HD double unit(uint32_t x) { return (static_cast<double>(x) + 0.5) * (1.0 / 4294967296.0); }
+
+// UNIFORM's value from one 32-bit output: lower + (upper - lower) * unit(x).
+DE_HD float uniform_value(double lower, double span, uint32_t x) {
+  return static_cast<float>(lower + span * unit(x));
+}
 
 // Uniform in the open interval (0, 1): output `n` of the stream.
 DE_HD double uniform01(uint64_t seed, int64_t table, int64_t key, uint64_t n) {
@@ -165,7 +182,7 @@ DE_HD float value(const Args& a, uint64_t seed, int64_t key, int64_t j, int64_t 
   const int64_t table = a.stream;
   switch (a.mode) {
     case kUniform:
-      return static_cast<float>(a.lower + (a.upper - a.lower) * uniform01(seed, table, key, j));
+      return uniform_value(a.lower, a.upper - a.lower, philox_u32(seed, table, key, j));
     case kNormal:
       return static_cast<float>(a.mean + a.std_dev * std_normal(seed, table, key, j));
     case kTruncatedNormal: {
@@ -194,7 +211,7 @@ DE_HD void fill_row(const Args& a, uint64_t seed, int64_t key, int64_t dim, Stor
     case kUniform:
       for_each_block(seed, a.stream, key, (dim + 3) / 4, [&](int64_t b, const uint32_t* o) {
         for (int l = 0; l < 4 && 4 * b + l < dim; ++l)
-          store(4 * b + l, static_cast<float>(a.lower + (a.upper - a.lower) * unit(o[l])));
+          store(4 * b + l, uniform_value(a.lower, a.upper - a.lower, o[l]));
       });
       return;
     case kNormal:

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "embedding/init_rules.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DE_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -79,6 +81,13 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
     for (int64_t l = 0; l < L; ++l) a += (scales ? scales[l] : 1.0f) * rows[l][d0];
     out[d0] = a;
   }
+}
+
+// out[i] = init::uniform_value(lower, span, bits[i]) for i in [0, n), in
+// vector registers (exact operations: the same floats as the scalar rule).
+DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits, int64_t n,
+                                         double lower, double span) {
+  for (int64_t i = 0; i < n; ++i) out[i] = init::uniform_value(lower, span, bits[i]);
 }
 
 }  // namespace embedding
