@@ -1,5 +1,5 @@
 // 16 Philox4x32-10 blocks at once with AVX-512 (one lane per block), or as
-// two halves of 8 with AVX2, for the CPU's initial rows: the same outputs as
+// two interleaved sets of 8 lanes with AVX2, for the CPU's initial rows: the same outputs as
 // init_rules.h philox4, several times faster per block than the scalar
 // rounds. Chosen at run time (the CPU may lack either).
 #include <cstdint>
@@ -58,31 +58,41 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i c, __m256i m, __m25
   *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
 }
 
-// Blocks first .. first + 7 into out[16 i + l] (l < 8): half of philox4_x16's output.
-__attribute__((target("avx2"))) void philox8_avx2(uint64_t seed, int64_t table, int64_t key, uint64_t first,
-                                                   uint32_t* out) {
+// Blocks first .. first + 15 as two interleaved sets of 8 lanes (their
+// rounds are independent, so one hides the other's multiply latency).
+__attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table, int64_t key, uint64_t first,
+                                                    uint32_t out[64]) {
   const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
-  __m256i c0 = _mm256_set1_epi32(u(static_cast<uint64_t>(key)));
-  __m256i c1 = _mm256_set1_epi32(u(static_cast<uint64_t>(key) >> 32));
-  __m256i c2 = _mm256_set1_epi32(u(static_cast<uint64_t>(table)));
-  __m256i c3 = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(u(first)));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i c0[2], c1[2], c2[2], c3[2];
+  for (int h = 0; h < 2; ++h) {
+    c0[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(key)));
+    c1[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(key) >> 32));
+    c2[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(table)));
+    c3[h] = _mm256_add_epi32(lanes, _mm256_set1_epi32(u(first + 8 * h)));
+  }
   const __m256i m0 = _mm256_set1_epi32(u(0xD2511F53u)), m1 = _mm256_set1_epi32(u(0xCD9E8D57u));
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int r = 0; r < 10; ++r) {  // philox4's round, lane by lane
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo8(c0, m0, &hi0, &lo0);
-    mulhilo8(c2, m1, &hi1, &lo1);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(u(k0)));
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(u(k1)));
-    c1 = lo1;
-    c3 = lo0;
+    const __m256i key0 = _mm256_set1_epi32(u(k0)), key1 = _mm256_set1_epi32(u(k1));
+    for (int h = 0; h < 2; ++h) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(c0[h], m0, &hi0, &lo0);
+      mulhilo8(c2[h], m1, &hi1, &lo1);
+      c0[h] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[h]), key0);
+      c2[h] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[h]), key1);
+      c1[h] = lo1;
+      c3[h] = lo0;
+    }
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), c0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), c1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), c2);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 48), c3);
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * h), c0[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 + 8 * h), c1[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 + 8 * h), c2[h]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 48 + 8 * h), c3[h]);
+  }
 }
 
 enum class Simd { kNone, kAvx2, kAvx512 };
@@ -98,8 +108,7 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
       philox16_avx512(seed, table, key, first, out);
       return true;
     case Simd::kAvx2:
-      philox8_avx2(seed, table, key, first, out);
-      philox8_avx2(seed, table, key, first + 8, out + 8);
+      philox16_avx2(seed, table, key, first, out);
       return true;
     default:
       return false;

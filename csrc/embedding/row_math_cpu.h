@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "embedding/init_rules.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -30,14 +34,10 @@ static void add_scaled(float* __restrict acc, const W* __restrict x, float s, in
 }
 
 namespace rows_detail {
-// 8 floats in a vector register (two on baseline x86-64); unaligned loads.
+// 8 floats in a vector register (two on baseline x86-64); loads and stores
+// are unaligned (memcpy), written inline: a function passing this type by
+// value would change its ABI with the clone's target.
 typedef float f32x8 __attribute__((vector_size(32)));
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 }  // namespace rows_detail
 
 namespace rows_detail {
@@ -54,7 +54,6 @@ inline void prefetch_row(const float* row, int64_t D) {
 DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* rows, const float* scales, int64_t L,
                                    int64_t D, int64_t ahead) {
   using rows_detail::f32x8;
-  using rows_detail::load8;
   using rows_detail::prefetch_row;
   constexpr int64_t kAhead = 8;  // rows (4 lines each at dim 64): best measured of 4..64
   int64_t d0 = 0;
@@ -64,17 +63,23 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
       if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D);
       const float* x = rows[l] + d0;
       const float s = scales ? scales[l] : 1.0f;
-      for (int k = 0; k < 8; ++k) a[k] += s * load8(x + 8 * k);
+      for (int k = 0; k < 8; ++k) {
+        f32x8 v;
+        std::memcpy(&v, x + 8 * k, sizeof v);
+        a[k] += s * v;
+      }
     }
-    for (int k = 0; k < 8; ++k) rows_detail::store8(out + d0 + 8 * k, a[k]);
+    std::memcpy(out + d0, a, sizeof a);
   }
   for (; d0 + 8 <= D; d0 += 8) {
     f32x8 a = {};
     for (int64_t l = 0; l < L; ++l) {
       if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D);
-      a += (scales ? scales[l] : 1.0f) * load8(rows[l] + d0);
+      f32x8 v;
+      std::memcpy(&v, rows[l] + d0, sizeof v);
+      a += (scales ? scales[l] : 1.0f) * v;
     }
-    rows_detail::store8(out + d0, a);
+    std::memcpy(out + d0, &a, sizeof a);
   }
   for (; d0 < D; ++d0) {
     float a = 0.0f;
@@ -85,9 +90,28 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
 
 // out[i] = init::uniform_value(lower, span, bits[i]) for i in [0, n), in
 // vector registers (exact operations: the same floats as the scalar rule).
-DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits, int64_t n,
+[[maybe_unused]] DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits, int64_t n,
                                          double lower, double span) {
   for (int64_t i = 0; i < n; ++i) out[i] = init::uniform_value(lower, span, bits[i]);
+}
+
+// dst[0, n) = src[0, n), by non-temporal stores from dst's first 16-byte
+// boundary on: for a row whose old contents are never read (an ordinary
+// store first fetches each line). Callers fence (stream_fence) before others
+// read dst.
+inline void stream_floats(float* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 }  // namespace embedding
