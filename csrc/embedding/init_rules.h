@@ -72,16 +72,8 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
 bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
 
 // Host: the 32-bit outputs 4 first .. 4 first + 63 of the stream of (seed,
-// table, key), in order.
-inline void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
-  uint32_t w[64];
-  if (philox4_x16(seed, table, key, first, w)) {
-    for (int l = 0; l < 16; ++l)
-      for (int i = 0; i < 4; ++i) out[4 * l + i] = w[16 * i + l];
-    return;
-  }
-  for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
-}
+// table, key), in order (philox_cpu.cpp: transposed in registers with AVX2).
+void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
 #endif
 
 // fn(b, o) for the Philox blocks b in [0, blocks) of the stream of (seed,

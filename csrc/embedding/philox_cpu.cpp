@@ -60,6 +60,9 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i c, __m256i m, __m25
 
 // Blocks first .. first + 15 as two interleaved sets of 8 lanes (their
 // rounds are independent, so one hides the other's multiply latency).
+// kOrdered: out[4 l + i] = output i of block first + l (the stream's order),
+// transposed in registers; else philox4_x16's layout out[16 i + l].
+template <bool kOrdered>
 __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table, int64_t key, uint64_t first,
                                                     uint32_t out[64]) {
   const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
@@ -87,6 +90,20 @@ __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table,
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
+  if constexpr (kOrdered) {
+    for (int h = 0; h < 2; ++h) {  // blocks 8h .. 8h + 7, 4 outputs each
+      const __m256i t0 = _mm256_unpacklo_epi32(c0[h], c1[h]), t1 = _mm256_unpackhi_epi32(c0[h], c1[h]);
+      const __m256i t2 = _mm256_unpacklo_epi32(c2[h], c3[h]), t3 = _mm256_unpackhi_epi32(c2[h], c3[h]);
+      const __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
+      const __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+      __m256i* o = reinterpret_cast<__m256i*>(out + 32 * h);
+      _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(b04, b15, 0x20));
+      _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(b26, b37, 0x20));
+      _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(b04, b15, 0x31));
+      _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(b26, b37, 0x31));
+    }
+    return;
+  }
   for (int h = 0; h < 2; ++h) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * h), c0[h]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 + 8 * h), c1[h]);
@@ -97,18 +114,31 @@ __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table,
 
 enum class Simd { kNone, kAvx2, kAvx512 };
 
+Simd simd() {
+  static const Simd s = __builtin_cpu_supports("avx512f") ? Simd::kAvx512
+                        : __builtin_cpu_supports("avx2")  ? Simd::kAvx2
+                                                          : Simd::kNone;
+  return s;
+}
+
 }  // namespace
 
+void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");  // AVX-512 CPUs have it too
+  if (avx2) {
+    philox16_avx2<true>(seed, table, key, first, out);
+    return;
+  }
+  for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
+}
+
 bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
-  static const Simd simd = __builtin_cpu_supports("avx512f") ? Simd::kAvx512
-                           : __builtin_cpu_supports("avx2")  ? Simd::kAvx2
-                                                             : Simd::kNone;
-  switch (simd) {
+  switch (simd()) {
     case Simd::kAvx512:
       philox16_avx512(seed, table, key, first, out);
       return true;
     case Simd::kAvx2:
-      philox16_avx2(seed, table, key, first, out);
+      philox16_avx2<false>(seed, table, key, first, out);
       return true;
     default:
       return false;
@@ -116,6 +146,9 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
 }
 #else
 bool philox4_x16(uint64_t, int64_t, int64_t, uint64_t, uint32_t*) { return false; }  // no x86: one by one
+void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
+  for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
+}
 #endif
 
 }  // namespace init
