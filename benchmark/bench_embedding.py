@@ -64,22 +64,24 @@ def ours(num_tables, capacity, dim, optimizer, lr, features, device):
                                          optimizer=optimizer, learning_rate=lr, eps=1e-8, device=device)
 
 
-def time_steps(module, batches, offsets, grad, train, warmup):
-    """Median seconds of a training step (train) or an eval forward."""
-    times = []
+def time_steps(modules, batches, offsets, grad, train, warmup):
+    """Per module, the median seconds of a training step (train) or an eval
+    forward. The modules take turns batch by batch, so that a burst of load
+    from elsewhere on the machine falls on all of them alike."""
+    times = [[] for _ in modules]
     for i, idx in enumerate(batches):
-        sync(grad.device)
-        t0 = time.perf_counter()
-        if train:
-            module(idx, offsets).backward(grad)
-        else:
-            with torch.no_grad():
-                module(idx, offsets)
-        sync(grad.device)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times)
+        for m, module in enumerate(modules):
+            sync(grad.device)
+            t0 = time.perf_counter()
+            if train:
+                module(idx, offsets).backward(grad)
+            else:
+                with torch.no_grad():
+                    module(idx, offsets)
+            sync(grad.device)
+            if i >= warmup:
+                times[m].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -127,18 +129,20 @@ def main():
     rows, results = [], {}
     for name in ("EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "ADAM"):
         opt = EmbOptimType[name]
-        mod = ours(tables, capacity, args.dim, opt, 0.01, features, device)
-        r = {"ours_train_s": time_steps(mod, batches, offsets, grad, True, args.warmup)}
-        mod.eval()
-        r["ours_eval_s"] = time_steps(mod, batches, offsets, grad, False, args.warmup)
-        del mod
+        r = {}
+        mods = {"ours": ours(tables, capacity, args.dim, opt, 0.01, features, device)}
         tbe = tbe_or_none(name, tables, args, opt, features, device, r)
         if tbe is not None:
-            r["tbe_train_s"] = time_steps(tbe, batches, offsets, grad, True, args.warmup)
-            r["tbe_eval_s"] = time_steps(tbe, batches, offsets, grad, False, args.warmup)
+            mods["tbe"] = tbe
+        for phase, train in (("train", True), ("eval", False)):
+            for mod in mods.values():
+                mod.train(train)
+            for who, t in zip(mods, time_steps(list(mods.values()), batches, offsets, grad, train, args.warmup)):
+                r[f"{who}_{phase}_s"] = t
+        if tbe is not None:
             r["train_ratio"] = r["ours_train_s"] / r["tbe_train_s"]
             r["eval_ratio"] = r["ours_eval_s"] / r["tbe_eval_s"]
-            del tbe
+        del mods, tbe
         results[name] = r
         ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"  # noqa: E731
         ratio = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
