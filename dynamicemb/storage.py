@@ -278,9 +278,11 @@ class HashTableStorage(EmbeddingStorage):
             out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
             r = self._rows(g, out.indices, lt_ins)
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
-            if bool(new.any()):
-                gt = torch.tensor(tables, device=self.device)[lt_ins[new]]
-                ops.emb_init_rows(self._weights, r[new], gt, k[new], self.dims, self.init_params, self.seed)
+            sel = new.nonzero().squeeze(1)  # one index list for the three gathers below
+            if sel.numel():
+                gt = torch.tensor(tables, device=self.device)[lt_ins.index_select(0, sel)]
+                ops.emb_init_rows(self._weights, r.index_select(0, sel), gt, k.index_select(0, sel), self.dims,
+                                  self.init_params, self.seed)
                 if keep is not None:  # stored keys leave the admission counters
                     for lt, t in enumerate(tables):
                         if self.admission[t] is not None:
