@@ -38,9 +38,7 @@ namespace rows_detail {
 // are unaligned (memcpy), written inline: a function passing this type by
 // value would change its ABI with the clone's target.
 typedef float f32x8 __attribute__((vector_size(32)));
-}  // namespace rows_detail
 
-namespace rows_detail {
 inline void prefetch_row(const float* row, int64_t D) {
   if (row == nullptr) return;  // a missing row (it reads its initial value)
   for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
@@ -90,8 +88,8 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
 
 // out[i] = init::uniform_value(lower, span, bits[i]) for i in [0, n), in
 // vector registers (exact operations: the same floats as the scalar rule).
-[[maybe_unused]] DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits, int64_t n,
-                                         double lower, double span) {
+[[maybe_unused]] DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits,
+                                                          int64_t n, double lower, double span) {
   for (int64_t i = 0; i < n; ++i) out[i] = init::uniform_value(lower, span, bits[i]);
 }
 
