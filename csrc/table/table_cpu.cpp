@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/index_select.h>
 #include <torch/library.h>
 
 #include <algorithm>
