@@ -25,9 +25,11 @@ summed over ranks), the same batches and EXACT_SGD for its tables:
            sharded ROW_WISE by ManagedCollisionEmbeddingBagCollectionSharder.
 
 Each model runs on its own set of `--world` spawned processes, one after the
-other. Per step every rank times forward + backward + optimizer between two
-barriers; a step's time is the slowest rank's, and the result is the median
-over `--steps` steps after `--warmup` steps. A model that fails (or hangs past
+other, and the models take `--rounds` turns (a burst of load from elsewhere
+on a shared machine then does not fall on one model only). Per step every
+rank times forward + backward + optimizer between two barriers; a step's
+time is the slowest rank's, and the result is the median over the `--steps`
+steps (after `--warmup` steps) of all rounds. A model that fails (or hangs past
 `--model-timeout`) is reported as n/a with the reason.
 
 The plans are built directly (construct_module_sharding_plan + row_wise) for
@@ -408,6 +410,19 @@ def summarize(name, per_rank, args):
     return out
 
 
+def pooled(rounds):
+    """One model's per-rank results of several rounds as one run: the step
+    times of all rounds (a round with an error stands for all of them)."""
+    for per_rank in rounds:
+        if any("error" in v for v in per_rank.values()):
+            return per_rank
+    out = {r: dict(v) for r, v in rounds[0].items()}
+    for r in out:
+        for key in ("times_s", "cpu_times_s"):
+            out[r][key] = [t for per_rank in rounds for t in per_rank[r][key]]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=8)
@@ -419,6 +434,8 @@ def main():
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="the models run in turn this many times; each one's steps of all rounds are pooled")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPUs / world)")
     ap.add_argument("--lr", type=float, default=0.01)
@@ -447,13 +464,18 @@ def main():
           f"{args.world} ranks x {args.threads} thread(s), batch {args.batch}/rank x pooling {args.pooling}, "
           f"Zipf({args.alpha}) over 2**40, {args.warmup} warmup + {args.steps} timed steps; load average {la0}",
           flush=True)
-    results = {}
-    for name in models:
-        t0 = time.perf_counter()
-        results[name] = summarize(name, run_model(name, args), args)
-        r = results[name]
-        tail = (f"{r['median_step_s'] * 1e3:.1f} ms/step" if r["status"] == "ok" else f"n/a: {r['reason']}")
-        print(f"  {name:<8} {tail}  ({time.perf_counter() - t0:.0f} s in all, load {loadavg()})", flush=True)
+    runs = {name: [] for name in models}
+    for rnd in range(args.rounds):
+        for name in models:
+            if runs[name] and summarize(name, runs[name][-1], args)["status"] != "ok":
+                continue  # failed in an earlier round: reported as such
+            t0 = time.perf_counter()
+            runs[name].append(run_model(name, args))
+            r = summarize(name, runs[name][-1], args)
+            tail = (f"{r['median_step_s'] * 1e3:.1f} ms/step" if r["status"] == "ok" else f"n/a: {r['reason']}")
+            print(f"  round {rnd + 1}: {name:<8} {tail}  ({time.perf_counter() - t0:.0f} s in all, "
+                  f"load {loadavg()})", flush=True)
+    results = {name: summarize(name, pooled(runs[name]), args) for name in models}
 
     def ok(m):
         return m in results and results[m]["status"] == "ok"
