@@ -115,12 +115,6 @@ inline const float* opt_weights(const std::optional<Tensor>& psw, int64_t n) {
 // cover memory latency without thrashing the line fill buffers.
 constexpr int64_t kPrefetchAhead = 48;
 
-template <class W>
-inline void prefetch_row(const W* row, int64_t bytes) {
-  if (row == nullptr) return;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
-}
-
 // Per feature: its first column in the pooled output (doff[F]: the width).
 inline std::vector<int64_t> feature_columns(const Rows& R, const Bags& bags) {
   std::vector<int64_t> doff(bags.F + 1, 0);

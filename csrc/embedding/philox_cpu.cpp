@@ -123,15 +123,6 @@ Simd simd() {
 
 }  // namespace
 
-void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");  // AVX-512 CPUs have it too
-  if (avx2) {
-    philox16_avx2<true>(seed, table, key, first, out);
-    return;
-  }
-  for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
-}
-
 bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
   switch (simd()) {
     case Simd::kAvx512:
@@ -146,10 +137,18 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
 }
 #else
 bool philox4_x16(uint64_t, int64_t, int64_t, uint64_t, uint32_t*) { return false; }  // no x86: one by one
+#endif
+
 void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
+#if defined(DE_PHILOX_AVX512)
+  static const bool avx2 = __builtin_cpu_supports("avx2");  // AVX-512 CPUs have it too
+  if (avx2) {
+    philox16_avx2<true>(seed, table, key, first, out);
+    return;
+  }
+#endif
   for (int l = 0; l < 16; ++l) philox4(seed, table, key, first + l, out + 4 * l);
 }
-#endif
 
 }  // namespace init
 }  // namespace dynamicemb

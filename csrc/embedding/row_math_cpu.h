@@ -38,12 +38,14 @@ namespace rows_detail {
 // are unaligned (memcpy), written inline: a function passing this type by
 // value would change its ABI with the clone's target.
 typedef float f32x8 __attribute__((vector_size(32)));
-
-inline void prefetch_row(const float* row, int64_t D) {
-  if (row == nullptr) return;  // a missing row (it reads its initial value)
-  for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
-}
 }  // namespace rows_detail
+
+// Prefetches the `bytes` of a row (nullptr: a missing row, nothing to fetch).
+template <class W>
+inline void prefetch_row(const W* row, int64_t bytes) {
+  if (row == nullptr) return;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+}
 
 // out[0, D) = sum over l of s_l * rows[l][0, D), added in order l = 0, 1, ...
 // from 0 (s_l = scales[l], or 1 when scales is null): the sums of add_scaled
@@ -52,13 +54,12 @@ inline void prefetch_row(const float* row, int64_t D) {
 DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* rows, const float* scales, int64_t L,
                                    int64_t D, int64_t ahead) {
   using rows_detail::f32x8;
-  using rows_detail::prefetch_row;
   constexpr int64_t kAhead = 8;  // rows (4 lines each at dim 64): best measured of 4..64
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
     f32x8 a[8] = {};
     for (int64_t l = 0; l < L; ++l) {
-      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D);
+      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D * 4);
       const float* x = rows[l] + d0;
       const float s = scales ? scales[l] : 1.0f;
       for (int k = 0; k < 8; ++k) {
@@ -72,7 +73,7 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
   for (; d0 + 8 <= D; d0 += 8) {
     f32x8 a = {};
     for (int64_t l = 0; l < L; ++l) {
-      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D);
+      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D * 4);
       f32x8 v;
       std::memcpy(&v, rows[l] + d0, sizeof v);
       a += (scales ? scales[l] : 1.0f) * v;

@@ -513,9 +513,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     std::vector<Out> got(m);
     constexpr int64_t kGatherAhead = 16;
     for (int64_t j = 0; j < m; ++j) {
-      if (j + kGatherAhead < m) prefetch(k + pos[j + kGatherAhead]);
+      if (j + kGatherAhead < m) {
+        prefetch(k + pos[j + kGatherAhead]);
+        prefetch(&P.digest[pos[j + kGatherAhead]]);
+      }
       const int64_t i = pos[j];
-      in[j] = In{k[i], ks ? ks[i] : dflt, digest_of(key_hash(k[i])),
+      in[j] = In{k[i], ks ? ks[i] : dflt, P.digest[i],
                  evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])};
     }
     // Two prefetch distances (keys): a bucket's digest lines first, then,
