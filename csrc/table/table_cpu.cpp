@@ -4,7 +4,7 @@
 //
 // Ordering contract (API.md §6): a call's result equals processing its keys
 // one at a time in input order. Mutating calls therefore run buckets in
-// parallel and the keys of one bucket in input order (see BucketOrder);
+// parallel and the keys of one bucket in input order (see BucketBatch);
 // lookups without score refresh read only and run keys freely in parallel.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "common/huge_pages_cpu.h"
 #include "common/parallel_cpu.h"
+#include "table/bucket_batch_cpu.h"
 #include "table/table_checks.h"
 #include "table/table_rules.h"
 
@@ -80,126 +82,83 @@ const int64_t* opt_ptr(const std::optional<Tensor>& t) {
 
 // ---- key placement -------------------------------------------------------------
 
-// Global bucket and digest of every key. Table ids are checked here, before
-// any slot is touched.
-struct Placed {
-  std::vector<int64_t> bucket;
-  std::vector<uint8_t> digest;
+// Global bucket of key i, or -1 for a bad table id.
+struct BucketOf {
+  const int64_t* keys;
+  const int64_t* tids;
+  const Layout& L;
+  int64_t operator()(int64_t i) const {
+    const int64_t t = tids ? tids[i] : 0;
+    if (t < 0 || t >= L.num_tables) return -1;
+    return L.tb[t] + bucket_in_table(key_hash(keys[i]), L.tb[t + 1] - L.tb[t]);
+  }
 };
 
-Placed place_keys(const int64_t* keys, const int64_t* tids, int64_t n, const Layout& L) {
-  Placed p{std::vector<int64_t>(n), std::vector<uint8_t>(n)};
-  std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, n, 8192, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t t = tids ? tids[i] : 0;
-      if (t < 0 || t >= L.num_tables) {
-        bad.store(i, std::memory_order_relaxed);
-        p.bucket[i] = 0;
-        continue;
-      }
-      const uint64_t h = key_hash(keys[i]);
-      p.bucket[i] = L.tb[t] + bucket_in_table(h, L.tb[t + 1] - L.tb[t]);
-      p.digest[i] = digest_of(h);
-    }
+// A mutating call's keys regrouped by bucket (bucket_batch_cpu.h), with the
+// table ids checked before any slot is touched; fill(i, bucket, digest, rec)
+// writes key i's record.
+template <class Rec, class Fill>
+BucketBatch<Rec> batch_by_bucket(const BucketOf& where, int64_t n, Fill fill) {
+  BucketBatch<Rec> bb(n, where.L.num_buckets(), kSerialBelow, where);
+  const int64_t i = bb.bad_position();
+  TORCH_CHECK(i < 0, "dynamicemb: table id ", where.tids ? where.tids[std::max<int64_t>(i, 0)] : 0,
+              " (key position ", i, ") is out of range [0, ", where.L.num_tables, ")");
+  bb.gather(where, [&](int64_t i, int64_t bucket, Rec& r) {
+    r.bucket = bucket;
+    fill(i, digest_of(key_hash(where.keys[i])), r);
   });
-  const int64_t i = bad.load();
-  TORCH_CHECK(i < 0, "dynamicemb: table id ", tids ? tids[std::max<int64_t>(i, 0)] : 0,
-              " (key position ", i, ") is out of range [0, ", L.num_tables, ")");
-  return p;
+  return bb;
 }
 
-// Runs the keys so that the keys of one bucket go in input order while
-// different buckets go in parallel: key positions are partitioned (stably)
-// into parts, each a contiguous range of buckets, and each part is then
-// sorted (stably) by bucket. A part's buckets are thus visited in address
-// order (the hardware prefetcher follows), and each bucket's keys come as one
-// run, which lets insert pick several victims from one scan of the bucket.
-class BucketOrder {
- public:
-  BucketOrder(int64_t n, const int64_t* bucket, int64_t num_buckets)
-      : bucket_(bucket),
-        num_buckets_(num_buckets),
-        sp_(n, parts(n, num_buckets), [&](int64_t i) { return bucket[i] * parts_ / num_buckets; }) {}
+// Prefetches the digests of the bucket at slot `base` (both lines for 128 slots).
+void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
+  prefetch(digests + base);
+  if (cap > 64) prefetch(digests + base + 64);
+}
 
-  // fn(pos, bucket, m) for each part, in parallel: the part's m key
-  // positions in bucket order (input order within a bucket), and their buckets.
-  template <class PartFn>
-  void for_each_part(PartFn fn) const {
-    sp_.for_each_part([&](int64_t p) {
-      std::vector<int64_t> order, bucket;
-      sorted_part(p, order, bucket);
-      fn(order.data(), bucket.data(), static_cast<int64_t>(order.size()));
-    });
-  }
-
-  // fn(bucket, positions, count) for each run of one bucket's keys (positions
-  // in input order); ahead(pos, bucket) may prefetch for a key soon due. The order
-  // visits positions at random, so `ahead` should fetch the key's inputs and
-  // outputs as well as its bucket.
-  template <class RunFn, class Ahead>
-  void run_buckets(RunFn fn, Ahead ahead) const {
-    constexpr int64_t kAhead = 32;  // keys
-    for_each_part([&](const int64_t* order, const int64_t* bucket, int64_t m) {
-      for (int64_t q = 0; q < std::min(m, kAhead); ++q) ahead(order[q], bucket[q]);
-      for (int64_t j = 0; j < m;) {
-        int64_t k = j + 1;
-        while (k < m && bucket[k] == bucket[j]) ++k;
-        for (int64_t q = j + kAhead; q < std::min(m, k + kAhead); ++q) ahead(order[q], bucket[q]);
-        fn(bucket[j], order + j, k - j);
-        j = k;
-      }
-    });
-  }
-
-  // fn(pos, bucket) for every key, in the same order.
-  template <class Fn, class Ahead>
-  void run(Fn fn, Ahead ahead) const {
-    run_buckets(
-        [&](int64_t bucket, const int64_t* pos, int64_t m) {
-          for (int64_t j = 0; j < m; ++j) fn(pos[j], bucket);
-        },
-        ahead);
-  }
-
- private:
-  // Small calls run as one part.
-  int64_t parts(int64_t n, int64_t num_buckets) {
-    const int64_t threads = at::get_num_threads();
-    parts_ = n < kSerialBelow ? 1 : std::max<int64_t>(1, std::min<int64_t>({num_buckets, 64 * threads, n / 64}));
-    return parts_;
-  }
-
-  // Part p's key positions stably sorted by bucket (order) and their buckets:
-  // a counting sort over the part's bucket range when that is dense enough,
-  // else a stable sort.
-  void sorted_part(int64_t p, std::vector<int64_t>& order, std::vector<int64_t>& bucket) const {
-    const int64_t b = sp_.begin(p), m = sp_.end(p) - b;
-    order.resize(m);
-    bucket.resize(m);
-    const int64_t lo = (p * num_buckets_ + parts_ - 1) / parts_;  // part(i) == p <=> bucket in [lo, hi)
-    const int64_t hi = ((p + 1) * num_buckets_ + parts_ - 1) / parts_;
-    if (hi - lo > 4 * m + 64) {
-      for (int64_t j = 0; j < m; ++j) order[j] = sp_.pos(b + j);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return bucket_[x] < bucket_[y]; });
-      for (int64_t j = 0; j < m; ++j) bucket[j] = bucket_[order[j]];
-      return;
-    }
-    std::vector<int64_t> at(hi - lo + 1, 0);
-    for (int64_t j = 0; j < m; ++j) ++at[bucket_[sp_.pos(b + j)] - lo + 1];
-    for (int64_t c = 1; c <= hi - lo; ++c) at[c] += at[c - 1];
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t i = sp_.pos(b + j), o = at[bucket_[i] - lo]++;
-      order[o] = i;
-      bucket[o] = bucket_[i];
-    }
-  }
-
-  const int64_t* bucket_;
-  int64_t num_buckets_;
-  int64_t parts_ = 1;  // set before sp_ is built (declared first)
-  cpu::StablePartition sp_;
+// One part's records in bucket order, cut into runs of one bucket each: run
+// r is recs[idx(r)[0 .. len(r))], in input order.
+struct Runs {
+  const uint32_t* order;
+  const uint32_t* start;  // count + 1 entries
+  int64_t count;
+  const uint32_t* idx(int64_t r) const { return order + start[r]; }
+  int64_t len(int64_t r) const { return start[r + 1] - start[r]; }
 };
+
+// Walks one part's records in bucket order: fn(runs, r, base) for each run
+// (base: the first slot of its bucket), so that fn may look at later runs.
+// Prefetches per key, at three distances: its record, its bucket's digests
+// and, once they are in, the line of the key its digest first matches; and
+// each run's digests three runs ahead.
+template <class Rec, class RunFn>
+void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, const int64_t* sk,
+               int64_t cap, RunFn fn) {
+  thread_local std::vector<uint32_t> start;
+  start.clear();
+  for (int64_t j = 0; j < m; ++j)
+    if (j == 0 || recs[order[j]].bucket != recs[order[j - 1]].bucket) start.push_back(static_cast<uint32_t>(j));
+  start.push_back(static_cast<uint32_t>(m));
+  const Runs runs{order, start.data(), static_cast<int64_t>(start.size()) - 1};
+  constexpr int64_t kRecordAhead = 32, kDigestAhead = 16, kKeyAhead = 6;
+  auto ahead = [&](int64_t q) {
+    if (q + kRecordAhead < m) prefetch_write(&recs[order[q + kRecordAhead]]);
+    if (q + kDigestAhead < m) prefetch_bucket(sd, recs[order[q + kDigestAhead]].bucket * cap, cap);
+    if (q + kKeyAhead < m) {
+      const Rec& r = recs[order[q + kKeyAhead]];
+      const int c = first_digest_match(sd + r.bucket * cap, static_cast<int>(cap), r.digest);
+      if (c >= 0) prefetch(sk + r.bucket * cap + c);
+    }
+  };
+  for (int64_t q = 0; q < std::min(m, kRecordAhead); ++q) prefetch_write(&recs[order[q]]);
+  for (int64_t q = 0; q < std::min(m, kDigestAhead); ++q) prefetch_bucket(sd, recs[order[q]].bucket * cap, cap);
+  for (int64_t r = 0; r < runs.count; ++r) {
+    // Digests also three runs ahead, for fn's look at the next two runs.
+    if (r + 3 < runs.count) prefetch_bucket(sd, recs[runs.idx(r + 3)[0]].bucket * cap, cap);
+    for (int64_t q = runs.start[r]; q < runs.start[r + 1]; ++q) ahead(q);
+    fn(runs, r, recs[runs.idx(r)[0]].bucket * cap);
+  }
+}
 
 // Per-table counts of the classes cls(i) in [0, K) (negative: not counted).
 template <class Cls>
@@ -213,43 +172,43 @@ Tensor new_tensor(int64_t n, at::ScalarType dtype) {
   return at::empty({n}, at::TensorOptions().dtype(dtype));
 }
 
-// Prefetches the digests of the bucket at slot `base` (both lines for 128 slots).
-void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
-  prefetch(digests + base);
-  if (cap > 64) prefetch(digests + base + 64);
-}
-
-// What a mutating op reads for key i (soon due, in bucket order): its bucket's
-// digests, its key, digest and (when given) score.
-void prefetch_key(const uint8_t* sd, const Layout& L, int64_t bucket, const int64_t* k, const Placed& P,
-                  const int64_t* ks, int64_t i) {
-  prefetch_bucket(sd, bucket * L.cap, L.cap);
-  prefetch(k + i);
-  prefetch(&P.digest[i]);
-  if (ks) prefetch(ks + i);
-}
-
 // The victims of one run of a bucket's keys (victim_candidates in
-// table_rules.h): the bucket's scores are scanned once, at the run's first
-// eviction, for as many victims as keys are left in the run.
+// table_rules.h): the bucket's scores are scanned once, for as many victims as
+// keys are left in the run: ahead of the run when its bucket is full, else at
+// its first eviction. The keys of the listed slots are then prefetched: each
+// eviction reads and overwrites one.
 class RunVictims {
  public:
-  // The victim for a key with `keys_left` keys of the run left, itself included.
-  int next(const int64_t* scores, const int32_t* epochs, int cap, int32_t epoch, int64_t keys_left) {
-    if (m_ < 0) {
-      thread_local std::vector<int> buf;
-      buf.resize(cap);
-      cand_ = buf.data();
-      m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)), cand_);
-    }
-    return next_victim(cand_, m_, &cursor_, epochs, epoch);
+  void build(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+             int64_t keys_left) {
+    cand_.resize(cap);
+    m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)),
+                           cand_.data());
+    cursor_ = 0;
+    for (int c = 0; c < m_; ++c) prefetch_write(keys + cand_[c]);
   }
 
+  // The victim for a key with `keys_left` keys of the run left, itself included.
+  int next(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+           int64_t keys_left) {
+    if (m_ < 0) build(scores, epochs, keys, cap, epoch, keys_left);
+    return next_victim(cand_.data(), m_, &cursor_, epochs, epoch);
+  }
+
+  void reset() { m_ = -1; }
+
  private:
-  int* cand_ = nullptr;
-  int m_ = -1;  // -1: not built yet
+  std::vector<int> cand_;
+  int m_ = -1;  // -1: not built
   int cursor_ = 0;
 };
+
+// True when the bucket at `digests` has no kEmpty or kErased slot.
+bool bucket_full(const uint8_t* digests, int cap) {
+  for (int g = 0; g < cap; g += kGroupSize)
+    if (group_free(digests + g)) return false;
+  return true;
+}
 
 }  // namespace
 }  // namespace table
@@ -420,7 +379,6 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
   Tensor found = new_tensor(n, at::kBool);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* ks = opt_ptr(key_scores);
-  const Placed P = place_keys(k, opt_ptr(table_ids), n, L);
   const int64_t* sk = slot_keys.data_ptr<int64_t>();
   const uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   int64_t* sc = slot_scores.data_ptr<int64_t>();
@@ -428,22 +386,34 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
   int64_t* out = indices.data_ptr<int64_t>();
   bool* fnd = found.data_ptr<bool>();
   const int64_t dflt = default_key_score(strategy, call_score);
-  BucketOrder(n, P.bucket.data(), L.num_buckets())
-      .run(
-          [&](int64_t i, int64_t bucket) {
-            const int64_t base = bucket * L.cap;
-            const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
-            out[i] = s >= 0 ? base + s : -1;
-            fnd[i] = s >= 0;
-            if (s < 0) return;
-            sc[base + s] = score_on_access(strategy, sc[base + s], call_score, ks ? ks[i] : dflt);
-            if (ts) ts[base + s] = call_score;
-          },
-          [&](int64_t i, int64_t bucket) {
-            prefetch_key(sd, L, bucket, k, P, ks, i);
-            prefetch_write(out + i);
-            prefetch_write(fnd + i);
-          });
+  struct Rec {
+    int64_t key, score, bucket;  // the walk sets bucket to the slot, -1 if missing
+    uint8_t digest;
+  };
+  const BucketOf where{k, opt_ptr(table_ids), L};
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+    r.key = k[i];
+    r.score = ks ? ks[i] : dflt;
+    r.digest = d;
+  });
+  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
+      const uint32_t* idx = runs.idx(run);
+      const int64_t len = runs.len(run);
+      for (int64_t q = 0; q < len; ++q) {
+        Rec& r = recs[idx[q]];
+        const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, r.digest, r.key, nullptr);
+        r.bucket = s >= 0 ? base + s : -1;
+        if (s < 0) continue;
+        sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
+        if (ts) ts[base + s] = call_score;
+      }
+    });
+  });
+  bb.scatter(where, [&](int64_t i, const Rec& r) {
+    out[i] = r.bucket;
+    fnd[i] = r.bucket >= 0;
+  });
   return {indices, found};
 }
 
@@ -481,7 +451,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* tids = opt_ptr(table_ids);
   const int64_t* ks = opt_ptr(key_scores);
-  const Placed P = place_keys(k, tids, n, L);
   int64_t* sk = slot_keys.data_ptr<int64_t>();
   uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   int64_t* sc = slot_scores.data_ptr<int64_t>();
@@ -489,98 +458,92 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   int64_t* ts = keeps_timestamps(strategy) ? slot_timestamps.data_ptr<int64_t>() : nullptr;
   int64_t* out = indices.data_ptr<int64_t>();
   int8_t* res = results.data_ptr<int8_t>();
-  // The displaced key and score of an evicting insert, by key position.
-  std::vector<int64_t> ev_key(n), ev_score(n);
   const int64_t dflt = default_key_score(strategy, call_score);
   const int32_t e32 = static_cast<int32_t>(epoch);
-
   const bool evicts = may_evict(strategy);
   const int cap = static_cast<int>(L.cap);
-  // Per part, the keys' inputs are gathered into bucket order first and the
-  // results scattered back last: the bucket walk itself then reads and writes
-  // per-key data in sequence (in input order it would miss the cache per key).
-  BucketOrder(n, P.bucket.data(), L.num_buckets()).for_each_part([&](const int64_t* pos, const int64_t* bkt, int64_t m) {
-    struct In {
-      int64_t key, score;
-      uint8_t digest;
-      bool may_evict;
-    };
-    struct Out {
-      int64_t slot, ev_key, ev_score;
-      int8_t res;
-    };
-    std::vector<In> in(m);
-    std::vector<Out> got(m);
-    constexpr int64_t kGatherAhead = 16;
-    for (int64_t j = 0; j < m; ++j) {
-      if (j + kGatherAhead < m) {
-        prefetch(k + pos[j + kGatherAhead]);
-        prefetch(&P.digest[pos[j + kGatherAhead]]);
+
+  struct Rec {
+    // In: the key, its score argument, bucket and digest, and whether it may
+    // evict. The walk turns bucket into the slot (-1: failed) and, for an
+    // evicting key, key and score into the evicted key and score.
+    int64_t key, score, bucket;
+    uint8_t digest;
+    bool may_evict;
+    int8_t res;
+  };
+  const BucketOf where{k, tids, L};
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+    r.key = k[i];
+    r.score = ks ? ks[i] : dflt;
+    r.digest = d;
+    r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
+  });
+  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+    RunVictims victims[2];  // of this run and the next
+    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
+      const uint32_t* idx = runs.idx(run);
+      const int64_t len = runs.len(run);
+      if (evicts) {
+        // Full buckets evict: their scores and epochs are fetched two runs
+        // ahead and their victims listed one run ahead.
+        if (run + 2 < runs.count) {
+          const int64_t b2 = recs[runs.idx(run + 2)[0]].bucket * L.cap;
+          if (bucket_full(sd + b2, cap)) {
+            for (int64_t o = 0; o < cap; o += 8) prefetch(sc + b2 + o);
+            for (int64_t o = 0; o < cap; o += 16) prefetch(ep + b2 + o);
+          }
+        }
+        if (run + 1 < runs.count) {
+          const int64_t b1 = recs[runs.idx(run + 1)[0]].bucket * L.cap;
+          if (bucket_full(sd + b1, cap))
+            victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, e32, runs.len(run + 1));
+        }
       }
-      const int64_t i = pos[j];
-      in[j] = In{k[i], ks ? ks[i] : dflt, P.digest[i],
-                 evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0])};
-    }
-    // Two prefetch distances (keys): a bucket's digest lines first, then,
-    // once they are in, the line of the key a digest match points at.
-    constexpr int64_t kDigestAhead = 16, kKeyAhead = 6;
-    auto ahead = [&](int64_t q) {
-      if (q + kDigestAhead < m) prefetch_bucket(sd, bkt[q + kDigestAhead] * L.cap, L.cap);
-      if (q + kKeyAhead < m) {
-        const int64_t b = bkt[q + kKeyAhead] * L.cap;
-        const int c = first_digest_match(sd + b, cap, in[q + kKeyAhead].digest);
-        if (c >= 0) prefetch(sk + b + c);
-      }
-    };
-    for (int64_t j = 0; j < std::min(m, kDigestAhead); ++j) prefetch_bucket(sd, bkt[j] * L.cap, L.cap);
-    for (int64_t j = 0; j < m;) {
-      int64_t e = j + 1;
-      while (e < m && bkt[e] == bkt[j]) ++e;
-      const int64_t base = bkt[j] * L.cap;
-      RunVictims victims;
-      for (int64_t q = j; q < e; ++q) {
-        ahead(q);
-        const In& x = in[q];
-        Out& o = got[q];
+      RunVictims& vic = victims[run & 1];
+      for (int64_t q = 0; q < len; ++q) {
+        Rec& r = recs[idx[q]];
         int free_slot;
-        int s = find_in_bucket<true>(sd + base, sk + base, cap, x.digest, x.key, &free_slot);
+        int s = find_in_bucket<true>(sd + base, sk + base, cap, r.digest, r.key, &free_slot);
         if (s >= 0) {
-          sc[base + s] = score_on_access(strategy, sc[base + s], call_score, x.score);
-          o.res = kAssigned;
+          sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
+          r.res = kAssigned;
         } else {
           s = free_slot;
-          o.res = kInserted;
-          if (s < 0 && x.may_evict) {
-            s = victims.next(sc + base, ep + base, cap, e32, e - q);
+          r.res = kInserted;
+          const int64_t key = r.key, score = score_on_insert(strategy, call_score, r.score);
+          if (s < 0 && r.may_evict) {
+            s = vic.next(sc + base, ep + base, sk + base, cap, e32, len - q);
             if (s >= 0) {
-              o.ev_key = sk[base + s];
-              o.ev_score = sc[base + s];
-              o.res = kEvicted;
+              r.key = sk[base + s];
+              r.score = sc[base + s];
+              r.res = kEvicted;
             }
           }
           if (s < 0) {
-            o.res = kFailed;
-            o.slot = -1;
+            r.res = kFailed;
+            r.bucket = -1;
             continue;
           }
-          sk[base + s] = x.key;
-          sd[base + s] = x.digest;
-          sc[base + s] = score_on_insert(strategy, call_score, x.score);
+          sk[base + s] = key;
+          sd[base + s] = r.digest;
+          sc[base + s] = score;
         }
         if (ts) ts[base + s] = call_score;
         ep[base + s] = e32;
-        o.slot = base + s;
+        r.bucket = base + s;
       }
-      j = e;
-    }
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t i = pos[j];
-      out[i] = got[j].slot;
-      res[i] = got[j].res;
-      if (got[j].res == kEvicted) {
-        ev_key[i] = got[j].ev_key;
-        ev_score[i] = got[j].ev_score;
-      }
+      vic.reset();
+    });
+  });
+  // The displaced key and score of an evicting insert, by key position.
+  std::unique_ptr<int64_t[]> ev_key(new int64_t[n]), ev_score(new int64_t[n]);
+  bb.scatter(where, [&](int64_t i, const Rec& r) {
+    out[i] = r.bucket;
+    res[i] = r.res;
+    if (r.res == kEvicted) {
+      ev_key[i] = r.key;
+      ev_score[i] = r.score;
     }
   });
 
@@ -630,22 +593,32 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
   Tensor erased = new_tensor(n, at::kBool);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* tids = opt_ptr(table_ids);
-  const Placed P = place_keys(k, tids, n, L);
   const int64_t* sk = slot_keys.data_ptr<int64_t>();
   uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   bool* er = erased.data_ptr<bool>();
-  BucketOrder(n, P.bucket.data(), L.num_buckets())
-      .run(
-          [&](int64_t i, int64_t bucket) {
-            const int64_t base = bucket * L.cap;
-            const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, P.digest[i], k[i], nullptr);
-            er[i] = s >= 0;
-            if (s >= 0) sd[base + s] = kErased;
-          },
-          [&](int64_t i, int64_t bucket) {
-            prefetch_key(sd, L, bucket, k, P, nullptr, i);
-            prefetch_write(er + i);
-          });
+  struct Rec {
+    int64_t key, bucket;
+    uint8_t digest;
+    bool erased;  // set by the walk
+  };
+  const BucketOf where{k, tids, L};
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+    r.key = k[i];
+    r.digest = d;
+  });
+  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
+      const uint32_t* idx = runs.idx(run);
+      const int64_t len = runs.len(run);
+      for (int64_t q = 0; q < len; ++q) {
+        Rec& r = recs[idx[q]];
+        const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, r.digest, r.key, nullptr);
+        if (s >= 0) sd[base + s] = kErased;
+        r.erased = s >= 0;
+      }
+    });
+  });
+  bb.scatter(where, [&](int64_t i, const Rec& r) { er[i] = r.erased; });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
   int64_t* sz = sizes.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];

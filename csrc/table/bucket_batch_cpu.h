@@ -1,0 +1,146 @@
+// The keys of a mutating table call regrouped by bucket (CPU), so that the
+// keys of one bucket go in input order while different buckets go in
+// parallel (the ordering contract of table_cpu.cpp).
+//
+// Each key's record (its inputs; the walk overwrites them with its results)
+// is moved into one of P parts, each a contiguous range of 2^shift buckets:
+// one pass counts the keys per (chunk of input, part), one writes the
+// records. Each part's records then sit together (a few hundred KiB, cache
+// resident), are sorted by bucket and walked in bucket order, and a last pass
+// in input order hands every key its record back. Every pass over the inputs
+// and outputs is sequential; only the walk over the table's slots is not.
+// A key position that the placement rejects (bad table id) is reported before
+// any record is written, so the caller can throw before touching a slot.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/parallel_cpu.h"
+
+namespace dynamicemb {
+namespace table {
+
+template <class Rec>  // Rec: trivially constructible, with an int64_t `bucket`
+class BucketBatch {
+ public:
+  // bucket_of(i): key i's global bucket, or -1 for a bad table id.
+  template <class BucketOf>
+  BucketBatch(int64_t n, int64_t num_buckets, int64_t serial_below, BucketOf bucket_of)
+      : n_(n), num_buckets_(num_buckets) {
+    const int64_t threads = at::get_num_threads();
+    // About 64 parts per thread (load balance) of at least ~64 keys each.
+    const int64_t want = n < serial_below ? 1 : std::max<int64_t>(1, std::min<int64_t>(64 * threads, n / 64));
+    while ((num_buckets_ - 1) >> shift_ >= want) ++shift_;
+    parts_ = ((num_buckets_ - 1) >> shift_) + 1;
+    chunks_ = n < serial_below ? 1 : std::max<int64_t>(1, std::min<int64_t>(cpu::num_chunks(n, 8192), (int64_t{1} << 22) / parts_));
+    len_ = std::max<int64_t>(1, (n + chunks_ - 1) / chunks_);
+    start_.assign(chunks_ * parts_, 0);
+    std::atomic<int64_t> bad{-1};
+    at::parallel_for(0, chunks_, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c)
+        for (int64_t i = c * len_, e = std::min(n, i + len_); i < e; ++i) {
+          const int64_t b = bucket_of(i);
+          if (b < 0) {
+            bad.store(i, std::memory_order_relaxed);
+            continue;
+          }
+          ++start_[c * parts_ + (b >> shift_)];
+        }
+    });
+    bad_ = bad.load();
+    part_begin_.assign(parts_ + 1, 0);
+    int64_t run = 0;
+    for (int64_t p = 0; p < parts_; ++p) {
+      part_begin_[p] = run;
+      for (int64_t c = 0; c < chunks_; ++c) {
+        const int64_t cnt = start_[c * parts_ + p];
+        start_[c * parts_ + p] = run;
+        run += cnt;
+      }
+    }
+    part_begin_[parts_] = run;
+  }
+
+  // A key position that bucket_of rejected, or -1.
+  int64_t bad_position() const { return bad_; }
+
+  // fill(i, bucket, rec) writes key i's record (rec.bucket = bucket). Call
+  // once, after checking bad_position(); bucket_of as in the constructor.
+  template <class BucketOf, class Fill>
+  void gather(BucketOf bucket_of, Fill fill) {
+    recs_.reset(new Rec[n_]);
+    in_input_order(bucket_of, [&](int64_t i, int64_t b, int64_t j) { fill(i, b, recs_[j]); });
+  }
+
+  // fn(recs, order, m) for each part, in parallel: the part's m records and
+  // their order by bucket (input order within a bucket).
+  template <class PartFn>
+  void for_each_part(PartFn fn) {
+    at::parallel_for(0, parts_, 1, [&](int64_t pb, int64_t pe) {
+      std::vector<uint32_t> order;
+      for (int64_t p = pb; p < pe; ++p) {
+        const int64_t m = part_begin_[p + 1] - part_begin_[p];
+        if (m == 0) continue;
+        Rec* recs = recs_.get() + part_begin_[p];
+        sort_part(p, recs, m, order);
+        fn(recs, order.data(), m);
+      }
+    });
+  }
+
+  // back(i, rec) for every key, chunks of input in parallel.
+  template <class BucketOf, class Back>
+  void scatter(BucketOf bucket_of, Back back) const {
+    in_input_order(bucket_of, [&](int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
+  }
+
+ private:
+  // fn(i, bucket, j) for every i in input order (chunks in parallel), where j
+  // is the slot of i's record: parts in order, input order within a part.
+  template <class BucketOf, class Fn>
+  void in_input_order(BucketOf bucket_of, Fn fn) const {
+    at::parallel_for(0, chunks_, 1, [&](int64_t cb, int64_t ce) {
+      std::vector<int64_t> next;
+      for (int64_t c = cb; c < ce; ++c) {
+        next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
+        for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
+          const int64_t b = bucket_of(i);
+          fn(i, b, next[b >> shift_]++);
+        }
+      }
+    });
+  }
+
+  // Part p's records ordered by bucket, stably: a counting sort over the
+  // part's bucket range when the keys are dense enough in it, else a sort.
+  void sort_part(int64_t p, const Rec* recs, int64_t m, std::vector<uint32_t>& order) const {
+    order.resize(m);
+    const int64_t lo = p << shift_, width = std::min(num_buckets_, (p + 1) << shift_) - lo;
+    if (width > 4 * m + 64) {
+      for (int64_t j = 0; j < m; ++j) order[j] = static_cast<uint32_t>(j);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](uint32_t x, uint32_t y) { return recs[x].bucket < recs[y].bucket; });
+      return;
+    }
+    thread_local std::vector<uint32_t> at;
+    at.assign(width + 1, 0);
+    for (int64_t j = 0; j < m; ++j) ++at[recs[j].bucket - lo + 1];
+    for (int64_t c = 1; c <= width; ++c) at[c] += at[c - 1];
+    for (int64_t j = 0; j < m; ++j) order[at[recs[j].bucket - lo]++] = static_cast<uint32_t>(j);
+  }
+
+  int64_t n_, num_buckets_;
+  int shift_ = 0;
+  int64_t parts_ = 1, chunks_ = 1, len_ = 1, bad_ = -1;
+  std::vector<int64_t> start_;       // first record slot of (chunk, part)
+  std::vector<int64_t> part_begin_;  // first record slot of each part
+  std::unique_ptr<Rec[]> recs_;
+};
+
+}  // namespace table
+}  // namespace dynamicemb
