@@ -17,13 +17,25 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "common/huge_pages_cpu.h"
 #include "common/parallel_cpu.h"
 
 namespace dynamicemb {
 namespace table {
+
+// Room for a call's records, kept by the calling thread from call to call: a
+// call of a million keys needs tens of MiB, which glibc would map afresh each
+// time (blocks from 32 MiB up always are) and the kernel fault in and clear
+// page by page. The room of the largest call so far stays allocated, on
+// 2 MiB pages where the kernel gives them.
+inline void* scratch_room(int64_t bytes) {
+  thread_local at::Tensor room;
+  if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
+  return room.data_ptr<uint8_t>();
+}
 
 template <class Rec>  // Rec: trivially constructible, with an int64_t `bucket`
 class BucketBatch {
@@ -73,7 +85,8 @@ class BucketBatch {
   // once, after checking bad_position(); bucket_of as in the constructor.
   template <class BucketOf, class Fill>
   void gather(BucketOf bucket_of, Fill fill) {
-    recs_.reset(new Rec[n_]);
+    static_assert(std::is_trivially_default_constructible_v<Rec> && std::is_trivially_destructible_v<Rec>);
+    recs_ = static_cast<Rec*>(scratch_room(n_ * static_cast<int64_t>(sizeof(Rec))));
     in_input_order(bucket_of, [&](int64_t i, int64_t b, int64_t j) { fill(i, b, recs_[j]); });
   }
 
@@ -86,7 +99,7 @@ class BucketBatch {
       for (int64_t p = pb; p < pe; ++p) {
         const int64_t m = part_begin_[p + 1] - part_begin_[p];
         if (m == 0) continue;
-        Rec* recs = recs_.get() + part_begin_[p];
+        Rec* recs = recs_ + part_begin_[p];
         sort_part(p, recs, m, order);
         fn(recs, order.data(), m);
       }
@@ -109,8 +122,11 @@ class BucketBatch {
       for (int64_t c = cb; c < ce; ++c) {
         next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
         for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
-          const int64_t b = bucket_of(i);
-          fn(i, b, next[b >> shift_]++);
+          const int64_t b = bucket_of(i), j = next[b >> shift_]++;
+          // Each part's slots are taken in sequence, but too many parts are
+          // in flight for the hardware to follow: fetch a few records ahead.
+          __builtin_prefetch(recs_ + j + kStreamAhead, 1, 1);
+          fn(i, b, j);
         }
       }
     });
@@ -134,12 +150,14 @@ class BucketBatch {
     for (int64_t j = 0; j < m; ++j) order[at[recs[j].bucket - lo]++] = static_cast<uint32_t>(j);
   }
 
+  static constexpr int64_t kStreamAhead = 256 / sizeof(Rec) + 1;  // records, about 4 lines
+
   int64_t n_, num_buckets_;
   int shift_ = 0;
   int64_t parts_ = 1, chunks_ = 1, len_ = 1, bad_ = -1;
   std::vector<int64_t> start_;       // first record slot of (chunk, part)
   std::vector<int64_t> part_begin_;  // first record slot of each part
-  std::unique_ptr<Rec[]> recs_;
+  Rec* recs_ = nullptr;
 };
 
 }  // namespace table

@@ -182,8 +182,12 @@ class RunVictims {
   void build(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
              int64_t keys_left) {
     cand_.resize(cap);
+    const int groups = cap / kGroupSize;
+    group_slot_.resize(groups);
+    group_score_.resize(groups);
+    taken_.resize(groups);
     m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)),
-                           cand_.data());
+                           cand_.data(), group_slot_.data(), group_score_.data(), taken_.data());
     cursor_ = 0;
     for (int c = 0; c < m_; ++c) prefetch_write(keys + cand_[c]);
   }
@@ -198,7 +202,9 @@ class RunVictims {
   void reset() { m_ = -1; }
 
  private:
-  std::vector<int> cand_;
+  std::vector<int> cand_, group_slot_;  // group_*, taken_: victim_candidates' scratch
+  std::vector<int64_t> group_score_;
+  std::vector<uint32_t> taken_;
   int m_ = -1;  // -1: not built
   int cursor_ = 0;
 };

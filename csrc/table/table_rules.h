@@ -270,23 +270,57 @@ DE_HD int pick_victim(const int64_t* scores, const int32_t* epochs, int capacity
   return best;
 }
 
+// pick_victim over one group of 16 slots, leaving out also the slots whose
+// bit is set in `skip`: the group's best slot (index in the group, -1 when
+// none is left) and its score. Selections by masks, not branches (compilers
+// turn a conditional move into a jump at will): each comparison's outcome is
+// data, not a pattern.
+DE_HD int group_victim(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+                       int64_t* score) {
+  int best = -1;
+  int64_t best_score = 0;
+  for (int i = 0; i < kGroupSize; ++i) {
+    const bool open = (epochs[i] != call_epoch) & !((skip >> i) & 1u);
+    const int64_t take = -static_cast<int64_t>(open & ((best < 0) | (scores[i] < best_score)));
+    best_score = (scores[i] & take) | (best_score & ~take);
+    best = (i & static_cast<int>(take)) | (best & ~static_cast<int>(take));
+  }
+  *score = best_score;
+  return best;
+}
+
 // pick_victim for several keys of one bucket in a row. Slots the call does not
 // hold never change during the call (every slot a key writes becomes held), so
 // the victim order over them is fixed: `out` gets the r lowest non-held slots
-// in victim order (fewer when fewer are free to take), and returns how many.
-// If r keys remain in the bucket's run when this is built, at most r - 1 of
-// the listed slots become held before the last of them evicts, so the first
-// listed slot not held at that time (next_victim) is pick_victim's answer.
+// in victim order (fewer when fewer are free to take), and it returns how
+// many. If r keys remain in the bucket's run when this is built, at most r - 1
+// of the listed slots become held before the last of them evicts, so the
+// first listed slot not held at that time (next_victim) is pick_victim's
+// answer. The list is drawn as from a tournament: each group's best slot,
+// then r times the best of those, its group's next best taking its place.
+// `group_slot`, `group_score` and `taken` are scratch of capacity / 16 each.
 DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int capacity,
-                            int32_t call_epoch, int r, int* out) {
+                            int32_t call_epoch, int r, int* out, int* group_slot, int64_t* group_score,
+                            uint32_t* taken) {
+  const int groups = capacity / kGroupSize;
+  for (int g = 0; g < groups; ++g) {
+    taken[g] = 0;
+    group_slot[g] = group_victim(scores + g * kGroupSize, epochs + g * kGroupSize, call_epoch, 0, &group_score[g]);
+  }
   int m = 0;
-  for (int i = 0; i < capacity; ++i) {
-    if (epochs[i] == call_epoch) continue;
-    const int64_t s = scores[i];
-    if (m == r && !better_victim(s, i, scores[out[m - 1]], out[m - 1])) continue;
-    int j = m < r ? m++ : m - 1;  // when full, the last (worst) one drops out
-    for (; j > 0 && better_victim(s, i, scores[out[j - 1]], out[j - 1]); --j) out[j] = out[j - 1];
-    out[j] = i;
+  while (m < r) {
+    int bg = -1;
+    for (int g = 0; g < groups; ++g) {
+      if (group_slot[g] >= 0 &&
+          (bg < 0 || better_victim(group_score[g], g * kGroupSize + group_slot[g], group_score[bg],
+                                   bg * kGroupSize + group_slot[bg])))
+        bg = g;
+    }
+    if (bg < 0) break;
+    out[m++] = bg * kGroupSize + group_slot[bg];
+    taken[bg] |= 1u << group_slot[bg];
+    group_slot[bg] = group_victim(scores + bg * kGroupSize, epochs + bg * kGroupSize, call_epoch, taken[bg],
+                                  &group_score[bg]);
   }
   return m;
 }
