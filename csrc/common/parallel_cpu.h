@@ -16,6 +16,24 @@ inline int64_t num_chunks(int64_t n, int64_t grain, int64_t per_thread = 4) {
   return std::max<int64_t>(1, std::min<int64_t>(per_thread * at::get_num_threads(), n / grain));
 }
 
+// Turns counts per (chunk, part) (row-major, chunks x parts) into each
+// (chunk, part)'s first output position, parts in order and chunks in order
+// within a part, in place; returns each part's first position (parts + 1).
+inline std::vector<int64_t> counts_to_starts(std::vector<int64_t>& cnt, int64_t chunks, int64_t parts) {
+  std::vector<int64_t> begin(parts + 1, 0);
+  int64_t run = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    begin[p] = run;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = cnt[c * parts + p];
+      cnt[c * parts + p] = run;
+      run += k;
+    }
+  }
+  begin[parts] = run;
+  return begin;
+}
+
 // Positions 0..n-1 grouped by part(i) in [0, parts), input order kept within a
 // part (a parallel stable counting sort). With one part the order is the
 // identity and nothing is stored.
@@ -34,17 +52,7 @@ class StablePartition {
       for (int64_t c = cb; c < ce; ++c)
         for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) ++off[c * P + part(i)];
     });
-    begin_.assign(P + 1, 0);
-    int64_t run = 0;
-    for (int64_t p = 0; p < P; ++p) {
-      begin_[p] = run;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t cnt = off[c * P + p];
-        off[c * P + p] = run;
-        run += cnt;
-      }
-    }
-    begin_[P] = run;
+    begin_ = counts_to_starts(off, chunks, P);
     order_.resize(n);
     at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
       for (int64_t c = cb; c < ce; ++c)

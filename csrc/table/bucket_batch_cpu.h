@@ -65,17 +65,7 @@ class BucketBatch {
         }
     });
     bad_ = bad.load();
-    part_begin_.assign(parts_ + 1, 0);
-    int64_t run = 0;
-    for (int64_t p = 0; p < parts_; ++p) {
-      part_begin_[p] = run;
-      for (int64_t c = 0; c < chunks_; ++c) {
-        const int64_t cnt = start_[c * parts_ + p];
-        start_[c * parts_ + p] = run;
-        run += cnt;
-      }
-    }
-    part_begin_[parts_] = run;
+    part_begin_ = cpu::counts_to_starts(start_, chunks_, parts_);
   }
 
   // A key position that bucket_of rejected, or -1.

@@ -160,6 +160,20 @@ void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, c
   }
 }
 
+// Walks a batch's records in bucket order and finds each key:
+// fn(rec, base, slot in the bucket or -1).
+template <class Rec, class Fn>
+void find_each(BucketBatch<Rec>& bb, const uint8_t* sd, const int64_t* sk, int64_t cap, Fn fn) {
+  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+    walk_runs(recs, order, m, sd, sk, cap, [&](const Runs& runs, int64_t run, int64_t base) {
+      for (int64_t q = 0; q < runs.len(run); ++q) {
+        Rec& r = recs[runs.idx(run)[q]];
+        fn(r, base, find_in_bucket<false>(sd + base, sk + base, cap, r.digest, r.key, nullptr));
+      }
+    });
+  });
+}
+
 // Per-table counts of the classes cls(i) in [0, K) (negative: not counted).
 template <class Cls>
 std::vector<int64_t> tally_by_table(int64_t n, const int64_t* tids, int64_t T, int K, Cls cls) {
@@ -402,19 +416,11 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
     r.score = ks ? ks[i] : dflt;
     r.digest = d;
   });
-  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
-    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
-      const uint32_t* idx = runs.idx(run);
-      const int64_t len = runs.len(run);
-      for (int64_t q = 0; q < len; ++q) {
-        Rec& r = recs[idx[q]];
-        const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, r.digest, r.key, nullptr);
-        r.bucket = s >= 0 ? base + s : -1;
-        if (s < 0) continue;
-        sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
-        if (ts) ts[base + s] = call_score;
-      }
-    });
+  find_each(bb, sd, sk, L.cap, [&](Rec& r, int64_t base, int s) {
+    r.bucket = s >= 0 ? base + s : -1;
+    if (s < 0) return;
+    sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
+    if (ts) ts[base + s] = call_score;
   });
   bb.scatter(where, [&](int64_t i, const Rec& r) {
     out[i] = r.bucket;
@@ -612,17 +618,9 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
     r.key = k[i];
     r.digest = d;
   });
-  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
-    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
-      const uint32_t* idx = runs.idx(run);
-      const int64_t len = runs.len(run);
-      for (int64_t q = 0; q < len; ++q) {
-        Rec& r = recs[idx[q]];
-        const int s = find_in_bucket<false>(sd + base, sk + base, L.cap, r.digest, r.key, nullptr);
-        if (s >= 0) sd[base + s] = kErased;
-        r.erased = s >= 0;
-      }
-    });
+  find_each(bb, sd, sk, L.cap, [&](Rec& r, int64_t base, int s) {
+    if (s >= 0) sd[base + s] = kErased;
+    r.erased = s >= 0;
   });
   bb.scatter(where, [&](int64_t i, const Rec& r) { er[i] = r.erased; });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
