@@ -535,11 +535,10 @@ __global__ void lookup_rows_kernel(const HashDev* hts, const PlaceDev* place, co
     const PlaceDev p = place[feature_table[bag_of(off, nb, i) / B]];
     const HashDev h = hts[p.group];
     const uint64_t hash = table::key_hash(keys[i]);
-    const int64_t first = h.tb[p.local];
-    const int64_t base = (first + table::bucket_in_table(hash, h.tb[p.local + 1] - first)) * h.cap;
+    const int64_t base = table::global_bucket(h.tb, p.local, hash) * h.cap;
     const int s = table::find_in_bucket<false>(h.digests + base, h.keys + base, static_cast<int>(h.cap),
                                                table::digest_of(hash), keys[i], nullptr);
-    rows[i] = s >= 0 ? base + s - first * h.cap : -1;
+    rows[i] = s >= 0 ? base + s - h.tb[p.local] * h.cap : -1;
   }
 }
 

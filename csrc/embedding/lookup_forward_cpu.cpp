@@ -92,7 +92,7 @@ void find_rows(const std::vector<HashView>& V, IntArrayRef group, IntArrayRef lo
         const HashView& h = V[group[t]];
         const int64_t l = local[t];
         const uint64_t hash = table::key_hash(keys[i0 + k]);
-        const int64_t b = (h.tb[l] + table::bucket_in_table(hash, h.tb[l + 1] - h.tb[l])) * h.cap;
+        const int64_t b = table::global_bucket(h.tb, l, hash) * h.cap;
         base[blk % 3][q] = b;
         dg[blk % 3][q] = table::digest_of(hash);
         prefetch_line(h.digests + b);

@@ -71,13 +71,19 @@ class BucketBatch {
   // A key position that bucket_of rejected, or -1.
   int64_t bad_position() const { return bad_; }
 
-  // fill(i, bucket, rec) writes key i's record (rec.bucket = bucket). Call
-  // once, after checking bad_position(); bucket_of as in the constructor.
-  template <class BucketOf, class Fill>
-  void gather(BucketOf bucket_of, Fill fill) {
+  // fill(i, rec) writes key i's record, rec.bucket included (the bucket
+  // bucket_of gave). Call once, after checking bad_position().
+  template <class Fill>
+  void gather(Fill fill) {
     static_assert(std::is_trivially_default_constructible_v<Rec> && std::is_trivially_destructible_v<Rec>);
     recs_ = static_cast<Rec*>(scratch_room(n_ * static_cast<int64_t>(sizeof(Rec))));
-    in_input_order(bucket_of, [&](int64_t i, int64_t b, int64_t j) { fill(i, b, recs_[j]); });
+    each_record(
+        [&](int64_t i) {
+          Rec r;
+          fill(i, r);
+          return r;
+        },
+        [&](int64_t, const Rec& r, int64_t j) { recs_[j] = r; });
   }
 
   // fn(recs, order, m) for each part, in parallel: the part's m records and
@@ -99,28 +105,33 @@ class BucketBatch {
   // back(i, rec) for every key, chunks of input in parallel.
   template <class BucketOf, class Back>
   void scatter(BucketOf bucket_of, Back back) const {
-    in_input_order(bucket_of, [&](int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
+    each_record(bucket_of, [&](int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
   }
 
  private:
-  // fn(i, bucket, j) for every i in input order (chunks in parallel), where j
-  // is the slot of i's record: parts in order, input order within a part.
-  template <class BucketOf, class Fn>
-  void in_input_order(BucketOf bucket_of, Fn fn) const {
+  // fn(i, x, j) for every i in input order (chunks in parallel), with
+  // x = place(i) (x's bucket: x itself or x.bucket) and j the slot of i's
+  // record: parts in order, input order within a part.
+  template <class Place, class Fn>
+  void each_record(Place place, Fn fn) const {
     at::parallel_for(0, chunks_, 1, [&](int64_t cb, int64_t ce) {
       std::vector<int64_t> next;
       for (int64_t c = cb; c < ce; ++c) {
         next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
         for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
-          const int64_t b = bucket_of(i), j = next[b >> shift_]++;
+          const auto x = place(i);
+          const int64_t j = next[bucket(x) >> shift_]++;
           // Each part's slots are taken in sequence, but too many parts are
           // in flight for the hardware to follow: fetch a few records ahead.
-          __builtin_prefetch(recs_ + j + kStreamAhead, 1, 1);
-          fn(i, b, j);
+          __builtin_prefetch(recs_ + std::min(j + kStreamAhead, n_ - 1), 1, 1);
+          fn(i, x, j);
         }
       }
     });
   }
+
+  static int64_t bucket(int64_t b) { return b; }
+  static int64_t bucket(const Rec& r) { return r.bucket; }
 
   // Part p's records ordered by bucket, stably: a counting sort over the
   // part's bucket range when the keys are dense enough in it, else a sort.

@@ -87,25 +87,26 @@ struct BucketOf {
   const int64_t* keys;
   const int64_t* tids;
   const Layout& L;
+  int64_t table(int64_t i) const { return tids ? tids[i] : 0; }
   int64_t operator()(int64_t i) const {
-    const int64_t t = tids ? tids[i] : 0;
-    if (t < 0 || t >= L.num_tables) return -1;
-    return L.tb[t] + bucket_in_table(key_hash(keys[i]), L.tb[t + 1] - L.tb[t]);
+    const int64_t t = table(i);
+    return t < 0 || t >= L.num_tables ? -1 : global_bucket(L.tb, t, key_hash(keys[i]));
   }
 };
 
 // A mutating call's keys regrouped by bucket (bucket_batch_cpu.h), with the
-// table ids checked before any slot is touched; fill(i, bucket, digest, rec)
-// writes key i's record.
+// table ids checked before any slot is touched; fill(i, digest, rec) writes
+// the rest of key i's record (its bucket is set).
 template <class Rec, class Fill>
 BucketBatch<Rec> batch_by_bucket(const BucketOf& where, int64_t n, Fill fill) {
   BucketBatch<Rec> bb(n, where.L.num_buckets(), kSerialBelow, where);
   const int64_t i = bb.bad_position();
   TORCH_CHECK(i < 0, "dynamicemb: table id ", where.tids ? where.tids[std::max<int64_t>(i, 0)] : 0,
               " (key position ", i, ") is out of range [0, ", where.L.num_tables, ")");
-  bb.gather(where, [&](int64_t i, int64_t bucket, Rec& r) {
-    r.bucket = bucket;
-    fill(i, digest_of(key_hash(where.keys[i])), r);
+  bb.gather([&](int64_t i, Rec& r) {
+    const uint64_t h = key_hash(where.keys[i]);
+    r.bucket = global_bucket(where.L.tb, where.table(i), h);
+    fill(i, digest_of(h), r);
   });
   return bb;
 }
@@ -282,7 +283,7 @@ int64_t lookup_pipeline(const LookupView& v, int64_t n) {
           continue;
         }
         const uint64_t h = key_hash(v.keys[i]);
-        bs[j] = (v.L.tb[t] + bucket_in_table(h, v.L.tb[t + 1] - v.L.tb[t])) * v.L.cap;
+        bs[j] = global_bucket(v.L.tb, t, h) * v.L.cap;
         ds[j] = digest_of(h);
         prefetch_bucket(v.sd, bs[j], v.L.cap);
       }

@@ -80,6 +80,12 @@ DE_HD int64_t bucket_in_table(uint64_t hash, int64_t num_buckets) {
   return static_cast<int64_t>(mul_hi64(hash, static_cast<uint64_t>(num_buckets)));
 }
 
+// The global bucket of hash `hash` in logical table t, which owns buckets
+// [tb[t], tb[t + 1]).
+DE_HD int64_t global_bucket(const int64_t* tb, int64_t t, uint64_t hash) {
+  return tb[t] + bucket_in_table(hash, tb[t + 1] - tb[t]);
+}
+
 // Bits 32..39: independent of both the bucket (top bits) and the rank (low).
 DE_HD uint8_t digest_of(uint64_t hash) {
   uint8_t d = static_cast<uint8_t>(hash >> 32);
@@ -253,24 +259,12 @@ DE_HD bool better_victim(int64_t score, int slot, int64_t best_score, int best_s
   return best_slot < 0 || score < best_score || (score == best_score && slot < best_slot);
 }
 
-// The slot a new key evicts from a full bucket: the lowest score among slots
-// this call does not hold (epoch != call epoch), ties to the lowest index; -1
-// when every slot is held.
-DE_HD int pick_victim(const int64_t* scores, const int32_t* epochs, int capacity,
-                      int32_t call_epoch) {
-  int best = -1;
-  int64_t best_score = 0;
-  for (int i = 0; i < capacity; ++i) {
-    if (epochs[i] == call_epoch) continue;
-    if (better_victim(scores[i], i, best_score, best)) {
-      best = i;
-      best_score = scores[i];
-    }
-  }
-  return best;
-}
+// The victim, the slot a new key evicts from a full bucket: the first in
+// better_victim's order among the slots this call does not hold (epoch !=
+// call epoch); none when every slot is held. Found per key by the CUDA tile
+// (tile_pick_victim) and for a run of keys on the CPU (victim_candidates).
 
-// pick_victim over one group of 16 slots, leaving out also the slots whose
+// The victim among one group of 16 slots, leaving out also the slots whose
 // bit is set in `skip`: the group's best slot (index in the group, -1 when
 // none is left) and its score. Selections by masks, not branches (compilers
 // turn a conditional move into a jump at will): each comparison's outcome is
@@ -289,14 +283,13 @@ DE_HD int group_victim(const int64_t* scores, const int32_t* epochs, int32_t cal
   return best;
 }
 
-// pick_victim for several keys of one bucket in a row. Slots the call does not
+// The victims of several keys of one bucket in a row. Slots the call does not
 // hold never change during the call (every slot a key writes becomes held), so
 // the victim order over them is fixed: `out` gets the r lowest non-held slots
 // in victim order (fewer when fewer are free to take), and it returns how
 // many. If r keys remain in the bucket's run when this is built, at most r - 1
 // of the listed slots become held before the last of them evicts, so the
-// first listed slot not held at that time (next_victim) is pick_victim's
-// answer. The list is drawn as from a tournament: each group's best slot,
+// first listed slot not held at that time (next_victim) is the victim. The list is drawn as from a tournament: each group's best slot,
 // then r times the best of those, its group's next best taking its place.
 // `group_slot`, `group_score` and `taken` are scratch of capacity / 16 each.
 DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int capacity,
@@ -335,9 +328,9 @@ DE_HD int next_victim(const int* cand, int m, int* cursor, const int32_t* epochs
 }
 
 #if defined(__CUDACC__)
-// pick_victim for a 16-lane tile: each lane takes slots lane, lane + 16, ...,
+// The victim for a 16-lane tile: each lane takes slots lane, lane + 16, ...,
 // then a butterfly reduction under better_victim. (score, slot) is a total
-// order, so the minimum equals the scalar scan's. Every lane returns it.
+// order, so the minimum is the victim. Every lane returns it.
 template <class Tile>
 __device__ __forceinline__ int tile_pick_victim(const Tile& tile, const int64_t* scores,
                                                 const int32_t* epochs, int capacity,
