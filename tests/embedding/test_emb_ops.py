@@ -7,7 +7,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dynamicemb import DynamicEmbPoolingMode
 from dynamicemb._ops import ops
-from emb_helpers import bags, make_module
+from emb_helpers import bags, make_module, random_batch
 
 FEATURE_TABLE = [0, 1, 0]
 DIMS = [4, 8]
@@ -53,6 +53,63 @@ def test_opcheck_emb_backward_update(pooling):
     args = (torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE, m.dims, None,
             int(pooling), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, 0)
     torch.library.opcheck(ops.emb_backward_update, args)
+
+
+def _many_uniques():
+    """~9000 unique keys of two tables with their rows (some -1: no row):
+    enough for emb_order_by_row to reorder (from 4096 keys on)."""
+    gen = torch.Generator().manual_seed(5)
+    m = make_module(DIMS, feature_table_map=FEATURE_TABLE, max_capacity=1 << 14)
+    indices, offsets = random_batch(gen, FEATURE_TABLE, [6000, 6000], batch=3000, max_len=4)
+    ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
+    rows = m.storage.find_or_insert(ukeys, utids, counts, 1).rows
+    rows[::97] = -1
+    return m, ukeys, utids, inverse, rows
+
+
+def test_opcheck_emb_order_by_row():
+    m, ukeys, utids, inverse, rows = _many_uniques()
+    torch.library.opcheck(ops.emb_order_by_row, (m.storage.weights(), rows, utids, ukeys, inverse))
+
+
+def test_order_by_row_renumbers_keys_in_row_order():
+    m, ukeys, utids, inverse, rows = _many_uniques()
+    U = ukeys.numel()
+    r, t, k, inv = ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, inverse)
+    # The same keys renumbered: every index still names its key, table and row.
+    for new, old in ((k, ukeys), (t, utids), (r, rows)):
+        assert torch.equal(new[inv], old[inverse])
+    was = {(kk, tt): u for u, (kk, tt) in enumerate(zip(ukeys.tolist(), utids.tolist()))}
+    src = torch.tensor([was[(kk, tt)] for kk, tt in zip(k.tolist(), t.tolist())])
+    assert torch.equal(torch.sort(src).values, torch.arange(U))  # a permutation
+    assert not torch.equal(src, torch.arange(U))  # and not the identity
+    # Keys without a row first, then rows in address order (tables end to end)
+    # to within blocks of 2**s rows, the fewest that cut them into at most U / 16 blocks;
+    # input order within a block.
+    sizes = torch.tensor([0] + [w.shape[0] for w in m.storage.weights()])
+    base = sizes.cumsum(0)
+    none = int((rows < 0).sum())
+    assert bool((r[:none] < 0).all()) and bool((r[none:] >= 0).all())
+    s = 0
+    while (int(base[-1]) >> s) > U // 16:
+        s += 1
+    block = (base[t[none:]] + r[none:]) >> s
+    step = torch.diff(block)
+    assert bool((step >= 0).all())
+    same = step == 0
+    assert bool((torch.diff(src[none:])[same] > 0).all())
+    # Few keys: the input order.
+    m, _, _, ukeys, utids, inverse, rows = _inputs()
+    out = ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, inverse)
+    assert all(torch.equal(a, b) for a, b in zip(out, (rows, utids, ukeys, inverse)))
+
+
+def test_order_by_row_refuses_a_bad_inverse():
+    m, _, _, ukeys, utids, inverse, rows = _inputs()
+    bad = inverse.clone()
+    bad[2] = ukeys.numel()
+    with pytest.raises(RuntimeError, match=r"inverse\[2\] is not a unique id"):
+        ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, bad)
 
 
 @pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)

@@ -30,48 +30,49 @@ CONFIGS = [  # (pooling, dims): mixed dims only with pooling (TBE refuses them w
 ]
 
 
-def _pair(optimizer, pooling: str, dims, per_table=None):
+def _pair(optimizer, pooling: str, dims, per_table=None, num_keys=NUM_KEYS, capacity=256):
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(NUM_KEYS, dims)],
+        [(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(num_keys, dims)],
         feature_table_map=FEATURE_TABLE, optimizer=optimizer, learning_rate=LR, eps=EPS,
         pooling_mode=PoolingMode[pooling])
-    opts = [DynamicEmbTableOptions(**{"dim": d, "max_capacity": 256, "bucket_capacity": 16, **kw})
+    opts = [DynamicEmbTableOptions(**{"dim": d, "max_capacity": capacity, "bucket_capacity": 16, **kw})
             for d, kw in zip(dims, per_table or [{}] * len(dims))]
     ours = BatchedDynamicEmbeddingTables(opts, feature_table_map=FEATURE_TABLE,
                                          pooling_mode=DynamicEmbPoolingMode[pooling], optimizer=optimizer,
                                          learning_rate=LR, eps=EPS)
     for t, w in enumerate(tbe.split_embedding_weights()):
-        rows = ours.storage.insert_rows(t, torch.arange(NUM_KEYS[t]), w.clone())
+        rows = ours.storage.insert_rows(t, torch.arange(num_keys[t]), w.clone())
         assert bool((rows >= 0).all())
     return tbe, ours
 
 
-def _tbe_state(tbe, optimizer, t):
+def _tbe_state(tbe, optimizer, t, num_keys):
     if optimizer == EmbOptimType.EXACT_SGD:
         return None
     s = tbe.split_optimizer_states()[t][0]
-    return s.reshape(NUM_KEYS[t], -1)  # ADAGRAD [N, D]; ROWWISE [N] -> [N, 1]
+    return s.reshape(num_keys[t], -1)  # ADAGRAD [N, D]; ROWWISE [N] -> [N, 1]
 
 
-def _check_rows(tbe, ours, optimizer, dims):
+def _check_rows(tbe, ours, optimizer, dims, num_keys):
     for t, w in enumerate(tbe.split_embedding_weights()):
-        found, rows = stored(ours, t, torch.arange(NUM_KEYS[t]))
+        found, rows = stored(ours, t, torch.arange(num_keys[t]))
         assert bool(found.all())
         torch.testing.assert_close(rows[:, : dims[t]], w, atol=1e-5, rtol=0)
-        state = _tbe_state(tbe, optimizer, t)
+        state = _tbe_state(tbe, optimizer, t, num_keys)
         if state is not None:
             assert rows.shape[1] - dims[t] == state.shape[1]
             torch.testing.assert_close(rows[:, dims[t]:], state, atol=1e-5, rtol=1e-5)
 
 
-def _train(tbe, ours, optimizer, dims, weighted=False, steps=10, lr_schedule=None, batch=6, max_len=5):
+def _train(tbe, ours, optimizer, dims, weighted=False, steps=10, lr_schedule=None, batch=6, max_len=5,
+           num_keys=NUM_KEYS):
     gen = torch.Generator().manual_seed(1234)
     initial = [w.clone() for w in tbe.split_embedding_weights()]
     for step in range(steps):
         if lr_schedule and step in lr_schedule:
             tbe.set_learning_rate(lr_schedule[step])
             ours.set_learning_rate(lr_schedule[step])
-        indices, offsets = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=batch, max_len=max_len)
+        indices, offsets = random_batch(gen, FEATURE_TABLE, num_keys, batch=batch, max_len=max_len)
         psw = torch.rand(indices.numel(), generator=gen) * 2 - 0.5 if weighted else None
         # Separate leaves: each module's gradient w.r.t. the weights (learned
         # position weights in TorchRec) is compared too.
@@ -86,7 +87,7 @@ def _train(tbe, ours, optimizer, dims, weighted=False, steps=10, lr_schedule=Non
         if weighted:
             assert psw_ours.grad is not None, "no gradient w.r.t. per_sample_weights"
             torch.testing.assert_close(psw_ours.grad, psw_ref.grad, atol=1e-5, rtol=0)
-        _check_rows(tbe, ours, optimizer, dims)
+        _check_rows(tbe, ours, optimizer, dims, num_keys)
     # Training really happened (else parity would be vacuous).
     moved = [not torch.equal(a, b) for a, b in zip(initial, tbe.split_embedding_weights())]
     assert all(moved)
@@ -120,6 +121,15 @@ def test_parity_large_batch(optimizer):
     dims = [4, 8, 12]
     tbe, ours = _pair(optimizer, "SUM", dims)
     _train(tbe, ours, optimizer, dims, steps=3, batch=400, max_len=7)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
+def test_parity_many_keys_updated_in_row_order(optimizer):
+    # Thousands of unique keys per batch: the module renumbers them in the
+    # order of their rows (emb_order_by_row) before the forward and backward.
+    dims, num_keys = [4, 8, 12], [6000, 5000, 4000]
+    tbe, ours = _pair(optimizer, "SUM", dims, num_keys=num_keys, capacity=16384)
+    _train(tbe, ours, optimizer, dims, steps=2, batch=800, max_len=6, num_keys=num_keys)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o.name)
@@ -171,4 +181,4 @@ def test_parity_shared_table_features_not_adjacent(optimizer):
         probe = torch.randn(out.shape, generator=gen)
         (out * probe).sum().backward()
         (out_ref * probe[:, perm]).sum().backward()
-        _check_rows(tbe, ours, optimizer, dims)
+        _check_rows(tbe, ours, optimizer, dims, NUM_KEYS)
