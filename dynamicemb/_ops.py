@@ -88,10 +88,9 @@ def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed)
     return None
 
 
-@torch.library.register_fake(_lib + "emb_order_by_row")
-def _emb_order_by_row_fake(weights, rows, unique_table_ids, unique_keys, inverse):
-    return (torch.empty_like(rows), torch.empty_like(unique_table_ids), torch.empty_like(unique_keys),
-            torch.empty_like(inverse))
+@torch.library.register_fake(_lib + "emb_row_order")
+def _emb_row_order_fake(weights, rows, table_ids):
+    return torch.empty_like(rows)
 
 
 @torch.library.register_fake(_lib + "emb_forward")

@@ -163,8 +163,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step)
         self._report_failures(res.failed)
         rows = res.rows
-        if rows.device.type == "cpu":  # the backward then updates rows in address order: about half the time
-            rows, utids, ukeys, inverse = ops.emb_order_by_row(self.storage.weights(), rows, utids, ukeys, inverse)
+        if res.order is not None:  # keys renumbered in row order: the backward then updates rows in that order
+            o = res.order
+            rows, ukeys, utids = rows.index_select(0, o), ukeys.index_select(0, o), utids.index_select(0, o)
+            renumber = torch.empty_like(o)
+            renumber[o] = torch.arange(o.numel(), device=o.device)
+            inverse = renumber.index_select(0, inverse)
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
 
     def _gather(self, rows, ukeys, inverse, offsets, psw, training: bool) -> torch.Tensor:

@@ -59,6 +59,9 @@ class FindOrInsertResult:
     rows: torch.Tensor  # table-local row per key, -1 when the key has no row
     failed: torch.Tensor  # per table: keys that could not be stored in this call
     rejected: torch.Tensor  # per table: keys refused by admission in this call
+    # The keys' positions in the order of their rows' addresses (CPU, else
+    # None): kernels that then write the rows at random run faster in it.
+    order: Optional[torch.Tensor] = None
 
 
 class EmbeddingStorage(abc.ABC):
@@ -264,6 +267,7 @@ class HashTableStorage(EmbeddingStorage):
 
     def find_or_insert(self, keys, table_ids, counts, step) -> FindOrInsertResult:
         rows = torch.full_like(keys, -1)
+        is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
         failed = torch.zeros(self.num_tables, dtype=torch.int64)
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
         for g, mask, lt in self._split(table_ids):
@@ -278,27 +282,32 @@ class HashTableStorage(EmbeddingStorage):
             out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
             r = self._rows(g, out.indices, lt_ins)
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
-            sel = new.nonzero().squeeze(1)  # one index list for the three gathers below
-            if sel.numel():
-                gt = torch.tensor(tables, device=self.device)[lt_ins.index_select(0, sel)]
-                ops.emb_init_rows(self._weights, r.index_select(0, sel), gt, k.index_select(0, sel), self.dims,
-                                  self.init_params, self.seed)
-                if keep is not None:  # stored keys leave the admission counters
-                    for lt, t in enumerate(tables):
-                        if self.admission[t] is not None:
-                            self.admission[t].forget(k[new & (lt_ins == lt)])
+            if keep is not None:  # stored keys leave the admission counters
+                for lt, t in enumerate(tables):
+                    if self.admission[t] is not None:
+                        self.admission[t].forget(k[new & (lt_ins == lt)])
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
             if keep is not None:
                 full = torch.full((keep.numel(),), -1, dtype=r.dtype, device=r.device)
                 full[keep] = r
                 r = full
+                full_new = torch.zeros(keep.shape, dtype=torch.bool, device=keep.device)
+                full_new[keep] = new
+                new = full_new
             if mask is None:
-                rows = r
+                rows, is_new = r, new
             else:
                 rows[mask] = r
+                is_new[mask] = new
         self.rejected += rejected
-        return FindOrInsertResult(rows, failed, rejected)
+        # New keys' initial rows, written in the order of the rows on the CPU.
+        order = ops.emb_row_order(self._weights, rows, table_ids) if keys.device.type == "cpu" else None
+        sel = (order[is_new[order]] if order is not None else is_new.nonzero().squeeze(1))
+        if sel.numel():
+            ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
+                              keys.index_select(0, sel), self.dims, self.init_params, self.seed)
+        return FindOrInsertResult(rows, failed, rejected, order)
 
     def _admit(self, g, keys, local_tids, counts, rejected) -> Optional[torch.Tensor]:
         """Mask of the keys to insert, or None when no table of the group has admission."""

@@ -189,13 +189,12 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     constexpr bool kStreamed = std::is_same_v<scalar_t, float>;
-    const cpu::StablePartition order = row_order(R, n, [&](int64_t i) { return t[i]; }, [&](int64_t i) { return r[i]; });
     at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
       std::vector<float> buf;
       constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
-      for (int64_t j = b; j < e; ++j) {
-        const int64_t i = order.pos(j), a = j + kAhead < e ? order.pos(j + kAhead) : -1;
-        if (!kStreamed && a >= 0 && r[a] >= 0 && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t a = i + kAhead;
+        if (!kStreamed && a < e && r[a] >= 0 && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
           const char* row = reinterpret_cast<const char*>(w[t[a]] + r[a] * R.stride[t[a]]);
           for (int64_t q = 0; q < R.stride[t[a]] * static_cast<int64_t>(sizeof(scalar_t)); q += 64)
             __builtin_prefetch(row + q, 1, 3);
@@ -215,48 +214,39 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
   });
 }
 
-// ---- order by row -----------------------------------------------------------------------
+// ---- row order ----------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> order_by_row_cpu(TensorList weights, const Tensor& rows,
-                                                            const Tensor& unique_table_ids, const Tensor& unique_keys,
-                                                            const Tensor& inverse) {
+// Positions 0..n-1 of (table, row) pairs in the order of their rows'
+// addresses, to within blocks: the tables' rows laid end to end and cut into
+// about n / 16 blocks, input order kept within a block. Rows written at random
+// over tables larger than the caches cost about half as much in this order
+// (neighbours share pages and DRAM rows; measured on the torchrec benchmark's
+// tables: new rows' init 34 -> 21 ms, the backward's updates 50 -> 30 ms).
+// Pairs that name no row (or a bad one) come first.
+constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
+
+Tensor row_order_cpu(TensorList weights, const Tensor& rows, const Tensor& table_ids) {
   check_1d(rows, at::kLong, "rows");
-  check_1d(unique_table_ids, at::kLong, "unique_table_ids");
-  check_1d(unique_keys, at::kLong, "unique_keys");
-  check_1d(inverse, at::kLong, "inverse");
-  const int64_t U = rows.numel(), n = inverse.numel();
-  TORCH_CHECK(unique_table_ids.numel() == U && unique_keys.numel() == U,
-              "dynamicemb: rows, unique_table_ids and unique_keys differ in length");
+  check_1d(table_ids, at::kLong, "table_ids");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(table_ids.numel() == n, "dynamicemb: rows and table_ids differ in length");
   const Rows R = check_rows(weights, std::vector<int64_t>(weights.size(), 0));
-  const int64_t *r = rows.data_ptr<int64_t>(), *t = unique_table_ids.data_ptr<int64_t>(),
-                *k = unique_keys.data_ptr<int64_t>(), *inv = inverse.data_ptr<int64_t>();
-  const cpu::StablePartition order = row_order(R, U, [&](int64_t u) { return t[u]; }, [&](int64_t u) { return r[u]; });
-  Tensor rows_o = at::empty({U}, rows.options()), tids_o = at::empty({U}, rows.options()),
-         keys_o = at::empty({U}, rows.options()), inv_o = at::empty({n}, rows.options());
-  std::vector<int64_t> pos(U);  // key u's new position
-  int64_t *ro = rows_o.data_ptr<int64_t>(), *to = tids_o.data_ptr<int64_t>(), *ko = keys_o.data_ptr<int64_t>(),
-          *io = inv_o.data_ptr<int64_t>();
-  at::parallel_for(0, U, 16384, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      const int64_t u = order.pos(j);
-      ro[j] = r[u];
-      to[j] = t[u];
-      ko[j] = k[u];
-      pos[u] = j;
-    }
+  const int64_t *r = rows.data_ptr<int64_t>(), *t = table_ids.data_ptr<int64_t>();
+  const int64_t T = static_cast<int64_t>(R.w.size());
+  std::vector<int64_t> base(T + 1, 0);
+  for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.w[k].size(0);
+  int shift = 0;
+  while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
+  const cpu::StablePartition order(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
+    return (0 <= t[i] && t[i] < T && 0 <= r[i] && r[i] < base[t[i] + 1] - base[t[i]]) ? ((base[t[i]] + r[i]) >> shift) + 1
+                                                                                      : 0;
   });
-  std::atomic<int64_t> bad{-1};
+  Tensor out = at::empty({n}, rows.options());
+  int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (inv[i] < 0 || inv[i] >= U) {
-        bad.store(i, std::memory_order_relaxed);
-        continue;
-      }
-      io[i] = pos[inv[i]];
-    }
+    for (int64_t j = b; j < e; ++j) o[j] = order.pos(j);
   });
-  TORCH_CHECK(bad.load() < 0, "dynamicemb: inverse[", bad.load(), "] is not a unique id in [0, ", U, ")");
-  return {rows_o, tids_o, keys_o, inv_o};
+  return out;
 }
 
 // ---- forward ---------------------------------------------------------------------------
@@ -449,7 +439,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("emb_unique", &unique_cpu);
   m.impl("emb_init_rows", &init_rows_cpu);
-  m.impl("emb_order_by_row", &order_by_row_cpu);
+  m.impl("emb_row_order", &row_order_cpu);
   m.impl("emb_forward", &forward_cpu);
   m.impl("emb_backward_update", &backward_update_cpu);
 }

@@ -16,7 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/parallel_cpu.h"
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/row_math_cpu.h"
@@ -93,29 +92,6 @@ inline Rows check_rows(TensorList weights, IntArrayRef dims) {
     r.stride.push_back(w.size(1));
   }
   return r;
-}
-
-// Positions 0..n-1 of (table, row) pairs in the order of their rows'
-// addresses, to within blocks: the tables' rows laid end to end and cut into
-// about n / 4 blocks, input order kept within a block. Rows written at random
-// over tables larger than the caches cost about half as much in this order
-// (neighbours share pages and DRAM rows; measured on the torchrec benchmark's
-// tables: new rows' init 34 -> 16 ms, the backward's updates 56 -> 33 ms).
-// Pairs that name no row (or a bad one, which the caller reports) come first.
-constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
-
-template <class TableOf, class RowOf>
-cpu::StablePartition row_order(const Rows& R, int64_t n, TableOf table_of, RowOf row_of) {
-  const int64_t T = static_cast<int64_t>(R.w.size());
-  std::vector<int64_t> base(T + 1, 0);
-  for (int64_t t = 0; t < T; ++t) base[t + 1] = base[t] + R.w[t].size(0);
-  int shift = 0;
-  while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
-  const int64_t parts = n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2;
-  return cpu::StablePartition(n, parts, [&](int64_t i) -> int64_t {
-    const int64_t t = table_of(i), r = row_of(i);
-    return (0 <= t && t < T && 0 <= r && r < base[t + 1] - base[t]) ? ((base[t] + r) >> shift) + 1 : 0;
-  });
 }
 
 inline std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables) {

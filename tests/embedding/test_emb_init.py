@@ -201,27 +201,23 @@ def test_stored_initial_rows_match_the_scalar_rule(dim, dtype):
         assert torch.equal(weights[t][sel, dim:], torch.zeros(sel.numel(), 3, dtype=dtype))
 
 
-def test_many_rows_written_in_row_order_get_their_own_keys_values():
-    """From 4096 rows on, emb_init_rows writes them in the order of their
-    addresses (not the input order): each row still gets its own key's
-    values, rows named -1 are skipped and every other row is left alone."""
+def test_many_new_keys_get_their_own_keys_values():
+    """From 4096 keys on, a training forward writes the new keys' rows in the
+    order of their rows (emb_row_order), not in the keys' order: each row
+    still gets its own key's initial values (the scalar rule of emb_forward
+    for keys without a row)."""
     from dynamicemb._ops import ops
-    dim, n, size = 16, 6000, 8192
+    dim, n = 16, 6000
     init = DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=-0.3, upper=0.7)
-    m = make_module([dim, dim], pooling=NONE, max_capacity=64, bucket_capacity=16, initializer_args=init,
+    m = make_module([dim, dim], pooling=NONE, max_capacity=1 << 14, bucket_capacity=16, initializer_args=init,
                     module_kwargs=dict(seed=3))
     gen = torch.Generator().manual_seed(8)
-    keys = torch.randint(-2**62, 2**62, (n,), generator=gen)
-    tids = torch.randint(0, 2, (n,), generator=gen)
-    rows = torch.randperm(size, generator=gen)[:n]  # distinct rows, at random
-    rows[::50] = -1
-    weights = [torch.full((size, dim), 9.0) for _ in range(2)]
-    ops.emb_init_rows(weights, rows, tids, keys, m.dims, m.storage.init_params, 3)
+    keys = torch.randint(-2**62, 2**62, (2 * n,), generator=gen)
+    m(keys, torch.tensor([0, n, 2 * n]))  # n new keys per table
     for t in range(2):
-        sel = ((tids == t) & (rows >= 0)).nonzero().squeeze(1)
-        want = ops.emb_forward(weights, torch.full((n,), -1), keys, sel, torch.tensor([0, sel.numel()]), [t],
-                               m.dims, None, int(NONE), m.storage.init_params, 3, torch.float32)
-        assert torch.equal(weights[t][rows[sel]], want)
-        untouched = torch.ones(size, dtype=torch.bool)
-        untouched[rows[sel]] = False
-        assert bool((weights[t][untouched] == 9.0).all())
+        k = keys[t * n:(t + 1) * n]
+        found, rows = stored(m, t, k)
+        assert bool(found.all())
+        want = ops.emb_forward(m.storage.weights(), torch.full((n,), -1), k, torch.arange(n), torch.tensor([0, n]),
+                               [t], m.dims, None, int(NONE), m.storage.init_params, 3, torch.float32)
+        assert torch.equal(rows[:, :dim], want)

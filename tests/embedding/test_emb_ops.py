@@ -67,49 +67,56 @@ def _many_uniques():
     return m, ukeys, utids, inverse, rows
 
 
-def test_opcheck_emb_order_by_row():
+def test_opcheck_emb_row_order():
     m, ukeys, utids, inverse, rows = _many_uniques()
-    torch.library.opcheck(ops.emb_order_by_row, (m.storage.weights(), rows, utids, ukeys, inverse))
+    torch.library.opcheck(ops.emb_row_order, (m.storage.weights(), rows, utids))
 
 
-def test_order_by_row_renumbers_keys_in_row_order():
+def test_row_order_sorts_by_row_within_blocks():
     m, ukeys, utids, inverse, rows = _many_uniques()
     U = ukeys.numel()
-    r, t, k, inv = ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, inverse)
-    # The same keys renumbered: every index still names its key, table and row.
-    for new, old in ((k, ukeys), (t, utids), (r, rows)):
-        assert torch.equal(new[inv], old[inverse])
-    was = {(kk, tt): u for u, (kk, tt) in enumerate(zip(ukeys.tolist(), utids.tolist()))}
-    src = torch.tensor([was[(kk, tt)] for kk, tt in zip(k.tolist(), t.tolist())])
-    assert torch.equal(torch.sort(src).values, torch.arange(U))  # a permutation
-    assert not torch.equal(src, torch.arange(U))  # and not the identity
-    # Keys without a row first, then rows in address order (tables end to end)
-    # to within blocks of 2**s rows, the fewest that cut them into at most U / 16 blocks;
-    # input order within a block.
-    sizes = torch.tensor([0] + [w.shape[0] for w in m.storage.weights()])
-    base = sizes.cumsum(0)
+    order = ops.emb_row_order(m.storage.weights(), rows, utids)
+    assert torch.equal(torch.sort(order).values, torch.arange(U))  # a permutation
+    assert not torch.equal(order, torch.arange(U))  # and not the identity
+    r, t = rows[order], utids[order]
+    # Keys without a row first, then rows in address order (tables end to
+    # end) to within blocks of 2**s rows, the fewest that cut the rows into
+    # at most U / 16 blocks; input order within a block.
+    base = torch.tensor([0] + [w.shape[0] for w in m.storage.weights()]).cumsum(0)
     none = int((rows < 0).sum())
     assert bool((r[:none] < 0).all()) and bool((r[none:] >= 0).all())
     s = 0
     while (int(base[-1]) >> s) > U // 16:
         s += 1
-    block = (base[t[none:]] + r[none:]) >> s
-    step = torch.diff(block)
+    step = torch.diff((base[t[none:]] + r[none:]) >> s)
     assert bool((step >= 0).all())
-    same = step == 0
-    assert bool((torch.diff(src[none:])[same] > 0).all())
+    assert bool((torch.diff(order[none:])[step == 0] > 0).all())
+    assert bool((torch.diff(order[:none]) > 0).all())
     # Few keys: the input order.
     m, _, _, ukeys, utids, inverse, rows = _inputs()
-    out = ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, inverse)
-    assert all(torch.equal(a, b) for a, b in zip(out, (rows, utids, ukeys, inverse)))
+    assert torch.equal(ops.emb_row_order(m.storage.weights(), rows, utids), torch.arange(ukeys.numel()))
 
 
-def test_order_by_row_refuses_a_bad_inverse():
-    m, _, _, ukeys, utids, inverse, rows = _inputs()
-    bad = inverse.clone()
-    bad[2] = ukeys.numel()
-    with pytest.raises(RuntimeError, match=r"inverse\[2\] is not a unique id"):
-        ops.emb_order_by_row(m.storage.weights(), rows, utids, ukeys, bad)
+def test_training_forward_renumbers_keys_in_row_order():
+    # What the backward sees: the batch's keys in the order of their rows, each
+    # index still naming its own key and row.
+    m, *_ = _many_uniques()
+    gen = torch.Generator().manual_seed(6)
+    indices, offsets = random_batch(gen, FEATURE_TABLE, [6000, 6000], batch=3000, max_len=4)
+    seen = {}
+    apply = m._apply_gradients
+
+    def spy(grad_output, rows, utids, inverse, offsets, psw):
+        seen.update(rows=rows, utids=utids, inverse=inverse)
+        return apply(grad_output, rows, utids, inverse, offsets, psw)
+
+    m._apply_gradients = spy
+    m(indices, offsets).sum().backward()
+    ukeys, utids, inverse, _ = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
+    want_rows = m.storage.find(ukeys, utids)
+    assert torch.equal(seen["rows"][seen["inverse"]], want_rows[inverse])
+    assert torch.equal(seen["utids"][seen["inverse"]], utids[inverse])
+    assert torch.equal(seen["rows"], seen["rows"][ops.emb_row_order(m.storage.weights(), seen["rows"], seen["utids"])])
 
 
 @pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
