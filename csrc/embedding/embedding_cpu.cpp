@@ -70,7 +70,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
         }
     });
   };
-  for_each_chunk([&](int64_t c, int64_t t, int64_t i) { ++at_[c * P + part_of(hash_of(key[i], t))]; });
+  // Each index's part, kept from the counting pass for the placing pass.
+  std::unique_ptr<uint8_t[]> part_at(new uint8_t[n]);
+  static_assert((1 << unique::kPartBits) <= 256, "parts must fit a byte");
+  for_each_chunk([&](int64_t c, int64_t t, int64_t i) {
+    const int64_t p = part_of(hash_of(key[i], t));
+    part_at[i] = static_cast<uint8_t>(p);
+    ++at_[c * P + p];
+  });
   std::vector<int64_t> part_begin(P + 1, 0);
   for (int64_t p = 0, run = 0; p < P; ++p) {
     part_begin[p] = run;
@@ -83,19 +90,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   }
   std::unique_ptr<Rec[]> rec(new Rec[n]);
   for_each_chunk([&](int64_t c, int64_t t, int64_t i) {
-    rec[at_[c * P + part_of(hash_of(key[i], t))]++] =
-        Rec{key[i], static_cast<int32_t>(t), static_cast<int32_t>(i)};
+    rec[at_[c * P + part_at[i]]++] = Rec{key[i], static_cast<int32_t>(t), static_cast<int32_t>(i)};
   });
   // Per part: local unique id of every record, and per unique its key, table
-  // and count. The probe table holds the pair itself: a probe touches one entry.
+  // and count, at the part's own offset (a part has at most as many uniques
+  // as records). The probe table holds the pair itself: a probe touches one entry.
   struct Entry {
     int64_t key;
     int32_t tid;
     int32_t id;  // -1: empty
   };
   std::unique_ptr<int32_t[]> lid(new int32_t[n]);
-  std::vector<std::vector<Rec>> first(P);  // per unique: its pair (pos unused)
-  std::vector<std::vector<int64_t>> count(P);
+  std::unique_ptr<Rec[]> first(new Rec[n]);  // per unique: its pair (pos unused)
+  std::unique_ptr<int64_t[]> count(new int64_t[n]);
+  std::vector<int64_t> uniques(P, 0);
   at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
     thread_local std::vector<Entry> table;
     for (int64_t p = pb; p < pe; ++p) {
@@ -103,16 +111,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
       int64_t cap = 16;
       while (cap < 2 * m) cap <<= 1;
       table.assign(cap, Entry{0, 0, -1});
-      auto& fp = first[p];
-      auto& cp = count[p];
+      Rec* fp = first.get() + part_begin[p];
+      int64_t* cp = count.get() + part_begin[p];
+      int32_t u = 0;
       for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) {
         const Rec r = rec[j];
         for (uint64_t h = hash_of(r.key, r.tid) & (cap - 1);; h = (h + 1) & (cap - 1)) {
           Entry& e = table[h];
           if (e.id < 0) {
-            e = Entry{r.key, r.tid, static_cast<int32_t>(fp.size())};
-            fp.push_back(r);
-            cp.push_back(1);
+            e = Entry{r.key, r.tid, u};
+            fp[u] = r;
+            cp[u++] = 1;
           } else if (e.key != r.key || e.tid != r.tid) {
             continue;
           } else {
@@ -122,10 +131,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
           break;
         }
       }
+      uniques[p] = u;
     }
   });
   std::vector<int64_t> base(P + 1, 0);
-  for (int64_t p = 0; p < P; ++p) base[p + 1] = base[p] + static_cast<int64_t>(first[p].size());
+  for (int64_t p = 0; p < P; ++p) base[p + 1] = base[p] + uniques[p];
   const int64_t U = base[P];
   Tensor ukeys = at::empty({U}, indices.options()), utids = at::empty({U}, indices.options()),
          ucounts = at::empty({U}, indices.options()), inverse = at::empty({n}, indices.options());
@@ -133,10 +143,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
           *inv = inverse.data_ptr<int64_t>();
   at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
     for (int64_t p = pb; p < pe; ++p) {
-      for (size_t u = 0; u < first[p].size(); ++u) {
-        uk[base[p] + u] = first[p][u].key;
-        ut[base[p] + u] = first[p][u].tid;
-        uc[base[p] + u] = count[p][u];
+      for (int64_t u = 0; u < uniques[p]; ++u) {
+        uk[base[p] + u] = first[part_begin[p] + u].key;
+        ut[base[p] + u] = first[part_begin[p] + u].tid;
+        uc[base[p] + u] = count[part_begin[p] + u];
       }
       for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) inv[rec[j].pos] = base[p] + lid[j];
     }

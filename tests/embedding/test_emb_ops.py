@@ -169,3 +169,41 @@ def test_backward_update_refuses_unknown_codes():
             ops.emb_backward_update(torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE,
                                     m.dims, None, 0, optimizer, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, mode)
     assert all(torch.equal(a, b) for a, b in zip(weights, m.storage.weights()))
+
+
+def _table_reference():
+    """tests/table/reference.py (the table's Python model: fmix64)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("table_reference", Path(__file__).parent.parent / "table" / "reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("n_bags", [40, 3000], ids=["one-part", "64-parts"])
+def test_unique_order_matches_a_python_model(n_bags):
+    # unique_rules.h: (key, table) hashed with the table's salt; from 4096
+    # indices on the hash's top 6 bits pick one of 64 parts; uniques come part
+    # by part, in order of first occurrence within a part.
+    fmix64 = _table_reference().fmix64
+    gen = torch.Generator().manual_seed(3)
+    indices, offsets = random_batch(gen, FEATURE_TABLE, [500, 300], batch=n_bags, max_len=4)
+    indices = indices * 7919 - 10**6  # negative keys too
+    ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
+    B, n = n_bags, indices.numel()
+    off = offsets.tolist()
+    pairs = [(k, FEATURE_TABLE[j // B]) for j in range(len(off) - 1) for k in indices[off[j]:off[j + 1]].tolist()]
+
+    def part(k, t):
+        return fmix64((k & (2**64 - 1)) ^ fmix64(t + 1)) >> 58 if n >= 4096 else 0
+
+    first, cnt = {}, {}
+    for p in pairs:
+        first.setdefault(p, len(first))
+        cnt[p] = cnt.get(p, 0) + 1
+    want = sorted(first, key=lambda p: (part(*p), first[p]))
+    assert list(zip(ukeys.tolist(), utids.tolist())) == want
+    assert counts.tolist() == [cnt[p] for p in want]
+    pos = {p: u for u, p in enumerate(want)}
+    assert inverse.tolist() == [pos[p] for p in pairs]
