@@ -38,6 +38,9 @@ namespace rows_detail {
 // are unaligned (memcpy), written inline: a function passing this type by
 // value would change its ABI with the clone's target.
 typedef float f32x8 __attribute__((vector_size(32)));
+// Stores through this unaligned view: a memcpy of a vector compiled to a
+// spill and a copy loop whose reads stalled on the spill.
+typedef float f32x8u __attribute__((vector_size(32), aligned(4), may_alias));
 }  // namespace rows_detail
 
 // Prefetches the `bytes` of a row (nullptr: a missing row, nothing to fetch).
@@ -54,10 +57,14 @@ inline void prefetch_row(const W* row, int64_t bytes) {
 DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* rows, const float* scales, int64_t L,
                                    int64_t D, int64_t ahead) {
   using rows_detail::f32x8;
+  using rows_detail::f32x8u;
   constexpr int64_t kAhead = 8;  // rows (4 lines each at dim 64): best measured of 4..64
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
-    f32x8 a[8] = {};
+    // Zeroed and stored one vector at a time: zeroing the whole array at
+    // once compiled to a `rep stos` that cost more than the sums of a bag.
+    f32x8 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = f32x8{};
     for (int64_t l = 0; l < L; ++l) {
       if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D * 4);
       const float* x = rows[l] + d0;
@@ -68,7 +75,7 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
         a[k] += s * v;
       }
     }
-    std::memcpy(out + d0, a, sizeof a);
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k];
   }
   for (; d0 + 8 <= D; d0 += 8) {
     f32x8 a = {};
@@ -78,7 +85,7 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
       std::memcpy(&v, rows[l] + d0, sizeof v);
       a += (scales ? scales[l] : 1.0f) * v;
     }
-    std::memcpy(out + d0, &a, sizeof a);
+    *reinterpret_cast<f32x8u*>(out + d0) = a;
   }
   for (; d0 < D; ++d0) {
     float a = 0.0f;
