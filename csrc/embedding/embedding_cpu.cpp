@@ -170,6 +170,9 @@ void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t
 // new rows.
 void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key,
               std::vector<float>& buf) {
+  if (a.mode == init::kUniform &&
+      init::stream_uniform_row(row, dim, stride, seed, a.stream, key, a.lower, a.upper - a.lower))
+    return;  // the common layout: no buffer
   buf.assign(stride, 0.0f);
   if (a.mode == init::kUniform) {  // fill_row's values
     uint32_t bits[64];

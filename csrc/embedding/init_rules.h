@@ -74,6 +74,14 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
 // Host: the 32-bit outputs 4 first .. 4 first + 63 of the stream of (seed,
 // table, key), in order (philox_cpu.cpp: transposed in registers with AVX2).
 void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
+
+// Host: row[0, dim) = UNIFORM's values (uniform_value, bit for bit) of the
+// stream of (seed, table, key) and row[dim, stride) = 0, by non-temporal
+// stores straight from vector registers (philox_cpu.cpp); false (nothing
+// written) without AVX2, or unless dim % 64 == 0, stride % 8 == 0 and the row
+// is 32-byte aligned.
+bool stream_uniform_row(float* row, int64_t dim, int64_t stride, uint64_t seed, int64_t table, int64_t key,
+                        double lower, double span);
 #endif
 
 // fn(b, o) for the Philox blocks b in [0, blocks) of the stream of (seed,

@@ -112,6 +112,29 @@ __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table,
   }
 }
 
+// UNIFORM's row from registers: 64 outputs at a time (the stream's order),
+// each mapped exactly as init::uniform_value (u32 -> double through the
+// signed conversion, then (x + 0.5) * 2^-32, * span, + lower, -> float) and
+// stored non-temporally, 8 floats at once; the optimizer state zeroed likewise.
+__attribute__((target("avx2"))) inline __m128 uniform4(const uint32_t* bits, __m256d lo, __m256d sp) {
+  const __m128i x = _mm_xor_si128(_mm_load_si128(reinterpret_cast<const __m128i*>(bits)), _mm_set1_epi32(INT32_MIN));
+  const __m256d d = _mm256_add_pd(_mm256_cvtepi32_pd(x), _mm256_set1_pd(2147483648.0));  // the u32, exactly
+  const __m256d u = _mm256_mul_pd(_mm256_add_pd(d, _mm256_set1_pd(0.5)), _mm256_set1_pd(1.0 / 4294967296.0));
+  return _mm256_cvtpd_ps(_mm256_add_pd(lo, _mm256_mul_pd(sp, u)));
+}
+
+__attribute__((target("avx2"))) void stream_uniform_avx2(float* row, int64_t dim, int64_t stride, uint64_t seed,
+                                                          int64_t table, int64_t key, double lower, double span) {
+  const __m256d lo = _mm256_set1_pd(lower), sp = _mm256_set1_pd(span);
+  alignas(32) uint32_t bits[64];
+  for (int64_t j = 0; j < dim; j += 64) {
+    philox16_avx2<true>(seed, table, key, static_cast<uint64_t>(j / 4), bits);
+    for (int q = 0; q < 64; q += 8)
+      _mm256_stream_ps(row + j + q, _mm256_set_m128(uniform4(bits + q + 4, lo, sp), uniform4(bits + q, lo, sp)));
+  }
+  for (int64_t d = dim; d < stride; d += 8) _mm256_stream_ps(row + d, _mm256_setzero_ps());
+}
+
 enum class Simd { kNone, kAvx2, kAvx512 };
 
 Simd simd() {
@@ -135,8 +158,17 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
       return false;
   }
 }
+
+bool stream_uniform_row(float* row, int64_t dim, int64_t stride, uint64_t seed, int64_t table, int64_t key,
+                        double lower, double span) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (!avx2 || dim % 64 != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(row) % 32 != 0) return false;
+  stream_uniform_avx2(row, dim, stride, seed, table, key, lower, span);
+  return true;
+}
 #else
 bool philox4_x16(uint64_t, int64_t, int64_t, uint64_t, uint32_t*) { return false; }  // no x86: one by one
+bool stream_uniform_row(float*, int64_t, int64_t, uint64_t, int64_t, int64_t, double, double) { return false; }
 #endif
 
 void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {

@@ -201,16 +201,18 @@ def test_stored_initial_rows_match_the_scalar_rule(dim, dtype):
         assert torch.equal(weights[t][sel, dim:], torch.zeros(sel.numel(), 3, dtype=dtype))
 
 
-def test_many_new_keys_get_their_own_keys_values():
+@pytest.mark.parametrize("dim,optimizer", [(16, "exact_sgd"), (64, "exact_sgd"), (128, "adam"), (64, "exact_adagrad")])
+def test_many_new_keys_get_their_own_keys_values(dim, optimizer):
     """From 4096 keys on, a training forward writes the new keys' rows in the
     order of their rows (emb_row_order), not in the keys' order: each row
     still gets its own key's initial values (the scalar rule of emb_forward
-    for keys without a row)."""
+    for keys without a row) and a zero optimizer state. Dims of 64k on float32
+    rows take the vector path that streams rows from registers."""
     from dynamicemb._ops import ops
-    dim, n = 16, 6000
+    n = 6000
     init = DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=-0.3, upper=0.7)
-    m = make_module([dim, dim], pooling=NONE, max_capacity=1 << 14, bucket_capacity=16, initializer_args=init,
-                    module_kwargs=dict(seed=3))
+    m = make_module([dim, dim], pooling=NONE, optimizer=optimizer, max_capacity=1 << 14, bucket_capacity=16,
+                    initializer_args=init, module_kwargs=dict(seed=3))
     gen = torch.Generator().manual_seed(8)
     keys = torch.randint(-2**62, 2**62, (2 * n,), generator=gen)
     m(keys, torch.tensor([0, n, 2 * n]))  # n new keys per table
@@ -221,3 +223,4 @@ def test_many_new_keys_get_their_own_keys_values():
         want = ops.emb_forward(m.storage.weights(), torch.full((n,), -1), k, torch.arange(n), torch.tensor([0, n]),
                                [t], m.dims, None, int(NONE), m.storage.init_params, 3, torch.float32)
         assert torch.equal(rows[:, :dim], want)
+        assert bool((rows[:, dim:] == 0).all())
