@@ -127,14 +127,22 @@ struct Runs {
   int64_t len(int64_t r) const { return start[r + 1] - start[r]; }
 };
 
+// The per-slot arrays a call writes at the slot a key is found in (nullptr:
+// not written), fetched for writing with the key's line.
+struct WrittenAtMatch {
+  const int64_t* scores = nullptr;
+  const int32_t* epochs = nullptr;
+  const int64_t* timestamps = nullptr;
+};
+
 // Walks one part's records in bucket order: fn(runs, r, base) for each run
 // (base: the first slot of its bucket), so that fn may look at later runs.
 // Prefetches per key, at three distances: its record, its bucket's digests
-// and, once they are in, the line of the key its digest first matches; and
-// each run's digests three runs ahead.
+// and, once they are in, the lines of the slot its digest first matches (the
+// key's, and those of `written`); and each run's digests three runs ahead.
 template <class Rec, class RunFn>
 void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, const int64_t* sk,
-               int64_t cap, RunFn fn) {
+               int64_t cap, RunFn fn, const WrittenAtMatch& written = {}) {
   thread_local std::vector<uint32_t> start;
   start.clear();
   for (int64_t j = 0; j < m; ++j)
@@ -148,7 +156,13 @@ void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, c
     if (q + kKeyAhead < m) {
       const Rec& r = recs[order[q + kKeyAhead]];
       const int c = first_digest_match(sd + r.bucket * cap, static_cast<int>(cap), r.digest);
-      if (c >= 0) prefetch(sk + r.bucket * cap + c);
+      if (c >= 0) {
+        const int64_t slot = r.bucket * cap + c;
+        prefetch(sk + slot);
+        if (written.scores) prefetch_write(written.scores + slot);
+        if (written.epochs) prefetch_write(written.epochs + slot);
+        if (written.timestamps) prefetch_write(written.timestamps + slot);
+      }
     }
   };
   for (int64_t q = 0; q < std::min(m, kRecordAhead); ++q) prefetch_write(&recs[order[q]]);
@@ -164,14 +178,18 @@ void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, c
 // Walks a batch's records in bucket order and finds each key:
 // fn(rec, base, slot in the bucket or -1).
 template <class Rec, class Fn>
-void find_each(BucketBatch<Rec>& bb, const uint8_t* sd, const int64_t* sk, int64_t cap, Fn fn) {
+void find_each(BucketBatch<Rec>& bb, const uint8_t* sd, const int64_t* sk, int64_t cap, Fn fn,
+               const WrittenAtMatch& written = {}) {
   bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
-    walk_runs(recs, order, m, sd, sk, cap, [&](const Runs& runs, int64_t run, int64_t base) {
-      for (int64_t q = 0; q < runs.len(run); ++q) {
-        Rec& r = recs[runs.idx(run)[q]];
-        fn(r, base, find_in_bucket<false>(sd + base, sk + base, cap, r.digest, r.key, nullptr));
-      }
-    });
+    walk_runs(
+        recs, order, m, sd, sk, cap,
+        [&](const Runs& runs, int64_t run, int64_t base) {
+          for (int64_t q = 0; q < runs.len(run); ++q) {
+            Rec& r = recs[runs.idx(run)[q]];
+            fn(r, base, find_in_bucket<false>(sd + base, sk + base, cap, r.digest, r.key, nullptr));
+          }
+        },
+        written);
   });
 }
 
@@ -417,12 +435,15 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
     r.score = ks ? ks[i] : dflt;
     r.digest = d;
   });
-  find_each(bb, sd, sk, L.cap, [&](Rec& r, int64_t base, int s) {
-    r.bucket = s >= 0 ? base + s : -1;
-    if (s < 0) return;
-    sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
-    if (ts) ts[base + s] = call_score;
-  });
+  find_each(
+      bb, sd, sk, L.cap,
+      [&](Rec& r, int64_t base, int s) {
+        r.bucket = s >= 0 ? base + s : -1;
+        if (s < 0) return;
+        sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
+        if (ts) ts[base + s] = call_score;
+      },
+      WrittenAtMatch{sc, nullptr, ts});
   bb.scatter(where, [&](int64_t i, const Rec& r) {
     out[i] = r.bucket;
     fnd[i] = r.bucket >= 0;
@@ -513,6 +534,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, e32, runs.len(run + 1));
         }
       }
+      // A bucket's new keys fill its free slots from the first kEmpty one on
+      // (the used slots are a prefix): the lines they write are fetched one
+      // run ahead, else each new key waits on four write misses.
+      if (run + 1 < runs.count) {
+        const int64_t b1 = recs[runs.idx(run + 1)[0]].bucket * L.cap;
+        const int f = first_digest_match(sd + b1, cap, kEmpty);
+        if (f >= 0) {
+          prefetch_write(sk + b1 + f);
+          prefetch_write(sc + b1 + f);
+          prefetch_write(ep + b1 + f);
+          if (ts) prefetch_write(ts + b1 + f);
+        }
+      }
       RunVictims& vic = victims[run & 1];
       for (int64_t q = 0; q < len; ++q) {
         Rec& r = recs[idx[q]];
@@ -547,7 +581,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         r.bucket = base + s;
       }
       vic.reset();
-    });
+    }, WrittenAtMatch{sc, ep, ts});
   });
   // The displaced key and score of an evicting insert, by key position.
   std::unique_ptr<int64_t[]> ev_key(new int64_t[n]), ev_score(new int64_t[n]);
