@@ -62,7 +62,7 @@ TORCH_LIBRARY(dynamicemb, m) {
       "emb_init_rows(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, int[] dims, "
       "Tensor init_params, int seed) -> ()");
   // Positions 0..n-1 of (table, row) pairs in the order of their rows'
-  // addresses, to within blocks (embedding_cpu.h row_order): kernels that
+  // addresses, to within blocks (embedding_cpu.cpp row_order_cpu): kernels that
   // write rows at random run about twice as fast in that order. CPU only.
   m.def("emb_row_order(Tensor[] weights, Tensor rows, Tensor table_ids) -> Tensor");
   m.def(
