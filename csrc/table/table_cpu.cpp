@@ -24,6 +24,7 @@
 #include "table/bucket_batch_cpu.h"
 #include "table/table_checks.h"
 #include "table/table_rules.h"
+#include "table/victims_cpu.h"
 
 namespace dynamicemb {
 namespace table {
@@ -205,43 +206,6 @@ Tensor new_tensor(int64_t n, at::ScalarType dtype) {
   return at::empty({n}, at::TensorOptions().dtype(dtype));
 }
 
-// The victims of one run of a bucket's keys (victim_candidates in
-// table_rules.h): the bucket's scores are scanned once, for as many victims as
-// keys are left in the run: ahead of the run when its bucket is full, else at
-// its first eviction. The keys of the listed slots are then prefetched: each
-// eviction reads and overwrites one.
-class RunVictims {
- public:
-  void build(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
-             int64_t keys_left) {
-    cand_.resize(cap);
-    const int groups = cap / kGroupSize;
-    group_slot_.resize(groups);
-    group_score_.resize(groups);
-    taken_.resize(groups);
-    m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)),
-                           cand_.data(), group_slot_.data(), group_score_.data(), taken_.data());
-    cursor_ = 0;
-    for (int c = 0; c < m_; ++c) prefetch_write(keys + cand_[c]);
-  }
-
-  // The victim for a key with `keys_left` keys of the run left, itself included.
-  int next(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
-           int64_t keys_left) {
-    if (m_ < 0) build(scores, epochs, keys, cap, epoch, keys_left);
-    return next_victim(cand_.data(), m_, &cursor_, epochs, epoch);
-  }
-
-  void reset() { m_ = -1; }
-
- private:
-  std::vector<int> cand_, group_slot_;  // group_*, taken_: victim_candidates' scratch
-  std::vector<int64_t> group_score_;
-  std::vector<uint32_t> taken_;
-  int m_ = -1;  // -1: not built
-  int cursor_ = 0;
-};
-
 // True when the bucket at `digests` has no kEmpty or kErased slot.
 bool bucket_full(const uint8_t* digests, int cap) {
   for (int g = 0; g < cap; g += kGroupSize)
@@ -384,12 +348,19 @@ std::tuple<Tensor, Tensor> lookup_gather_cpu(const Tensor& slot_keys, const Tens
   const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
   const int64_t bytes = check_gather(values, out, keys.numel(), c.view.L.num_slots(), kCpu);
   check_table_ids(lookup_pipeline(c.view, keys.numel()), c.view.tids, c.view.L);
-  // Then the rows, one copy each (zeros for a missing key), in parallel.
+  // Then the rows, one copy each (zeros for a missing key), in parallel. The
+  // rows kRowsAhead keys on are fetched ahead: without, the copies ran at
+  // index_select's rate of random row reads, one or two misses in flight.
+  constexpr int64_t kRowsAhead = 8;
   const int64_t* slot = c.indices.data_ptr<int64_t>();
   const char* src = static_cast<const char*>(values.const_data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, keys.numel(), 2048, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
+      if (i + kRowsAhead < e && slot[i + kRowsAhead] >= 0) {
+        const char* row = src + slot[i + kRowsAhead] * bytes;
+        for (int64_t o = 0; o < bytes; o += 64) prefetch(row + o);
+      }
       if (slot[i] >= 0) {
         std::memcpy(dst + i * bytes, src + slot[i] * bytes, bytes);
       } else {
@@ -520,7 +491,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
       const int64_t len = runs.len(run);
       if (evicts) {
         // Full buckets evict: their scores and epochs are fetched two runs
-        // ahead and their victims listed one run ahead.
+        // ahead and their victims listed one run ahead. (Listing only for
+        // runs with a surely new key measured slower for runs of found keys:
+        // the fetched lines are those their score and epoch writes need.)
         if (run + 2 < runs.count) {
           const int64_t b2 = recs[runs.idx(run + 2)[0]].bucket * L.cap;
           if (bucket_full(sd + b2, cap)) {

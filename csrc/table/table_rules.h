@@ -292,13 +292,16 @@ DE_HD int group_victim(const int64_t* scores, const int32_t* epochs, int32_t cal
 // first listed slot not held at that time (next_victim) is the victim. The list is drawn as from a tournament: each group's best slot,
 // then r times the best of those, its group's next best taking its place.
 // `group_slot`, `group_score` and `taken` are scratch of capacity / 16 each.
+// `victim_of_group` has group_victim's signature and result (a backend may
+// pass a vector form of it).
+template <class GroupVictim>
 DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int capacity,
                             int32_t call_epoch, int r, int* out, int* group_slot, int64_t* group_score,
-                            uint32_t* taken) {
+                            uint32_t* taken, GroupVictim victim_of_group) {
   const int groups = capacity / kGroupSize;
   for (int g = 0; g < groups; ++g) {
     taken[g] = 0;
-    group_slot[g] = group_victim(scores + g * kGroupSize, epochs + g * kGroupSize, call_epoch, 0, &group_score[g]);
+    group_slot[g] = victim_of_group(scores + g * kGroupSize, epochs + g * kGroupSize, call_epoch, 0, &group_score[g]);
   }
   int m = 0;
   while (m < r) {
@@ -312,8 +315,8 @@ DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int ca
     if (bg < 0) break;
     out[m++] = bg * kGroupSize + group_slot[bg];
     taken[bg] |= 1u << group_slot[bg];
-    group_slot[bg] = group_victim(scores + bg * kGroupSize, epochs + bg * kGroupSize, call_epoch, taken[bg],
-                                  &group_score[bg]);
+    group_slot[bg] = victim_of_group(scores + bg * kGroupSize, epochs + bg * kGroupSize, call_epoch, taken[bg],
+                                     &group_score[bg]);
   }
   return m;
 }

@@ -89,6 +89,22 @@ def test_equal_scores_evict_slot_zero_first(device):
     assert _evicted(p.insert([2], step=0)) == [(1, 0, 0, 0)]
 
 
+def test_extreme_scores_evict_in_score_then_slot_order(device):
+    # The CPU's vector victim search reads the slots it may not take as
+    # INT64_MAX: live slots scored INT64_MAX must still go, after every lower
+    # score, lowest slot first; the call's own keys (score 0) never.
+    p = Pair(CUSTOMIZED, [1], device=device)
+    scores = [INT64_MAX] * 16
+    scores[5], scores[9], scores[12] = INT64_MIN, INT64_MAX - 1, -1
+    p.insert(FILL, scores=scores)
+    out = p.insert([1, 2, 3, 4, 5], scores=[0] * 5)
+    assert _evicted(out) == [(105, 0, 5, INT64_MIN), (112, 0, 12, -1), (109, 0, 9, INT64_MAX - 1),
+                             (100, 0, 0, INT64_MAX), (101, 0, 1, INT64_MAX)]
+    out = p.insert(list(range(6, 23)), scores=INT64_MIN)
+    assert [i for _, _, i, _ in _evicted(out)] == [0, 1, 5, 9, 12, 2, 3, 4, 6, 7, 8, 10, 11, 13, 14, 15]
+    assert _results(out)[-1] == R.FAILED  # the 17th: all 16 slots held by the call
+
+
 def test_timestamp_is_lru(device):
     p = Pair(TIMESTAMP, [1], device=device)
     for i, k in enumerate(FILL):

@@ -1,0 +1,115 @@
+// Victim selection for the CPU insert: the victims of one run of a bucket's
+// keys (victim_candidates, table_rules.h), with each group's victim found by
+// AVX2 where the CPU has it (the scalar group_victim's chain of dependent
+// selects made victim listing a quarter of an evicting insert's time).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "table/table_rules.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace dynamicemb {
+namespace table {
+
+#if defined(__x86_64__)
+#define DE_AVX2 __attribute__((target("avx2"))) inline
+
+// Bit i set where epochs[i] == call_epoch, for 8 slots.
+DE_AVX2 uint32_t held8_avx2(const int32_t* epochs, __m256i call_epoch) {
+  const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(epochs));
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, call_epoch))));
+}
+
+DE_AVX2 __m256i min_epi64_avx2(__m256i a, __m256i b) {
+  return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi64(a, b));
+}
+
+// group_victim for 16 slots in vectors: closed slots (held, or in `skip`)
+// read as INT64_MAX, the minimum is reduced across lanes, and the lowest open
+// slot holding it is the victim: the same slot and score as group_victim.
+DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+                              int64_t* score) {
+  const __m256i ce = _mm256_set1_epi32(call_epoch);
+  const uint32_t closed = (held8_avx2(epochs, ce) | held8_avx2(epochs + 8, ce) << 8 | skip) & 0xFFFFu;
+  if (closed == 0xFFFFu) return -1;
+  const __m256i lane_bit = _mm256_set_epi64x(8, 4, 2, 1);
+  const __m256i top = _mm256_set1_epi64x(INT64_MAX);
+  __m256i s[4];
+  for (int v = 0; v < 4; ++v) {
+    const __m256i nib = _mm256_set1_epi64x((closed >> (4 * v)) & 15u);
+    const __m256i shut = _mm256_cmpeq_epi64(_mm256_and_si256(nib, lane_bit), lane_bit);
+    s[v] = _mm256_blendv_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores + 4 * v)), top, shut);
+  }
+  __m256i m = min_epi64_avx2(min_epi64_avx2(s[0], s[1]), min_epi64_avx2(s[2], s[3]));
+  m = min_epi64_avx2(m, _mm256_permute2x128_si256(m, m, 1));
+  m = min_epi64_avx2(m, _mm256_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  uint32_t at_min = 0;
+  for (int v = 0; v < 4; ++v)
+    at_min |= static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(s[v], m)))) << (4 * v);
+  *score = _mm256_extract_epi64(m, 0);
+  return lowest_bit(at_min & ~closed);  // some open slot holds the minimum
+}
+#undef DE_AVX2
+#endif
+
+// group_victim, in vectors where the CPU has AVX2.
+struct CpuGroupVictim {
+#if defined(__x86_64__)
+  bool avx2 = [] {
+    static const bool has = __builtin_cpu_supports("avx2");
+    return has;
+  }();
+#endif
+  int operator()(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+                 int64_t* score) const {
+#if defined(__x86_64__)
+    if (avx2) return group_victim_avx2(scores, epochs, call_epoch, skip, score);
+#endif
+    return group_victim(scores, epochs, call_epoch, skip, score);
+  }
+};
+
+// The victims of one run of a bucket's keys: the bucket's scores are scanned
+// once, for as many victims as keys are left in the run: ahead of the run
+// when its bucket is full, else at its first eviction. The keys of the listed
+// slots are then prefetched: each eviction reads and overwrites one.
+class RunVictims {
+ public:
+  void build(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+             int64_t keys_left) {
+    cand_.resize(cap);
+    const int groups = cap / kGroupSize;
+    group_slot_.resize(groups);
+    group_score_.resize(groups);
+    taken_.resize(groups);
+    m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)),
+                           cand_.data(), group_slot_.data(), group_score_.data(), taken_.data(), victim_of_group_);
+    cursor_ = 0;
+    for (int c = 0; c < m_; ++c) __builtin_prefetch(keys + cand_[c], 1, 1);
+  }
+
+  // The victim for a key with `keys_left` keys of the run left, itself included.
+  int next(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+           int64_t keys_left) {
+    if (m_ < 0) build(scores, epochs, keys, cap, epoch, keys_left);
+    return next_victim(cand_.data(), m_, &cursor_, epochs, epoch);
+  }
+
+  void reset() { m_ = -1; }
+
+ private:
+  CpuGroupVictim victim_of_group_;
+  std::vector<int> cand_, group_slot_;  // group_*, taken_: victim_candidates' scratch
+  std::vector<int64_t> group_score_;
+  std::vector<uint32_t> taken_;
+  int m_ = -1;  // -1: not built
+  int cursor_ = 0;
+};
+
+}  // namespace table
+}  // namespace dynamicemb
