@@ -11,7 +11,7 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -119,28 +119,49 @@ class IdleGate:
                 "repeats_gated": self.gated, "gave_up": self.gave_up, "waited_s": round(self.waited_s, 1)}
 
 
+class Op(NamedTuple):
+    """One timed operation: setup() -> arg, fn(arg) timed, then
+    teardown(arg, result) and, over the kept results, extra(results) -> a
+    dict for the JSON record (both untimed)."""
+    name: str
+    fn: Callable[[Any], Any]
+    setup: Optional[Callable[[], Any]] = None
+    teardown: Optional[Callable[[Any, Any], None]] = None
+    extra: Optional[Callable[[List[Any]], dict]] = None
+
+
+def bench_round_robin(ops: Sequence[Op], n: int, device: torch.device, repeats: int, warmup: int = 1,
+                      gate: Optional[Callable[[], None]] = None) -> Dict[str, Measurement]:
+    """Times each op `warmup` times (discarded) and `repeats` times (kept),
+    the ops taking turns: one call of each per round, so that ops whose rates
+    are compared see the same state of a shared machine (load from other
+    VMs came and went within seconds here, moving single measurements by up
+    to 2x). `gate()` (e.g. an IdleGate) runs before each timed call."""
+    times: Dict[str, List[float]] = {op.name: [] for op in ops}
+    results: Dict[str, List[Any]] = {op.name: [] for op in ops}
+    for r in range(warmup + repeats):
+        for op in ops:
+            arg = op.setup() if op.setup is not None else None
+            if gate is not None and r >= warmup:
+                gate()
+            dt, out = timed(lambda: op.fn(arg), device)
+            if op.teardown is not None:
+                op.teardown(arg, out)
+            if r >= warmup:
+                times[op.name].append(dt)
+                if op.extra is not None:
+                    results[op.name].append(out)
+    return {op.name: Measurement(op.name, n, times[op.name],
+                                 op.extra(results[op.name]) if op.extra is not None else None) for op in ops}
+
+
 def bench(name: str, fn: Callable[[Any], Any], n: int, device: torch.device, repeats: int,
           warmup: int = 1, setup: Optional[Callable[[], Any]] = None,
           teardown: Optional[Callable[[Any, Any], None]] = None,
           extra: Optional[Callable[[List[Any]], dict]] = None,
           gate: Optional[Callable[[], None]] = None) -> Measurement:
-    """Runs setup() -> arg, times fn(arg), then teardown(arg, result) (untimed),
-    `warmup` times discarded and `repeats` times kept. `extra(results)` may
-    summarise the kept results into the JSON record; `gate()` (e.g. an
-    IdleGate) runs before each timed call."""
-    times, results = [], []
-    for r in range(warmup + repeats):
-        arg = setup() if setup is not None else None
-        if gate is not None and r >= warmup:
-            gate()
-        dt, out = timed(lambda: fn(arg), device)
-        if teardown is not None:
-            teardown(arg, out)
-        if r >= warmup:
-            times.append(dt)
-            if extra is not None:
-                results.append(out)
-    return Measurement(name, n, times, extra(results) if extra is not None else None)
+    """One op timed alone (bench_round_robin of one)."""
+    return bench_round_robin([Op(name, fn, setup, teardown, extra)], n, device, repeats, warmup, gate)[name]
 
 
 def fmt_rate(m: Optional[Measurement], device: torch.device) -> str:

@@ -14,7 +14,8 @@ Definitions (per load factor LF; every batch holds --batch keys):
   lookup+refresh  lookup(update_score=True) of stored keys
   insert assign   insert of stored keys (finds them, refreshes the scores)
   insert new      insert of new keys (LF < 1); erased again after each repeat
-                  (untimed) so that the load factor stays put
+                  (untimed), and the few keys they evicted from full buckets
+                  inserted again, so that the stored keys stay put
   insert evict    insert of new keys into the full table (LF = 1): each evicts
   erase           erase of stored keys; re-inserted after each repeat (untimed)
   lookup+gather   ScoredHashTable.lookup_gather of stored keys: lookup and
@@ -24,6 +25,10 @@ Definitions (per load factor LF; every batch holds --batch keys):
   gather(slots)   only the index_select, by the slot indices a lookup returned
   index_select    index_select of as many uniformly random rows of a static
                   [slots, dim] table (the baseline)
+Per load factor, the lookups, the gathers, index_select and the insert of
+new keys take turns, one call of each per round, so that the rates the
+summary compares are measured under the same load; refresh, assign and
+erase follow, each alone.
 Keys are distinct pseudo-random int64s: an odd multiple of a counter plus a
 random offset (mod 2^64), a bijection, so new keys never collide with stored
 ones. LF 1.0 is reached by inserting full batches until size() == capacity()
@@ -42,7 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     Measurement,
     IdleGate,
+    Op,
     bench,
+    bench_round_robin,
     busy_warning,
     default_out,
     env_info,
@@ -132,10 +139,6 @@ class Table:
     def erase(self, keys):
         return self.t.erase(keys)
 
-    def stored_keys(self) -> torch.Tensor:
-        parts = [b.keys for b in self.t.export(batch_size=self.t.capacity())]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.t.device)
-
 
 def result_counts(outs) -> dict:
     """Share of each InsertResult over the kept repeats of an insert."""
@@ -171,15 +174,26 @@ def run_stage(tab: Table, lf: float, args, gen: KeyGen, device, values, out_buf,
     B, R = args.batch, args.repeats
     info = fill(tab, lf, gen, B, device)
     full = info["size"] >= tab.t.capacity()
-    stored = tab.stored_keys()
-    sample = Sampler(stored, B)
-    m: Dict[str, Measurement] = {}
+    # The stored keys by slot: an evicting insert's teardown writes its keys
+    # over the ones it evicted, so lookups of a sample stay all hits.
+    parts = tab.t.export(batch_size=tab.t.capacity())
+    pool = torch.full((tab.t.capacity(),), 0, dtype=torch.int64, device=device)
+    live = torch.zeros(tab.t.capacity(), dtype=torch.bool, device=device)
+    for part in parts:
+        pool[part.indices] = part.keys
+        live[part.indices] = True
+    slots_live = live.nonzero().squeeze(1)
+    del parts, live
+    sample = Sampler(slots_live, B)
+    stored_sample = lambda: pool[sample()]  # noqa: E731
 
-    def run(name, fn, **kw):
-        m[name] = bench(name, fn, B, device, R, warmup=1, gate=gate, **kw)
+    def evict_teardown(keys, out):
+        ok = out.indices >= 0
+        pool[out.indices[ok]] = keys[ok]
 
-    run("lookup_hit", tab.lookup, setup=sample, extra=found_share)
-    run("lookup_miss", tab.lookup, setup=lambda: gen(B), extra=found_share)
+    # The operations whose rates are compared (see the summary) take turns.
+    turns = [Op("lookup_hit", tab.lookup, stored_sample, extra=found_share),
+             Op("lookup_miss", tab.lookup, lambda: gen(B), extra=found_share)]
     if values is not None:
         slots = values.shape[0]
 
@@ -187,23 +201,33 @@ def run_stage(tab: Table, lf: float, args, gen: KeyGen, device, values, out_buf,
             idx, _ = tab.lookup(k)
             return torch.index_select(values, 0, idx, out=out_buf)
 
-        run("lookup_gather", lambda k: tab.t.lookup_gather(k, values, out=out_buf), setup=sample)
-        run("lookup_then_gather", lookup_then_gather, setup=sample)
-        run("gather_slots", lambda idx: torch.index_select(values, 0, idx, out=out_buf),
-            setup=lambda: tab.lookup(sample())[0])
-        run("index_select", lambda rows: torch.index_select(values, 0, rows, out=out_buf),
-            setup=lambda: torch.randint(0, slots, (B,), device=device))
-    run("lookup_refresh", tab.lookup_refresh, setup=sample, extra=found_share)
-    run("insert_assign", tab.insert, setup=sample, extra=result_counts)
-    run("erase", tab.erase, setup=sample, teardown=lambda k, _: tab.insert(k),
-        extra=lambda outs: {"erased": sum(int(o.sum()) for o in outs) / max(1, B * len(outs))})
+        turns += [Op("lookup_gather", lambda k: tab.t.lookup_gather(k, values, out=out_buf), stored_sample),
+                  Op("lookup_then_gather", lookup_then_gather, stored_sample),
+                  Op("gather_slots", lambda idx: torch.index_select(values, 0, idx, out=out_buf),
+                     lambda: tab.lookup(stored_sample())[0]),
+                  Op("index_select", lambda rows: torch.index_select(values, 0, rows, out=out_buf),
+                     lambda: torch.randint(0, slots, (B,), device=device))]
     if full:
-        run("insert_evict", tab.insert, setup=lambda: gen(B), extra=result_counts)
+        turns.append(Op("insert_evict", tab.insert, lambda: gen(B), evict_teardown, result_counts))
     else:
-        run("insert_new", tab.insert, setup=lambda: gen(B), teardown=lambda k, _: tab.erase(k),
-            extra=result_counts)
+        def new_teardown(keys, out):  # erase them; keys that a full bucket evicted come back
+            tab.erase(keys)
+            if out.evicted.keys.numel():
+                tab.insert(out.evicted.keys)
+
+        turns.append(Op("insert_new", tab.insert, lambda: gen(B), new_teardown, result_counts))
+    m: Dict[str, Measurement] = bench_round_robin(turns, B, device, R, warmup=1, gate=gate)
+
+    def run(name, fn, **kw):
+        m[name] = bench(name, fn, B, device, R, warmup=1, gate=gate, **kw)
+
+    run("lookup_refresh", tab.lookup_refresh, setup=stored_sample, extra=found_share)
+    run("insert_assign", tab.insert, setup=stored_sample, extra=result_counts)
+    # Last: erased keys come back, but maybe in other slots of their bucket.
+    run("erase", tab.erase, setup=stored_sample, teardown=lambda k, _: tab.insert(k),
+        extra=lambda outs: {"erased": sum(int(o.sum()) for o in outs) / max(1, B * len(outs))})
     info["size_after"] = tab.t.size()
-    del stored, sample
+    del pool, sample
     return {"lf": lf, "fill": info, "full": full, "m": m}
 
 
