@@ -120,13 +120,17 @@ class IdleGate:
 
 
 class Op(NamedTuple):
-    """One timed operation: setup() -> arg, fn(arg) timed, then
-    teardown(arg, result) and, over the kept results, extra(results) -> a
-    dict for the JSON record (both untimed)."""
+    """One timed operation: setup() -> arg, fn(arg) timed, then (untimed)
+    teardown(arg, result) and keep(result), and at the end extra(the kept
+    values of the timed repeats) -> a dict for the JSON record. keep should
+    make results small: results held across repeats (tens of MiB for a
+    million keys) made the next calls' outputs land on fresh pages, and
+    their page faults doubled an evicting insert's time."""
     name: str
     fn: Callable[[Any], Any]
     setup: Optional[Callable[[], Any]] = None
     teardown: Optional[Callable[[Any, Any], None]] = None
+    keep: Optional[Callable[[Any], Any]] = None
     extra: Optional[Callable[[List[Any]], dict]] = None
 
 
@@ -150,7 +154,7 @@ def bench_round_robin(ops: Sequence[Op], n: int, device: torch.device, repeats: 
             if r >= warmup:
                 times[op.name].append(dt)
                 if op.extra is not None:
-                    results[op.name].append(out)
+                    results[op.name].append(op.keep(out) if op.keep is not None else out)
     return {op.name: Measurement(op.name, n, times[op.name],
                                  op.extra(results[op.name]) if op.extra is not None else None) for op in ops}
 
@@ -158,10 +162,12 @@ def bench_round_robin(ops: Sequence[Op], n: int, device: torch.device, repeats: 
 def bench(name: str, fn: Callable[[Any], Any], n: int, device: torch.device, repeats: int,
           warmup: int = 1, setup: Optional[Callable[[], Any]] = None,
           teardown: Optional[Callable[[Any, Any], None]] = None,
+          keep: Optional[Callable[[Any], Any]] = None,
           extra: Optional[Callable[[List[Any]], dict]] = None,
           gate: Optional[Callable[[], None]] = None) -> Measurement:
     """One op timed alone (bench_round_robin of one)."""
-    return bench_round_robin([Op(name, fn, setup, teardown, extra)], n, device, repeats, warmup, gate)[name]
+    return bench_round_robin([Op(name, fn, setup, teardown, keep, extra)], n, device, repeats, warmup,
+                             gate)[name]
 
 
 def fmt_rate(m: Optional[Measurement], device: torch.device) -> str:

@@ -25,10 +25,10 @@ Definitions (per load factor LF; every batch holds --batch keys):
   gather(slots)   only the index_select, by the slot indices a lookup returned
   index_select    index_select of as many uniformly random rows of a static
                   [slots, dim] table (the baseline)
-Per load factor, the lookups, the gathers, index_select and the insert of
-new keys take turns, one call of each per round, so that the rates the
-summary compares are measured under the same load; refresh, assign and
-erase follow, each alone.
+Per load factor, the operations whose rates the summary compares take turns,
+one call of each per round, so that both sides of a ratio are measured under
+the same load: the lookups with the insert of new keys, then the gathers with
+index_select; refresh, assign and erase follow, each alone.
 Keys are distinct pseudo-random int64s: an odd multiple of a counter plus a
 random offset (mod 2^64), a bijection, so new keys never collide with stored
 ones. LF 1.0 is reached by inserting full batches until size() == capacity()
@@ -140,16 +140,22 @@ class Table:
         return self.t.erase(keys)
 
 
-def result_counts(outs) -> dict:
-    """Share of each InsertResult over the kept repeats of an insert."""
-    c = sum(torch.bincount(o.results.to(torch.int64), minlength=4).cpu() for o in outs)
-    total = max(1, int(c.sum()))
-    return {"results": {r.name.lower(): int(c[r]) / total for r in InsertResult}}
+# What the JSON records of a call's result (keep) and over the timed repeats
+# (extra): the share of each InsertResult of an insert, of found keys of a
+# lookup, of erased keys of an erase.
+INSERT_SHARES = dict(
+    keep=lambda out: torch.bincount(out.results.to(torch.int64), minlength=4).cpu(),
+    extra=lambda counts: {"results": {r.name.lower(): int(sum(counts)[r]) / max(1, int(sum(counts).sum()))
+                                      for r in InsertResult}})
 
 
-def found_share(outs) -> dict:
-    total = sum(o[1].numel() for o in outs)
-    return {"found": sum(int(o[1].sum()) for o in outs) / max(1, total)}
+def _share(name, hits):
+    return dict(keep=lambda out: (int(hits(out).sum()), hits(out).numel()),
+                extra=lambda kept: {name: sum(k for k, _ in kept) / max(1, sum(n for _, n in kept))})
+
+
+FOUND_SHARE = _share("found", lambda out: out[1])
+ERASED_SHARE = _share("erased", lambda out: out)
 
 
 def fill(tab: Table, lf: float, gen: KeyGen, batch: int, device) -> dict:
@@ -191,9 +197,22 @@ def run_stage(tab: Table, lf: float, args, gen: KeyGen, device, values, out_buf,
         ok = out.indices >= 0
         pool[out.indices[ok]] = keys[ok]
 
-    # The operations whose rates are compared (see the summary) take turns.
-    turns = [Op("lookup_hit", tab.lookup, stored_sample, extra=found_share),
-             Op("lookup_miss", tab.lookup, lambda: gen(B), extra=found_share)]
+    # The operations whose rates the summary compares take turns, in two
+    # groups: the table's (lookups, inserts of new keys) and the gathers'
+    # (kept apart: their random reads all over the values table slowed
+    # whatever ran next in a round).
+    table_turns = [Op("lookup_hit", tab.lookup, stored_sample, **FOUND_SHARE),
+                   Op("lookup_miss", tab.lookup, lambda: gen(B), **FOUND_SHARE)]
+    if full:
+        table_turns.append(Op("insert_evict", tab.insert, lambda: gen(B), evict_teardown, **INSERT_SHARES))
+    else:
+        def new_teardown(keys, out):  # erase them; keys that a full bucket evicted come back
+            tab.erase(keys)
+            if out.evicted.keys.numel():
+                tab.insert(out.evicted.keys)
+
+        table_turns.append(Op("insert_new", tab.insert, lambda: gen(B), new_teardown, **INSERT_SHARES))
+    m: Dict[str, Measurement] = bench_round_robin(table_turns, B, device, R, warmup=1, gate=gate)
     if values is not None:
         slots = values.shape[0]
 
@@ -201,31 +220,21 @@ def run_stage(tab: Table, lf: float, args, gen: KeyGen, device, values, out_buf,
             idx, _ = tab.lookup(k)
             return torch.index_select(values, 0, idx, out=out_buf)
 
-        turns += [Op("lookup_gather", lambda k: tab.t.lookup_gather(k, values, out=out_buf), stored_sample),
-                  Op("lookup_then_gather", lookup_then_gather, stored_sample),
-                  Op("gather_slots", lambda idx: torch.index_select(values, 0, idx, out=out_buf),
-                     lambda: tab.lookup(stored_sample())[0]),
-                  Op("index_select", lambda rows: torch.index_select(values, 0, rows, out=out_buf),
-                     lambda: torch.randint(0, slots, (B,), device=device))]
-    if full:
-        turns.append(Op("insert_evict", tab.insert, lambda: gen(B), evict_teardown, result_counts))
-    else:
-        def new_teardown(keys, out):  # erase them; keys that a full bucket evicted come back
-            tab.erase(keys)
-            if out.evicted.keys.numel():
-                tab.insert(out.evicted.keys)
-
-        turns.append(Op("insert_new", tab.insert, lambda: gen(B), new_teardown, result_counts))
-    m: Dict[str, Measurement] = bench_round_robin(turns, B, device, R, warmup=1, gate=gate)
+        m.update(bench_round_robin([
+            Op("lookup_gather", lambda k: tab.t.lookup_gather(k, values, out=out_buf), stored_sample),
+            Op("lookup_then_gather", lookup_then_gather, stored_sample),
+            Op("gather_slots", lambda idx: torch.index_select(values, 0, idx, out=out_buf),
+               lambda: tab.lookup(stored_sample())[0]),
+            Op("index_select", lambda rows: torch.index_select(values, 0, rows, out=out_buf),
+               lambda: torch.randint(0, slots, (B,), device=device))], B, device, R, warmup=1, gate=gate))
 
     def run(name, fn, **kw):
         m[name] = bench(name, fn, B, device, R, warmup=1, gate=gate, **kw)
 
-    run("lookup_refresh", tab.lookup_refresh, setup=stored_sample, extra=found_share)
-    run("insert_assign", tab.insert, setup=stored_sample, extra=result_counts)
+    run("lookup_refresh", tab.lookup_refresh, setup=stored_sample, **FOUND_SHARE)
+    run("insert_assign", tab.insert, setup=stored_sample, **INSERT_SHARES)
     # Last: erased keys come back, but maybe in other slots of their bucket.
-    run("erase", tab.erase, setup=stored_sample, teardown=lambda k, _: tab.insert(k),
-        extra=lambda outs: {"erased": sum(int(o.sum()) for o in outs) / max(1, B * len(outs))})
+    run("erase", tab.erase, setup=stored_sample, teardown=lambda k, _: tab.insert(k), **ERASED_SHARE)
     info["size_after"] = tab.t.size()
     del pool, sample
     return {"lf": lf, "fill": info, "full": full, "m": m}

@@ -26,13 +26,15 @@
 namespace dynamicemb {
 namespace table {
 
-// Room for a call's records, kept by the calling thread from call to call: a
-// call of a million keys needs tens of MiB, which glibc would map afresh each
-// time (blocks from 32 MiB up always are) and the kernel fault in and clear
-// page by page. The room of the largest call so far stays allocated, on
-// 2 MiB pages where the kernel gives them.
-inline void* scratch_room(int64_t bytes) {
-  thread_local at::Tensor room;
+// Room for a call's scratch arrays, kept by the calling thread from call to
+// call: a call of a million keys needs tens of MiB, which glibc would map
+// afresh each time (blocks from 32 MiB up always are) and the kernel fault in
+// and clear page by page. Room `which` (0: BucketBatch's records, 1 and up:
+// the caller's) of the largest call so far stays allocated, on 2 MiB pages
+// where the kernel gives them.
+inline void* scratch_room(int64_t bytes, int which = 0) {
+  thread_local at::Tensor rooms[3];
+  at::Tensor& room = rooms[which];
   if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
   return room.data_ptr<uint8_t>();
 }
