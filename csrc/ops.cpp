@@ -52,6 +52,8 @@ TORCH_LIBRARY(dynamicemb, m) {
   // Asks for 2 MiB pages behind a large CPU tensor not yet touched
   // (common/huge_pages_cpu.h); returns whether the kernel took the advice.
   m.def("advise_huge_pages(Tensor t) -> bool");
+  // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
+  m.def("cpu_vector_paths() -> bool");
 
   // Embedding layer (csrc/embedding): bags in TBE layout (offsets [F * B + 1]),
   // rows are table-local (-1: no row; the key reads its initial value).

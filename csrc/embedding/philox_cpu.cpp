@@ -4,6 +4,7 @@
 // rounds. Chosen at run time (the CPU may lack either).
 #include <cstdint>
 
+#include "common/cpu_vectors.h"
 #include "embedding/init_rules.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -138,9 +139,7 @@ __attribute__((target("avx2"))) void stream_uniform_avx2(float* row, int64_t dim
 enum class Simd { kNone, kAvx2, kAvx512 };
 
 Simd simd() {
-  static const Simd s = __builtin_cpu_supports("avx512f") ? Simd::kAvx512
-                        : __builtin_cpu_supports("avx2")  ? Simd::kAvx2
-                                                          : Simd::kNone;
+  static const Simd s = cpu::has_avx512f() ? Simd::kAvx512 : cpu::has_avx2() ? Simd::kAvx2 : Simd::kNone;
   return s;
 }
 
@@ -161,8 +160,8 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
 
 bool stream_uniform_row(float* row, int64_t dim, int64_t stride, uint64_t seed, int64_t table, int64_t key,
                         double lower, double span) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (!avx2 || dim % 64 != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(row) % 32 != 0) return false;
+  if (!cpu::has_avx2() || dim % 64 != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(row) % 32 != 0)
+    return false;
   stream_uniform_avx2(row, dim, stride, seed, table, key, lower, span);
   return true;
 }
@@ -173,8 +172,7 @@ bool stream_uniform_row(float*, int64_t, int64_t, uint64_t, int64_t, int64_t, do
 
 void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]) {
 #if defined(DE_PHILOX_AVX512)
-  static const bool avx2 = __builtin_cpu_supports("avx2");  // AVX-512 CPUs have it too
-  if (avx2) {
+  if (cpu::has_avx2()) {  // AVX-512 CPUs have it too
     philox16_avx2<true>(seed, table, key, first, out);
     return;
   }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/cpu_vectors.h"
 #include "table/table_rules.h"
 
 #if defined(__x86_64__)
@@ -60,10 +61,7 @@ DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int3
 // group_victim, in vectors where the CPU has AVX2.
 struct CpuGroupVictim {
 #if defined(__x86_64__)
-  bool avx2 = [] {
-    static const bool has = __builtin_cpu_supports("avx2");
-    return has;
-  }();
+  bool avx2 = cpu::has_avx2();
 #endif
   int operator()(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
                  int64_t* score) const {
