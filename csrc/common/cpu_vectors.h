@@ -1,7 +1,9 @@
-// Which vector paths the CPU kernels may take: those the CPU has (checked at
-// run time: one build runs on any x86-64), unless DYNAMICEMB_CPU_VECTORS=0,
-// which runs the scalar rules instead, as a CPU without them (or not x86)
-// does; the tests use it to check those. Read once per process.
+// Which hand-written vector paths (the victim search, the Philox and UNIFORM
+// init) the CPU kernels may take: those the CPU has (checked at run time: one
+// build runs on any x86-64), unless DYNAMICEMB_CPU_VECTORS=0, which runs the
+// scalar rules instead, as a CPU without them (or not x86) does; the tests
+// use it to check those. Read once per process. (row_math_cpu.h's compiler
+// clones pick their width by the CPU alone.)
 #pragma once
 #include <cstdlib>
 #include <cstring>
