@@ -274,9 +274,11 @@ class HashTableStorage(EmbeddingStorage):
             ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
             c = counts if mask is None else counts[mask]
+            at = None if mask is None else mask.nonzero().squeeze(1)  # the inserted keys' positions; None: all
             keep = self._admit(g, k, lt, c, rejected)
             if keep is not None:
                 k, c, lt_ins = k[keep], c[keep], lt[keep]
+                at = keep.nonzero().squeeze(1) if at is None else at[keep]
             else:
                 lt_ins = lt
             out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
@@ -288,18 +290,11 @@ class HashTableStorage(EmbeddingStorage):
                         self.admission[t].forget(k[new & (lt_ins == lt)])
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
-            if keep is not None:
-                full = torch.full((keep.numel(),), -1, dtype=r.dtype, device=r.device)
-                full[keep] = r
-                r = full
-                full_new = torch.zeros(keep.shape, dtype=torch.bool, device=keep.device)
-                full_new[keep] = new
-                new = full_new
-            if mask is None:
+            if at is None:
                 rows, is_new = r, new
             else:
-                rows[mask] = r
-                is_new[mask] = new
+                rows[at] = r
+                is_new[at] = new
         self.rejected += rejected
         # New keys' initial rows, written in the order of the rows on the CPU.
         order = ops.emb_row_order(self._weights, rows, table_ids) if keys.device.type == "cpu" else None

@@ -482,6 +482,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
       const uint32_t* idx = runs.idx(run);
       const int64_t len = runs.len(run);
+      const int64_t b1 = run + 1 < runs.count ? recs[runs.idx(run + 1)[0]].bucket * L.cap : -1;  // next run's
       if (evicts) {
         // Full buckets evict: their scores and epochs are fetched two runs
         // ahead and their victims listed one run ahead. (Listing only for
@@ -494,17 +495,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             for (int64_t o = 0; o < cap; o += 16) prefetch(ep + b2 + o);
           }
         }
-        if (run + 1 < runs.count) {
-          const int64_t b1 = recs[runs.idx(run + 1)[0]].bucket * L.cap;
-          if (bucket_full(sd + b1, cap))
-            victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, e32, runs.len(run + 1));
-        }
+        if (b1 >= 0 && bucket_full(sd + b1, cap))
+          victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, e32, runs.len(run + 1));
       }
       // A bucket's new keys fill its free slots from the first kEmpty one on
       // (the used slots are a prefix): the lines they write are fetched one
       // run ahead, else each new key waits on four write misses.
-      if (run + 1 < runs.count) {
-        const int64_t b1 = recs[runs.idx(run + 1)[0]].bucket * L.cap;
+      if (b1 >= 0) {
         const int f = first_digest_match(sd + b1, cap, kEmpty);
         if (f >= 0) {
           prefetch_write(sk + b1 + f);

@@ -60,13 +60,10 @@ DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int3
 
 // group_victim, in vectors where the CPU has AVX2.
 struct CpuGroupVictim {
-#if defined(__x86_64__)
-  bool avx2 = cpu::has_avx2();
-#endif
   int operator()(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
                  int64_t* score) const {
 #if defined(__x86_64__)
-    if (avx2) return group_victim_avx2(scores, epochs, call_epoch, skip, score);
+    if (cpu::has_avx2()) return group_victim_avx2(scores, epochs, call_epoch, skip, score);
 #endif
     return group_victim(scores, epochs, call_epoch, skip, score);
   }
