@@ -237,6 +237,27 @@ def _thp_mode() -> Optional[str]:
         return None
 
 
+def huge_page_share(t: torch.Tensor) -> Optional[float]:
+    """The share of a CPU tensor's bytes on 2 MiB pages (from /proc/self/smaps;
+    None where that is not readable)."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    huge = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            overlaps = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = (int(x, 16) for x in head.split("-"))
+                    overlaps = a < hi and lo < b
+                elif overlaps and head == "AnonHugePages:":
+                    huge += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return min(huge, hi - lo) / max(1, hi - lo)
+
+
 def env_info(device: torch.device) -> Dict[str, Any]:
     info = {
         "torch": torch.__version__,

@@ -83,6 +83,7 @@ void find_rows(const std::vector<HashView>& V, IntArrayRef group, IntArrayRef lo
   constexpr int64_t B = 16;
   int64_t base[3][B];
   uint8_t dg[3][B];
+  int32_t cand[3][B];  // first_digest_match
   const int64_t m = i1 - i0, blocks = (m + B - 1) / B;
   auto size_of = [&](int64_t blk) { return std::min(B, m - blk * B); };
   for (int64_t blk = 0; blk < blocks + 2; ++blk) {
@@ -105,17 +106,18 @@ void find_rows(const std::vector<HashView>& V, IntArrayRef group, IntArrayRef lo
         const HashView& h = V[group[tab[blk1 * B + q]]];
         const int64_t b = base[blk1 % 3][q];
         const int c = table::first_digest_match(h.digests + b, static_cast<int>(h.cap), dg[blk1 % 3][q]);
+        cand[blk1 % 3][q] = c;
         if (c >= 0) prefetch_line(h.keys + b + c);
       }
     }
-    if (blk >= 2) {  // stage 3: search
+    if (blk >= 2) {  // stage 3: the candidate's key (a full search after a false match)
       const int64_t blk2 = blk - 2;
       for (int64_t q = 0; q < size_of(blk2); ++q) {
         const int64_t k = blk2 * B + q, t = tab[k];
         const HashView& h = V[group[t]];
         const int64_t b = base[blk2 % 3][q];
-        const int s = table::find_in_bucket<false>(h.digests + b, h.keys + b, static_cast<int>(h.cap),
-                                                   dg[blk2 % 3][q], keys[i0 + k], nullptr);
+        const int s = table::find_from_candidate(h.digests + b, h.keys + b, static_cast<int>(h.cap),
+                                                 dg[blk2 % 3][q], keys[i0 + k], cand[blk2 % 3][q]);
         src[k] = s >= 0 ? w[t] + (b + s - h.tb[local[t]] * h.cap) * R.stride[t] : nullptr;
       }
     }

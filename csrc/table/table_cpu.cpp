@@ -233,7 +233,7 @@ struct LookupView {
   bool* found;
 };
 
-constexpr int64_t kLookupBlock = 16;  // keys per pipeline stage
+constexpr int64_t kLookupBlock = 32;  // keys per pipeline stage
 
 // A software pipeline over blocks of kLookupBlock keys, so that the cache
 // misses of one key overlap with other keys' work: at step t, stage s works
@@ -241,15 +241,39 @@ constexpr int64_t kLookupBlock = 16;  // keys per pipeline stage
 // earlier.
 //   0 place:  hash, bucket, digest; prefetch the bucket's digests
 //   1 probe:  scan the digests; prefetch the first candidate's key
-//   2 find:   compare keys -> slot index
+//   2 find:   compare the candidate's key (a full search only after a
+//             digest's false match) -> slot index
+//   3 rows:   (lookup_gather) copy each key's row, prefetched by stage 2
 // Returns a key position with a bad table id, or -1.
-int64_t lookup_pipeline(const LookupView& v, int64_t n) {
+struct NoRows {
+  void fetch(int64_t) const {}
+  void copy(int64_t, int64_t) const {}
+  static constexpr bool kCopies = false;
+};
+
+struct CopyRows {
+  const char* src;
+  char* dst;
+  int64_t bytes;
+  static constexpr bool kCopies = true;
+  void fetch(int64_t slot) const {
+    for (int64_t l = 0; l < bytes; l += 64) prefetch(src + slot * bytes + l);
+  }
+  void copy(int64_t i, int64_t slot) const {
+    if (slot >= 0) std::memcpy(dst + i * bytes, src + slot * bytes, bytes);
+    else std::memset(dst + i * bytes, 0, bytes);
+  }
+};
+
+template <class Rows = NoRows>
+int64_t lookup_pipeline(const LookupView& v, int64_t n, const Rows& rows = {}) {
   constexpr int kStages = 3;
   constexpr int64_t B = kLookupBlock;
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
     int64_t base[kStages][B];  // bucket's first slot, -1 for a bad table id
     uint8_t dg[kStages][B];
+    int32_t cand[kStages][B];  // first_digest_match
     const int64_t blocks = (e - b + B - 1) / B;
     auto first = [&](int64_t blk) { return b + blk * B; };
     auto size = [&](int64_t blk) { return std::min(B, e - first(blk)); };
@@ -272,28 +296,36 @@ int64_t lookup_pipeline(const LookupView& v, int64_t n) {
     auto probe = [&](int64_t blk) {
       const int64_t* bs = base[blk % kStages];
       const uint8_t* ds = dg[blk % kStages];
+      int32_t* cs = cand[blk % kStages];
       for (int64_t j = 0; j < size(blk); ++j) {
         if (bs[j] < 0) continue;
         const int c = first_digest_match(v.sd + bs[j], v.L.cap, ds[j]);
+        cs[j] = c;
         if (c >= 0) prefetch(v.sk + bs[j] + c);
       }
     };
     auto find = [&](int64_t blk) {
       const int64_t* bs = base[blk % kStages];
       const uint8_t* ds = dg[blk % kStages];
+      const int32_t* cs = cand[blk % kStages];
       for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) {
         const int s = bs[j] < 0 ? -1
-                                : find_in_bucket<false>(v.sd + bs[j], v.sk + bs[j], v.L.cap, ds[j],
-                                                        v.keys[i], nullptr);
+                                : find_from_candidate(v.sd + bs[j], v.sk + bs[j], v.L.cap, ds[j], v.keys[i],
+                                                      cs[j]);
         v.out[i] = s >= 0 ? bs[j] + s : -1;
         v.found[i] = s >= 0;
+        if (s >= 0) rows.fetch(bs[j] + s);
       }
     };
+    auto copy = [&](int64_t blk) {
+      for (int64_t j = 0, i = first(blk); j < size(blk); ++j, ++i) rows.copy(i, v.out[i]);
+    };
     auto live = [&](int64_t blk) { return blk >= 0 && blk < blocks; };
-    for (int64_t t = 0; t < blocks + kStages - 1; ++t) {
+    for (int64_t t = 0; t < blocks + kStages; ++t) {
       if (live(t)) place(t);
       if (live(t - 1)) probe(t - 1);
       if (live(t - 2)) find(t - 2);
+      if (Rows::kCopies && live(t - 3)) copy(t - 3);
     }
   });
   return bad.load();
@@ -346,21 +378,8 @@ std::tuple<Tensor, Tensor> lookup_gather_cpu(const Tensor& slot_keys, const Tens
                                              const Tensor& out) {
   const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
   const int64_t bytes = check_gather(values, out, keys.numel(), c.view.L.num_slots(), kCpu);
-  check_table_ids(lookup_pipeline(c.view, keys.numel()), c.view.tids, c.view.L);
-  // Then the rows, one copy each (zeros for a missing key), in parallel.
-  // (Fetching rows 8 keys ahead measured no faster in bench_table.)
-  const int64_t* slot = c.indices.data_ptr<int64_t>();
-  const char* src = static_cast<const char*>(values.const_data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, keys.numel(), 2048, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (slot[i] >= 0) {
-        std::memcpy(dst + i * bytes, src + slot[i] * bytes, bytes);
-      } else {
-        std::memset(dst + i * bytes, 0, bytes);
-      }
-    }
-  });
+  const CopyRows rows{static_cast<const char*>(values.const_data_ptr()), static_cast<char*>(out.data_ptr()), bytes};
+  check_table_ids(lookup_pipeline(c.view, keys.numel(), rows), c.view.tids, c.view.L);
   return {c.indices, c.found};
 }
 
