@@ -55,6 +55,42 @@ DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int3
   *score = _mm256_extract_epi64(m, 0);
   return lowest_bit(at_min & ~closed);  // some open slot holds the minimum
 }
+// victim_candidates' list for few victims (r <= kFewVictims), in one pass
+// over the bucket instead of a tournament: a slot enters the sorted list only
+// if it is open and scores below the list's last entry once the list is full
+// (4 scores per compare; slots come in increasing order, so an equal score
+// loses to the listed one). The same list as victim_candidates.
+constexpr int kFewVictims = 16;
+
+DE_AVX2 int few_victims_avx2(const int64_t* scores, const int32_t* epochs, int cap, int32_t call_epoch, int r,
+                             int* out) {
+  int64_t listed[kFewVictims];  // the scores of out[0, m)
+  int m = 0;
+  const __m256i ce = _mm256_set1_epi32(call_epoch);
+  for (int s = 0; s < cap; s += 8) {
+    uint32_t open = ~held8_avx2(epochs + s, ce) & 0xFFu;
+    if (m == r) {
+      const __m256i last = _mm256_set1_epi64x(listed[m - 1]);
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores + s));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores + s + 4));
+      open &= static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(last, a)))) |
+              static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(last, b)))) << 4;
+    }
+    for (; open; open &= open - 1) {
+      const int i = s + lowest_bit(open);
+      const int64_t sc = scores[i];
+      if (m == r && sc >= listed[m - 1]) continue;  // the list filled up within these 8
+      int p = m < r ? m++ : m - 1;                   // when full, the last entry drops out
+      for (; p > 0 && listed[p - 1] > sc; --p) {
+        listed[p] = listed[p - 1];
+        out[p] = out[p - 1];
+      }
+      listed[p] = sc;
+      out[p] = i;
+    }
+  }
+  return m;
+}
 #undef DE_AVX2
 #endif
 
@@ -82,8 +118,14 @@ class RunVictims {
     group_slot_.resize(groups);
     group_score_.resize(groups);
     taken_.resize(groups);
-    m_ = victim_candidates(scores, epochs, cap, epoch, static_cast<int>(std::min<int64_t>(cap, keys_left)),
-                           cand_.data(), group_slot_.data(), group_score_.data(), taken_.data(), victim_of_group_);
+    const int r = static_cast<int>(std::min<int64_t>(cap, keys_left));
+#if defined(__x86_64__)
+    if (r >= 1 && r <= kFewVictims && cpu::has_avx2())
+      m_ = few_victims_avx2(scores, epochs, cap, epoch, r, cand_.data());
+    else
+#endif
+      m_ = victim_candidates(scores, epochs, cap, epoch, r, cand_.data(), group_slot_.data(), group_score_.data(),
+                             taken_.data(), victim_of_group_);
     cursor_ = 0;
     for (int c = 0; c < m_; ++c) __builtin_prefetch(keys + cand_[c], 1, 1);
   }
