@@ -159,63 +159,26 @@ DE_HD int lowest_bit(uint32_t m) {
 #endif
 }
 
-DE_HD int lowest_bit64(uint64_t m) {
-#if defined(__CUDA_ARCH__)
-  return __ffsll(static_cast<long long>(m)) - 1;
-#else
-  return __builtin_ctzll(m);
-#endif
-}
-
-// The scans below read a bucket 64 slots (a span of 4 groups) at a time,
-// without a branch per group. Bit i set where group_fn(span + 16 * g)'s bit
-// i - 16 * g is, for the span's first `groups` (<= 4) groups.
-constexpr int kSpanSize = 4 * kGroupSize;
-
-template <class GroupFn>
-DE_HD uint64_t span_mask(const uint8_t* span, int groups, GroupFn group_fn) {
-  uint64_t m = 0;
-  for (int g = 0; g < 4; ++g)
-    if (g < groups) m |= static_cast<uint64_t>(group_fn(span + g * kGroupSize)) << (g * kGroupSize);
-  return m;
-}
-
-DE_HD int span_groups(int capacity, int s) {
-  return capacity - s >= kSpanSize ? 4 : (capacity - s) / kGroupSize;
-}
-
-// The slots of a span a bucket scan looks at, given the span's kEmpty mask:
-// all of them, or those up to the end of the group holding the first kEmpty
-// (the used slots are a prefix: nothing live lies further).
-DE_HD uint64_t scanned_slots(uint64_t empty) {
-  if (!empty) return ~uint64_t{0};
-  const int end = (lowest_bit64(empty) | (kGroupSize - 1)) + 1;
-  return end < kSpanSize ? (uint64_t{1} << end) - 1 : ~uint64_t{0};
-}
-
 // Finds `key` (digest `d`) among the live slots of one bucket; returns its slot
 // or -1. With `first_free`, also reports the lowest kEmpty/kErased slot (-1 when
-// the bucket is full) when the key is missing: the slot an insert takes.
+// the bucket is full): the slot an insert takes.
 template <bool kWantFree>
 DE_HD int find_in_bucket(const uint8_t* digests, const int64_t* keys, int capacity,
                          uint8_t d, int64_t key, int* first_free) {
   if (kWantFree) *first_free = -1;
-  for (int s = 0; s < capacity; s += kSpanSize) {
-    const uint8_t* span = digests + s;
-    const int groups = span_groups(capacity, s);
-    const uint64_t empty = span_mask(span, groups, [](const uint8_t* g) { return group_match(g, kEmpty); });
-    const uint64_t scanned = scanned_slots(empty);
-    uint64_t m = span_mask(span, groups, [d](const uint8_t* g) { return group_match(g, d); }) & scanned;
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    uint32_t m = group_match(digests + g, d);
     while (m) {
-      const int i = lowest_bit64(m);
-      if (keys[s + i] == key) return s + i;
+      const int i = lowest_bit(m);
+      if (keys[g + i] == key) return g + i;
       m &= m - 1;
     }
+    const uint32_t empty = group_match(digests + g, kEmpty);
     if (kWantFree && *first_free < 0) {
-      const uint64_t f = span_mask(span, groups, [](const uint8_t* g) { return group_free(g); }) & scanned;
-      if (f) *first_free = s + lowest_bit64(f);
+      const uint32_t f = group_free(digests + g);
+      if (f) *first_free = g + lowest_bit(f);
     }
-    if (empty) return -1;
+    if (empty) return -1;  // the used slots are a prefix: nothing further
   }
   return -1;
 }
@@ -224,14 +187,10 @@ DE_HD int find_in_bucket(const uint8_t* digests, const int64_t* keys, int capaci
 // first), or -1: lets a caller look at that slot's key (prefetch it, or
 // compare it: find_from_candidate) ahead of the search.
 DE_HD int first_digest_match(const uint8_t* digests, int capacity, uint8_t d) {
-  for (int s = 0; s < capacity; s += kSpanSize) {
-    const uint8_t* span = digests + s;
-    const int groups = span_groups(capacity, s);
-    const uint64_t empty = span_mask(span, groups, [](const uint8_t* g) { return group_match(g, kEmpty); });
-    const uint64_t m = span_mask(span, groups, [d](const uint8_t* g) { return group_match(g, d); }) &
-                       scanned_slots(empty);
-    if (m) return s + lowest_bit64(m);
-    if (empty) return -1;
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    const uint32_t m = group_match(digests + g, d);
+    if (m) return g + lowest_bit(m);
+    if (group_match(digests + g, kEmpty)) return -1;
   }
   return -1;
 }

@@ -50,7 +50,7 @@ def _table_ids(data, num_tables, n):
 @given(data=st.data())
 def test_random_operations_match_model(strategy, device, data):
     counts = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=3), label="bucket counts")
-    # 80: a bucket scanned as a 64-slot span and a 16-slot tail.
+    # 80: five groups of digests, the last past the first 64-byte line.
     cap = data.draw(st.sampled_from([16, 16, 32, 80]), label="bucket_capacity")
     p = Pair(strategy, counts, cap, device)
     for _ in range(data.draw(st.integers(1, 20), label="ops")):
