@@ -1,7 +1,8 @@
 // Victim selection for the CPU insert: the victims of one run of a bucket's
 // keys (victim_candidates, table_rules.h), with each group's victim found by
 // AVX2 where the CPU has it (the scalar group_victim's chain of dependent
-// selects made victim listing a quarter of an evicting insert's time).
+// selects made victim listing a quarter of an evicting insert's time), and
+// for runs of up to 16 keys the same list in one filtered pass.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -55,6 +56,7 @@ DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int3
   *score = _mm256_extract_epi64(m, 0);
   return lowest_bit(at_min & ~closed);  // some open slot holds the minimum
 }
+
 // victim_candidates' list for few victims (r <= kFewVictims), in one pass
 // over the bucket instead of a tournament: a slot enters the sorted list only
 // if it is open and scores below the list's last entry once the list is full
