@@ -350,7 +350,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if values is not None:
         print(f"lookup+gather / index_select: min {summary['gather_ratio_min']:.3f} over LFs "
               f"(target >= {RATIO_GATHER_TARGET}): {'OK' if summary['gather_ratio_ok'] else 'BELOW TARGET'}; "
-              f"against index_select on the same pages: min {summary['gather_ratio_same_pages_min']:.3f}")
+              f"against index_select on the same pages: min {summary['gather_ratio_same_pages_min']:.3f}: "
+              f"{'OK' if summary['gather_ratio_same_pages_min'] >= RATIO_GATHER_TARGET else 'BELOW TARGET'}")
     if full:
         st = full[-1]
         r = st["m"]["insert_evict"].rate / st["m"]["lookup_hit"].rate
