@@ -183,18 +183,6 @@ DE_HD int find_in_bucket(const uint8_t* digests, const int64_t* keys, int capaci
   return -1;
 }
 
-// The first live slot whose digest is `d` (the slot find_in_bucket checks
-// first), or -1: lets a caller look at that slot's key (prefetch it, or
-// compare it: find_from_candidate) ahead of the search.
-DE_HD int first_digest_match(const uint8_t* digests, int capacity, uint8_t d) {
-  for (int g = 0; g < capacity; g += kGroupSize) {
-    const uint32_t m = group_match(digests + g, d);
-    if (m) return g + lowest_bit(m);
-    if (group_match(digests + g, kEmpty)) return -1;
-  }
-  return -1;
-}
-
 #if defined(__CUDACC__)
 // find_in_bucket for a 16-lane tile (cooperative_groups::thread_block_tile<16>):
 // lane l holds slot g + l of each group, so the 16 digests are one coalesced
@@ -254,6 +242,18 @@ __device__ __forceinline__ int tile_find_key(const Tile& tile, const uint8_t* di
   return -1;
 }
 #endif
+
+// The first live slot whose digest is `d` (the slot find_in_bucket checks
+// first), or -1: lets a caller look at that slot's key (prefetch it, or
+// compare it: find_from_candidate) ahead of the search.
+DE_HD int first_digest_match(const uint8_t* digests, int capacity, uint8_t d) {
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    const uint32_t m = group_match(digests + g, d);
+    if (m) return g + lowest_bit(m);
+    if (group_match(digests + g, kEmpty)) return -1;
+  }
+  return -1;
+}
 
 // find_in_bucket<false>, given first = first_digest_match(digests, capacity,
 // d) found earlier: most keys end at that first candidate.
