@@ -63,10 +63,15 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "emb_init_rows(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, int[] dims, "
       "Tensor init_params, int seed) -> ()");
-  // Positions 0..n-1 of (table, row) pairs in the order of their rows'
-  // addresses, to within blocks (embedding_cpu.cpp row_order_cpu): kernels that
-  // write rows at random run about twice as fast in that order. CPU only.
-  m.def("emb_row_order(Tensor[] weights, Tensor rows, Tensor table_ids) -> Tensor");
+  // A training step's unique keys in the order of their rows' addresses, to
+  // within blocks (embedding_cpu.cpp row_order): (order, rows, keys and table
+  // ids permuted by it, inverse renumbered to match), with the new keys' rows
+  // (is_new) initialised in that order. Kernels that write rows at random
+  // run about twice as fast in that order. CPU only.
+  m.def(
+      "emb_row_order_init(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, Tensor is_new, "
+      "Tensor inverse, int[] dims, Tensor init_params, int seed) "
+      "-> (Tensor order, Tensor rows, Tensor keys, Tensor table_ids, Tensor inverse)");
   m.def(
       "emb_forward(Tensor[] weights, Tensor rows, Tensor unique_keys, Tensor inverse, Tensor offsets, "
       "int[] feature_table, int[] dims, Tensor? per_sample_weights, int pooling, Tensor init_params, "

@@ -88,9 +88,10 @@ def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed)
     return None
 
 
-@torch.library.register_fake(_lib + "emb_row_order")
-def _emb_row_order_fake(weights, rows, table_ids):
-    return torch.empty_like(rows)
+@torch.library.register_fake(_lib + "emb_row_order_init")
+def _emb_row_order_init_fake(weights, rows, table_ids, keys, is_new, inverse, dims, init_params, seed):
+    return (torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(keys), torch.empty_like(table_ids),
+            torch.empty_like(inverse))
 
 
 @torch.library.register_fake(_lib + "emb_forward")

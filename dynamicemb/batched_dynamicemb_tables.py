@@ -160,15 +160,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             rows = self.storage.find(ukeys, utids)
             return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
         self.step += 1
-        res = self.storage.find_or_insert(ukeys, utids, counts, self.step)
+        # The keys come back in the order of their rows on the CPU: the backward then updates rows in that order.
+        res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse)
         self._report_failures(res.failed)
-        rows = res.rows
-        if res.order is not None:  # keys renumbered in row order: the backward then updates rows in that order
-            o = res.order
-            rows, ukeys, utids = rows.index_select(0, o), ukeys.index_select(0, o), utids.index_select(0, o)
-            renumber = torch.empty_like(o)
-            renumber[o] = torch.arange(o.numel(), device=o.device)
-            inverse = renumber.index_select(0, inverse)
+        rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
 
     def _gather(self, rows, ukeys, inverse, offsets, psw, training: bool) -> torch.Tensor:

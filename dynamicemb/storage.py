@@ -56,12 +56,16 @@ class RowBlocks:
 
 @dataclass
 class FindOrInsertResult:
+    """The keys of a find_or_insert call with their rows, in the order the
+    storage chose: on the CPU, that of the rows' addresses (kernels that then
+    write the rows at random run faster in it), else the input order."""
+
+    keys: torch.Tensor
+    table_ids: torch.Tensor
     rows: torch.Tensor  # table-local row per key, -1 when the key has no row
+    inverse: Optional[torch.Tensor]  # the given inverse, renumbered to this order
     failed: torch.Tensor  # per table: keys that could not be stored in this call
     rejected: torch.Tensor  # per table: keys refused by admission in this call
-    # The keys' positions in the order of their rows' addresses (CPU, else
-    # None): kernels that then write the rows at random run faster in it.
-    order: Optional[torch.Tensor] = None
 
 
 class EmbeddingStorage(abc.ABC):
@@ -91,11 +95,13 @@ class EmbeddingStorage(abc.ABC):
         """Rows of the keys (-1 where missing); inserts nothing, scores unchanged."""
 
     @abc.abstractmethod
-    def find_or_insert(self, keys: torch.Tensor, table_ids: torch.Tensor, counts: torch.Tensor,
-                       step: int) -> FindOrInsertResult:
+    def find_or_insert(self, keys: torch.Tensor, table_ids: torch.Tensor, counts: torch.Tensor, step: int,
+                       inverse: Optional[torch.Tensor] = None) -> FindOrInsertResult:
         """Rows of distinct keys, storing the missing ones (admission and
         capacity permitting) with their initial value and fresh optimizer
-        state; refreshes scores. `counts`: occurrences of each key (LFU)."""
+        state; refreshes scores. `counts`: occurrences of each key (LFU);
+        `inverse`: key positions (of a batch's indices) to renumber along
+        with the keys."""
 
     @abc.abstractmethod
     def export(self, table_id: int, batch_size: int = 1 << 16, threshold: Optional[int] = None
@@ -265,7 +271,7 @@ class HashTableStorage(EmbeddingStorage):
             return counts
         return None  # TIMESTAMP, NO_EVICTION: the table's clock
 
-    def find_or_insert(self, keys, table_ids, counts, step) -> FindOrInsertResult:
+    def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
         rows = torch.full_like(keys, -1)
         is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
         failed = torch.zeros(self.num_tables, dtype=torch.int64)
@@ -296,13 +302,18 @@ class HashTableStorage(EmbeddingStorage):
                 rows[at] = r
                 is_new[at] = new
         self.rejected += rejected
-        # New keys' initial rows, written in the order of the rows on the CPU.
-        order = ops.emb_row_order(self._weights, rows, table_ids) if keys.device.type == "cpu" else None
-        sel = (order[is_new[order]] if order is not None else is_new.nonzero().squeeze(1))
-        if sel.numel():
-            ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
-                              keys.index_select(0, sel), self.dims, self.init_params, self.seed)
-        return FindOrInsertResult(rows, failed, rejected, order)
+        if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
+            no_inverse = inverse is None
+            _, rows, keys, table_ids, inverse = ops.emb_row_order_init(
+                self._weights, rows, table_ids, keys, is_new, keys.new_empty(0) if no_inverse else inverse,
+                self.dims, self.init_params, self.seed)
+            inverse = None if no_inverse else inverse
+        else:
+            sel = is_new.nonzero().squeeze(1)
+            if sel.numel():
+                ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
+                                  keys.index_select(0, sel), self.dims, self.init_params, self.seed)
+        return FindOrInsertResult(keys, table_ids, rows, inverse, failed, rejected)
 
     def _admit(self, g, keys, local_tids, counts, rejected) -> Optional[torch.Tensor]:
         """Mask of the keys to insert, or None when no table of the group has admission."""

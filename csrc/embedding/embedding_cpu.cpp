@@ -186,33 +186,26 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
   stream_floats(row, buf.data(), stride);
 }
 
-void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
-                   IntArrayRef dims, const Tensor& init_params, int64_t seed) {
-  const Rows R = check_rows(weights, dims);
-  check_1d(rows, at::kLong, "rows");
-  check_1d(table_ids, at::kLong, "table_ids");
-  check_1d(keys, at::kLong, "keys");
-  const int64_t n = rows.numel();
-  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
-  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
-  const int64_t* r = rows.data_ptr<int64_t>();
-  const int64_t* t = table_ids.data_ptr<int64_t>();
-  const int64_t* k = keys.data_ptr<int64_t>();
+// The initial values and zero optimizer state of row r[i] of table t[i] for
+// key k[i], for every i in [0, n) with r[i] >= 0 and (no mask or mask[i]).
+void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_t seed, const int64_t* r,
+                     const int64_t* t, const int64_t* k, const bool* mask, int64_t n) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows", [&] {
     std::vector<scalar_t*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     constexpr bool kStreamed = std::is_same_v<scalar_t, float>;
+    auto wanted = [&](int64_t i) { return r[i] >= 0 && (mask == nullptr || mask[i]); };
     at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
       std::vector<float> buf;
       constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
         const int64_t a = i + kAhead;
-        if (!kStreamed && a < e && r[a] >= 0 && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
+        if (!kStreamed && a < e && wanted(a) && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
           const char* row = reinterpret_cast<const char*>(w[t[a]] + r[a] * R.stride[t[a]]);
           for (int64_t q = 0; q < R.stride[t[a]] * static_cast<int64_t>(sizeof(scalar_t)); q += 64)
             __builtin_prefetch(row + q, 1, 3);
         }
-        if (r[i] < 0) continue;
+        if (!wanted(i)) continue;
         TORCH_CHECK(0 <= t[i] && t[i] < (int64_t)w.size() && r[i] < R.w[t[i]].size(0), "dynamicemb: row ", r[i],
                     " of table ", t[i], " is out of range");
         if constexpr (kStreamed) {
@@ -227,6 +220,18 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
   });
 }
 
+void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
+                   IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+  const Rows R = check_rows(weights, dims);
+  check_1d(rows, at::kLong, "rows");
+  check_1d(table_ids, at::kLong, "table_ids");
+  check_1d(keys, at::kLong, "keys");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
+  init_rows_where(R, init_args(init_params, static_cast<int64_t>(R.w.size())), static_cast<uint64_t>(seed),
+                  rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), nullptr, n);
+}
+
 // ---- row order ----------------------------------------------------------------------
 
 // Positions 0..n-1 of (table, row) pairs in the order of their rows'
@@ -238,28 +243,72 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 // Pairs that name no row (or a bad one) come first.
 constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
 
-Tensor row_order_cpu(TensorList weights, const Tensor& rows, const Tensor& table_ids) {
-  check_1d(rows, at::kLong, "rows");
-  check_1d(table_ids, at::kLong, "table_ids");
-  const int64_t n = rows.numel();
-  TORCH_CHECK(table_ids.numel() == n, "dynamicemb: rows and table_ids differ in length");
-  const Rows R = check_rows(weights, std::vector<int64_t>(weights.size(), 0));
-  const int64_t *r = rows.data_ptr<int64_t>(), *t = table_ids.data_ptr<int64_t>();
+cpu::StablePartition row_order(const Rows& R, const int64_t* r, const int64_t* t, int64_t n) {
   const int64_t T = static_cast<int64_t>(R.w.size());
   std::vector<int64_t> base(T + 1, 0);
   for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.w[k].size(0);
   int shift = 0;
   while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
-  const cpu::StablePartition order(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
+  return cpu::StablePartition(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
     return (0 <= t[i] && t[i] < T && 0 <= r[i] && r[i] < base[t[i] + 1] - base[t[i]]) ? ((base[t[i]] + r[i]) >> shift) + 1
                                                                                       : 0;
   });
-  Tensor out = at::empty({n}, rows.options());
-  int64_t* o = out.data_ptr<int64_t>();
+}
+
+// A training step's unique keys put in row order (order, and rows, keys and
+// table ids permuted by it; inverse renumbered to match), with the rows of the
+// new keys (is_new) initialised in that order: one pass instead of an order,
+// gathers, a renumbering and an init call, each over the batch.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
+    TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys, const Tensor& is_new,
+    const Tensor& inverse, IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+  const Rows R = check_rows(weights, dims);
+  check_1d(rows, at::kLong, "rows");
+  check_1d(table_ids, at::kLong, "table_ids");
+  check_1d(keys, at::kLong, "keys");
+  check_1d(is_new, at::kBool, "is_new");
+  check_1d(inverse, at::kLong, "inverse");
+  const int64_t n = rows.numel(), m = inverse.numel();
+  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
+              "dynamicemb: rows, table_ids, keys and is_new differ in length");
+  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
+  const int64_t *r = rows.data_ptr<int64_t>(), *t = table_ids.data_ptr<int64_t>(), *k = keys.data_ptr<int64_t>(),
+                *inv = inverse.data_ptr<int64_t>();
+  const bool* nw = is_new.data_ptr<bool>();
+  Tensor order_out = at::empty({n}, rows.options()), rows_out = at::empty({n}, rows.options()),
+         keys_out = at::empty({n}, keys.options()), tids_out = at::empty({n}, table_ids.options()),
+         inv_out = at::empty({m}, inverse.options());
+  int64_t *oo = order_out.data_ptr<int64_t>(), *ro = rows_out.data_ptr<int64_t>(), *ko = keys_out.data_ptr<int64_t>(),
+          *to = tids_out.data_ptr<int64_t>(), *io = inv_out.data_ptr<int64_t>();
+  std::unique_ptr<int64_t[]> renumber(new int64_t[n]);
+  std::unique_ptr<bool[]> new_out(new bool[n]);
+  const cpu::StablePartition order = row_order(R, r, t, n);
   at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) o[j] = order.pos(j);
+    for (int64_t j = b; j < e; ++j) {
+      const int64_t o = order.pos(j);
+      oo[j] = o;
+      ro[j] = r[o];
+      ko[j] = k[o];
+      to[j] = t[o];
+      new_out[j] = nw[o];
+      renumber[o] = j;
+    }
   });
-  return out;
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, m, 16384, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t u = inv[i];
+      if (u < 0 || u >= n) {
+        bad.store(i, std::memory_order_relaxed);
+        io[i] = -1;
+        continue;
+      }
+      io[i] = renumber[u];
+    }
+  });
+  TORCH_CHECK(bad.load() < 0, "dynamicemb: inverse[", bad.load(), "] names no key (", n, " keys)");
+  init_rows_where(R, args, static_cast<uint64_t>(seed), ro, to, ko, new_out.get(), n);
+  return {order_out, rows_out, keys_out, tids_out, inv_out};
 }
 
 // ---- forward ---------------------------------------------------------------------------
@@ -452,7 +501,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("emb_unique", &unique_cpu);
   m.impl("emb_init_rows", &init_rows_cpu);
-  m.impl("emb_row_order", &row_order_cpu);
+  m.impl("emb_row_order_init", &row_order_init_cpu);
   m.impl("emb_forward", &forward_cpu);
   m.impl("emb_backward_update", &backward_update_cpu);
 }

@@ -204,7 +204,7 @@ def test_stored_initial_rows_match_the_scalar_rule(dim, dtype):
 @pytest.mark.parametrize("dim,optimizer", [(16, "exact_sgd"), (64, "exact_sgd"), (128, "adam"), (64, "exact_adagrad")])
 def test_many_new_keys_get_their_own_keys_values(dim, optimizer):
     """From 4096 keys on, a training forward writes the new keys' rows in the
-    order of their rows (emb_row_order), not in the keys' order: each row
+    order of their rows (emb_row_order_init), not in the keys' order: each row
     still gets its own key's initial values (the scalar rule of emb_forward
     for keys without a row) and a zero optimizer state. Dims of 64k on float32
     rows take the vector path that streams rows from registers."""

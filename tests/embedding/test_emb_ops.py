@@ -19,8 +19,8 @@ def _inputs(pooling=DynamicEmbPoolingMode.SUM):
     m = make_module(dims, pooling=pooling, feature_table_map=FEATURE_TABLE, optimizer="exact_row_wise_adagrad")
     indices, offsets = bags([[1, 2, 2], [5], [3, 1], [9, 1], [], [7]])  # F = 3, B = 2
     ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
-    res = m.storage.find_or_insert(ukeys, utids, counts, 1)
-    return m, indices, offsets, ukeys, utids, inverse, res.rows
+    res = m.storage.find_or_insert(ukeys, utids, counts, 1, inverse)
+    return m, indices, offsets, res.keys, res.table_ids, res.inverse, res.rows
 
 
 def test_opcheck_emb_unique():
@@ -56,26 +56,38 @@ def test_opcheck_emb_backward_update(pooling):
 
 
 def _many_uniques():
-    """~9000 unique keys of two tables with their rows (some -1: no row):
-    enough for emb_order_by_row to reorder (from 4096 keys on)."""
+    """~9000 unique keys of two tables with their rows (some -1: no row), in
+    the order emb_unique gives them: enough for emb_row_order_init to reorder
+    (from 4096 keys on)."""
     gen = torch.Generator().manual_seed(5)
     m = make_module(DIMS, feature_table_map=FEATURE_TABLE, max_capacity=1 << 14)
     indices, offsets = random_batch(gen, FEATURE_TABLE, [6000, 6000], batch=3000, max_len=4)
     ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
-    rows = m.storage.find_or_insert(ukeys, utids, counts, 1).rows
+    m.storage.find_or_insert(ukeys, utids, counts, 1)
+    rows = m.storage.find(ukeys, utids)
     rows[::97] = -1
     return m, ukeys, utids, inverse, rows
 
 
-def test_opcheck_emb_row_order():
+def _row_order(m, rows, utids):
+    """emb_row_order_init's order alone (no new rows, no inverse)."""
+    none = torch.zeros(rows.numel(), dtype=torch.bool)
+    return ops.emb_row_order_init(m.storage.weights(), rows, utids, torch.zeros_like(rows), none,
+                                  rows.new_empty(0), m.dims, m.storage.init_params, 0)[0]
+
+
+def test_opcheck_emb_row_order_init():
     m, ukeys, utids, inverse, rows = _many_uniques()
-    torch.library.opcheck(ops.emb_row_order, (m.storage.weights(), rows, utids))
+    is_new = torch.arange(ukeys.numel()) % 3 == 0
+    weights = [w.clone() for w in m.storage.weights()]
+    torch.library.opcheck(ops.emb_row_order_init, (weights, rows, utids, ukeys, is_new, inverse, m.dims,
+                                                   m.storage.init_params, 0))
 
 
 def test_row_order_sorts_by_row_within_blocks():
     m, ukeys, utids, inverse, rows = _many_uniques()
     U = ukeys.numel()
-    order = ops.emb_row_order(m.storage.weights(), rows, utids)
+    order = _row_order(m, rows, utids)
     assert torch.equal(torch.sort(order).values, torch.arange(U))  # a permutation
     assert not torch.equal(order, torch.arange(U))  # and not the identity
     r, t = rows[order], utids[order]
@@ -94,7 +106,28 @@ def test_row_order_sorts_by_row_within_blocks():
     assert bool((torch.diff(order[:none]) > 0).all())
     # Few keys: the input order.
     m, _, _, ukeys, utids, inverse, rows = _inputs()
-    assert torch.equal(ops.emb_row_order(m.storage.weights(), rows, utids), torch.arange(ukeys.numel()))
+    assert torch.equal(_row_order(m, rows, utids), torch.arange(ukeys.numel()))
+
+
+def test_row_order_init_permutes_renumbers_and_initialises_new_rows():
+    m, ukeys, utids, inverse, rows = _many_uniques()
+    U = ukeys.numel()
+    is_new = torch.arange(U) % 3 == 0
+    weights = [w.clone() for w in m.storage.weights()]
+    order, r, k, t, inv = ops.emb_row_order_init(weights, rows, utids, ukeys, is_new, inverse, m.dims,
+                                                 m.storage.init_params, 4)
+    assert torch.equal(order, _row_order(m, rows, utids))
+    assert torch.equal(r, rows[order]) and torch.equal(k, ukeys[order]) and torch.equal(t, utids[order])
+    assert torch.equal(k[inv], ukeys[inverse]) and torch.equal(t[inv], utids[inverse])  # each index, its own key
+    # New keys with a row: their initial values (emb_init_rows' rule) and zero
+    # state; every other row untouched.
+    want = [w.clone() for w in m.storage.weights()]
+    sel = (is_new & (rows >= 0)).nonzero().squeeze(1)
+    ops.emb_init_rows(want, rows[sel], utids[sel], ukeys[sel], m.dims, m.storage.init_params, 4)
+    assert sel.numel() > 1000 and all(torch.equal(a, b) for a, b in zip(weights, want))
+    with pytest.raises(RuntimeError, match="names no key"):
+        ops.emb_row_order_init(weights, rows, utids, ukeys, is_new, torch.tensor([0, U]), m.dims,
+                               m.storage.init_params, 4)
 
 
 def test_training_forward_renumbers_keys_in_row_order():
@@ -116,7 +149,7 @@ def test_training_forward_renumbers_keys_in_row_order():
     want_rows = m.storage.find(ukeys, utids)
     assert torch.equal(seen["rows"][seen["inverse"]], want_rows[inverse])
     assert torch.equal(seen["utids"][seen["inverse"]], utids[inverse])
-    assert torch.equal(seen["rows"], seen["rows"][ops.emb_row_order(m.storage.weights(), seen["rows"], seen["utids"])])
+    assert torch.equal(_row_order(m, seen["rows"], seen["utids"]), torch.arange(ukeys.numel()))
 
 
 @pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
