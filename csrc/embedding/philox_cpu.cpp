@@ -2,8 +2,6 @@
 // two interleaved sets of 8 lanes with AVX2, for the CPU's initial rows: the same outputs as
 // init_rules.h philox4, several times faster per block than the scalar
 // rounds. Chosen at run time (the CPU may lack either).
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
 
 #include "common/cpu_vectors.h"
@@ -119,9 +117,9 @@ __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table,
 // each mapped exactly as init::uniform_value (lower + span * ((x + 0.5) *
 // 2^-32), in double, -> float) and stored non-temporally, 8 floats at once;
 // the optimizer state zeroed likewise. x + 0.5 is exact from the signed
-// conversion of x - 2^31, and span * 2^-32 is exact (a power-of-two scale of
-// a normal double), so span32 * (x + 0.5) rounds to the same double as span *
-// ((x + 0.5) * 2^-32): two operations fewer per 4 values.
+// conversion of x - 2^31, and span32 = span * 2^-32 exactly (checked), so
+// span32 * (x + 0.5) is the same real product as span * ((x + 0.5) * 2^-32)
+// and rounds to the same double: two operations fewer per 4 values.
 __attribute__((target("avx2"))) inline __m128 uniform4(const uint32_t* bits, __m256d lo, __m256d sp32) {
   const __m128i x = _mm_xor_si128(_mm_load_si128(reinterpret_cast<const __m128i*>(bits)), _mm_set1_epi32(INT32_MIN));
   const __m256d v = _mm256_add_pd(_mm256_cvtepi32_pd(x), _mm256_set1_pd(2147483648.5));  // x + 0.5, exactly
@@ -166,8 +164,8 @@ bool stream_uniform_row(float* row, int64_t dim, int64_t stride, uint64_t seed, 
                         double lower, double span) {
   const double span32 = span * (1.0 / 4294967296.0);
   if (!cpu::has_avx2() || dim % 64 != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(row) % 32 != 0 ||
-      span32 * 4294967296.0 != span || (span32 != 0.0 && std::fabs(span32) < DBL_MIN))
-    return false;  // (span32 scales span exactly, unless subnormal)
+      span32 * 4294967296.0 != span)
+    return false;  // (span32 is span * 2^-32 exactly unless it lost bits as a subnormal)
   stream_uniform_avx2(row, dim, stride, seed, table, key, lower, span32);
   return true;
 }
