@@ -456,9 +456,14 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
       for (int64_t q = pb; q < pe; ++q) fn(U * q / parts, U * (q + 1) / parts);
     });
   };
+  // The counters and cursors are hit at random (U of them, beyond the
+  // caches for a large batch): fetched kCountAhead indices ahead.
+  constexpr int64_t kCountAhead = 16;
   for_each_part([&](int64_t lo, int64_t hi) {
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kCountAhead < n) __builtin_prefetch(&begin[inv[i + kCountAhead] + 1], 1, 3);
       if (inv[i] >= lo && inv[i] < hi) ++begin[inv[i] + 1];
+    }
   });
   for (int64_t u = 0; u < U; ++u) begin[u + 1] += begin[u];
   std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
@@ -467,6 +472,14 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
       const int64_t f = bags.feature(j), L = bags.length(j);
       const float* go = grad + (j % bags.B) * total_d + doff[f];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
+        if (i + kCountAhead < n) __builtin_prefetch(&cursor[inv[i + kCountAhead]], 1, 3);
+        if (i + kCountAhead / 2 < n) {  // where that index's entry will go (its cursor is fetched by now)
+          const int64_t ua = inv[i + kCountAhead / 2];
+          if (ua >= lo && ua < hi) {  // (other parts' cursors belong to other threads)
+            __builtin_prefetch(&occ_g[cursor[ua]], 1, 3);
+            __builtin_prefetch(&occ_s[cursor[ua]], 1, 3);
+          }
+        }
         const int64_t u = inv[i];
         if (u < lo || u >= hi) continue;
         float scale = psw ? psw[i] : 1.0f;
