@@ -299,8 +299,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
   std::unique_ptr<int64_t[]> renumber(new int64_t[n]);
   std::unique_ptr<bool[]> new_out(new bool[n]);
   const cpu::StablePartition order = row_order(R, r, t, n);
+  // Both passes read at random (the keys' arrays, then renumber):
+  // fetched kAhead positions ahead.
+  constexpr int64_t kAhead = 16;
   at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
+      if (j + kAhead < e) {
+        const int64_t oa = order.pos(j + kAhead);
+        __builtin_prefetch(r + oa);
+        __builtin_prefetch(k + oa);
+        __builtin_prefetch(t + oa);
+        __builtin_prefetch(nw + oa);
+        __builtin_prefetch(&renumber[oa], 1);
+      }
       const int64_t o = order.pos(j);
       oo[j] = o;
       ro[j] = r[o];
@@ -313,6 +324,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, m, 16384, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
+      if (i + kAhead < e) __builtin_prefetch(&renumber[inv[i + kAhead]]);
       const int64_t u = inv[i];
       if (u < 0 || u >= n) {
         bad.store(i, std::memory_order_relaxed);
