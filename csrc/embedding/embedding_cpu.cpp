@@ -355,9 +355,11 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
     thread_local std::vector<float> acc;
     src.resize(bags.off[je] - bags.off[jb]);
     acc.resize(max_d);
+    constexpr int64_t kRowsAhead = 16;  // rows[] is read at random, beyond the caches for a large batch
     for (int64_t j = jb; j < je; ++j) {
       const int64_t t = bags.table[bags.feature(j)];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
+        if (i + kRowsAhead < bags.off[je]) __builtin_prefetch(rows + inv[i + kRowsAhead]);
         const int64_t r = rows[inv[i]];
         src[i - bags.off[jb]] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
       }
