@@ -15,7 +15,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -287,6 +286,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
   const int64_t n = rows.numel(), m = inverse.numel();
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
               "dynamicemb: rows, table_ids, keys and is_new differ in length");
+  check_inverse(inverse, n);
   const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
   const int64_t *r = rows.data_ptr<int64_t>(), *t = table_ids.data_ptr<int64_t>(), *k = keys.data_ptr<int64_t>(),
                 *inv = inverse.data_ptr<int64_t>();
@@ -321,20 +321,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
       renumber[o] = j;
     }
   });
-  std::atomic<int64_t> bad{-1};
   at::parallel_for(0, m, 16384, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       if (i + kAhead < e) __builtin_prefetch(&renumber[inv[i + kAhead]]);
-      const int64_t u = inv[i];
-      if (u < 0 || u >= n) {
-        bad.store(i, std::memory_order_relaxed);
-        io[i] = -1;
-        continue;
-      }
-      io[i] = renumber[u];
+      io[i] = renumber[inv[i]];
     }
   });
-  TORCH_CHECK(bad.load() < 0, "dynamicemb: inverse[", bad.load(), "] names no key (", n, " keys)");
   init_rows_where(R, args, static_cast<uint64_t>(seed), ro, to, ko, new_out.get(), n);
   return {order_out, rows_out, keys_out, tids_out, inv_out};
 }
@@ -378,6 +370,7 @@ Tensor forward_cpu(TensorList weights, const Tensor& rows, const Tensor& unique_
   check_1d(unique_keys, at::kLong, "unique_keys");
   check_1d(inverse, at::kLong, "inverse");
   TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
+  check_inverse(inverse, rows.numel());
   const int64_t n = inverse.numel();
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
   const float* psw = opt_weights(per_sample_weights, n);
@@ -437,6 +430,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   check_1d(inverse, at::kLong, "inverse");
   const int64_t U = rows.numel(), n = inverse.numel();
   TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
+  check_inverse(inverse, U);
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
   const float* psw = opt_weights(per_sample_weights, n);
   TORCH_CHECK(grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() && grad_output.dim() == 2,

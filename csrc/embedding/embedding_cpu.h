@@ -35,6 +35,24 @@ inline void check_1d(const Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
 }
 
+// Every inverse[i] names one of `keys` unique keys: the kernels index rows
+// and keys by it. One branch-free pass; the first bad position is searched
+// only when there is one.
+inline void check_inverse(const Tensor& inverse, int64_t keys) {
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const int64_t n = inverse.numel();
+  std::atomic<bool> any{false};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+    bool bad = false;
+    for (int64_t i = b; i < e; ++i) bad |= static_cast<uint64_t>(inv[i]) >= static_cast<uint64_t>(keys);
+    if (bad) any = true;
+  });
+  if (!any) return;
+  int64_t i = 0;
+  while (static_cast<uint64_t>(inv[i]) < static_cast<uint64_t>(keys)) ++i;
+  TORCH_CHECK(false, "dynamicemb: inverse[", i, "] = ", inv[i], " names no key (", keys, " keys)");
+}
+
 // The bag structure of a batch: B bags per feature, F features.
 struct Bags {
   const int64_t* off;

@@ -125,9 +125,25 @@ def test_row_order_init_permutes_renumbers_and_initialises_new_rows():
     sel = (is_new & (rows >= 0)).nonzero().squeeze(1)
     ops.emb_init_rows(want, rows[sel], utids[sel], ukeys[sel], m.dims, m.storage.init_params, 4)
     assert sel.numel() > 1000 and all(torch.equal(a, b) for a, b in zip(weights, want))
-    with pytest.raises(RuntimeError, match="names no key"):
+    with pytest.raises(RuntimeError, match=rf"inverse\[1\] = {U} names no key"):
         ops.emb_row_order_init(weights, rows, utids, ukeys, is_new, torch.tensor([0, U]), m.dims,
                                m.storage.init_params, 4)
+
+
+@pytest.mark.parametrize("bad", [-1, "U"])
+def test_forward_and_backward_reject_an_inverse_that_names_no_key(bad):
+    m, _, offsets, ukeys, utids, inverse, rows = _inputs()
+    inverse = inverse.clone()
+    inverse[3] = ukeys.numel() if bad == "U" else bad
+    msg = rf"inverse\[3\] = {int(inverse[3])} names no key"
+    with pytest.raises(RuntimeError, match=msg):
+        ops.emb_forward(m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, None,
+                        int(DynamicEmbPoolingMode.SUM), m.storage.init_params, 0, torch.float32)
+    weights = [w.clone() for w in m.storage.weights()]
+    with pytest.raises(RuntimeError, match=msg):
+        ops.emb_backward_update(torch.randn(2, 16), weights, rows, utids, inverse, offsets, FEATURE_TABLE, m.dims,
+                                None, int(DynamicEmbPoolingMode.SUM), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, 0)
+    assert all(torch.equal(a, b) for a, b in zip(weights, m.storage.weights()))  # nothing updated
 
 
 def test_training_forward_renumbers_keys_in_row_order():
