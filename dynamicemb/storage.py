@@ -303,11 +303,10 @@ class HashTableStorage(EmbeddingStorage):
                 is_new[at] = new
         self.rejected += rejected
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
-            no_inverse = inverse is None
-            _, rows, keys, table_ids, inverse = ops.emb_row_order_init(
-                self._weights, rows, table_ids, keys, is_new, keys.new_empty(0) if no_inverse else inverse,
-                self.dims, self.init_params, self.seed)
-            inverse = None if no_inverse else inverse
+            given = keys.new_empty(0) if inverse is None else inverse
+            _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
+                self._weights, rows, table_ids, keys, is_new, given, self.dims, self.init_params, self.seed)
+            inverse = None if inverse is None else renumbered
         else:
             sel = is_new.nonzero().squeeze(1)
             if sel.numel():

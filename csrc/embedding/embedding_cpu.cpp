@@ -88,7 +88,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
     }
     part_begin[p + 1] = run;
   }
-  const std::vector<int64_t> start(at_);  // each (chunk, part)'s first record, for the inverse's pass
+  std::vector<int64_t> cursor(at_);  // each (chunk, part)'s first record: the inverse's pass replays from it
   std::unique_ptr<Rec[]> rec(new Rec[n]);
   // Each part's records (and, in the last pass, local ids) are taken in
   // sequence, but 64 parts are too many streams for the hardware to follow:
@@ -159,7 +159,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   });
   // inverse in input order: each chunk replays its placing pass to find
   // its records (sequential writes, where scattering by record would not be).
-  std::vector<int64_t> cursor = start;
   for_each_chunk([&](int64_t c, int64_t, int64_t i) {
     const int64_t p = part_at[i];
     const int64_t j = cursor[c * P + p]++;
