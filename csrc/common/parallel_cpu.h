@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -14,6 +15,32 @@ namespace cpu {
 // Chunks of about `grain` items, at most `per_thread` per thread.
 inline int64_t num_chunks(int64_t n, int64_t grain, int64_t per_thread = 4) {
   return std::max<int64_t>(1, std::min<int64_t>(per_thread * at::get_num_threads(), n / grain));
+}
+
+// fn(i) for i in [0, n), items claimed one at a time by the threads: a
+// thread that a busy machine slows down takes fewer items instead of holding
+// the others at the region's end. For items whose results do not depend on
+// which thread runs them (disjoint outputs).
+template <class Fn>
+void parallel_claim(int64_t n, Fn fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
+  });
+}
+
+// fn(b, e) over [0, n) cut into ranges of about `grain` items (up to 8 per
+// thread), claimed as in parallel_claim.
+template <class Fn>
+void parallel_ranges(int64_t n, int64_t grain, Fn fn) {
+  const int64_t chunks = num_chunks(n, grain, 8);
+  const int64_t len = (n + chunks - 1) / chunks;
+  parallel_claim(chunks, [&](int64_t c) { fn(c * len, std::min(n, (c + 1) * len)); });
 }
 
 // Turns counts per (chunk, part) (row-major, chunks x parts) into each
@@ -48,15 +75,13 @@ class StablePartition {
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(num_chunks(n, 8192), (int64_t{1} << 22) / P));
     const int64_t len = (n + chunks - 1) / chunks;
     std::vector<int64_t> off(chunks * P, 0);
-    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) ++off[c * P + part(i)];
+    parallel_claim(chunks, [&](int64_t c) {
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) ++off[c * P + part(i)];
     });
     begin_ = counts_to_starts(off, chunks, P);
     order_.resize(n);
-    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) order_[off[c * P + part(i)]++] = i;
+    parallel_claim(chunks, [&](int64_t c) {
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) order_[off[c * P + part(i)]++] = i;
     });
   }
 
@@ -69,9 +94,7 @@ class StablePartition {
   template <class Fn>
   void for_each_part(Fn fn) const {
     if (parts_ == 1) return fn(int64_t{0});
-    at::parallel_for(0, parts_, 1, [&](int64_t pb, int64_t pe) {
-      for (int64_t p = pb; p < pe; ++p) fn(p);
-    });
+    parallel_claim(parts_, fn);
   }
 
  private:
@@ -86,21 +109,17 @@ int64_t compact(int64_t n, Keep keep, Alloc alloc, Emit emit) {
   const int64_t chunks = num_chunks(n, 16384);
   const int64_t len = std::max<int64_t>(1, (n + chunks - 1) / chunks);
   std::vector<int64_t> start(chunks + 1, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t k = 0;
-      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) k += keep(i);
-      start[c + 1] = k;
-    }
+  parallel_claim(chunks, [&](int64_t c) {
+    int64_t k = 0;
+    for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) k += keep(i);
+    start[c + 1] = k;
   });
   for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
   alloc(start[chunks]);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t o = start[c];
-      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i)
-        if (keep(i)) emit(i, o++);
-    }
+  parallel_claim(chunks, [&](int64_t c) {
+    int64_t o = start[c];
+    for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i)
+      if (keep(i)) emit(i, o++);
   });
   return start[chunks];
 }
@@ -109,22 +128,20 @@ int64_t compact(int64_t n, Keep keep, Alloc alloc, Emit emit) {
 // (a negative cls is not counted): a G x K row-major vector.
 template <class Group, class Cls>
 std::vector<int64_t> tally(int64_t n, int64_t G, int K, Group group, Cls cls) {
-  const int64_t chunks = num_chunks(n, 16384, 1);
+  const int64_t chunks = num_chunks(n, 16384);
   const int64_t len = std::max<int64_t>(1, (n + chunks - 1) / chunks);
   std::vector<int64_t> acc(chunks * G * K, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+  parallel_claim(chunks, [&](int64_t c) {
     // Four sets of counters, taken in turn: a run of one class does not wait
     // on its previous increment (one counter made a chain through memory).
-    std::vector<int64_t> part(4 * G * K);
-    for (int64_t c = cb; c < ce; ++c) {
-      std::fill(part.begin(), part.end(), 0);
-      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) {
-        const int k = cls(i);
-        if (k >= 0) ++part[((i & 3) * G + group(i)) * K + k];
-      }
-      for (int64_t j = 0; j < G * K; ++j)
-        acc[c * G * K + j] = part[j] + part[G * K + j] + part[2 * G * K + j] + part[3 * G * K + j];
+    thread_local std::vector<int64_t> part;
+    part.assign(4 * G * K, 0);
+    for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) {
+      const int k = cls(i);
+      if (k >= 0) ++part[((i & 3) * G + group(i)) * K + k];
     }
+    for (int64_t j = 0; j < G * K; ++j)
+      acc[c * G * K + j] = part[j] + part[G * K + j] + part[2 * G * K + j] + part[3 * G * K + j];
   });
   std::vector<int64_t> out(G * K, 0);
   for (int64_t c = 0; c < chunks; ++c)

@@ -55,16 +55,15 @@ class BucketBatch {
     len_ = std::max<int64_t>(1, (n + chunks_ - 1) / chunks_);
     start_.assign(chunks_ * parts_, 0);
     std::atomic<int64_t> bad{-1};
-    at::parallel_for(0, chunks_, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t i = c * len_, e = std::min(n, i + len_); i < e; ++i) {
-          const int64_t b = bucket_of(i);
-          if (b < 0) {
-            bad.store(i, std::memory_order_relaxed);
-            continue;
-          }
-          ++start_[c * parts_ + (b >> shift_)];
+    cpu::parallel_claim(chunks_, [&](int64_t c) {
+      for (int64_t i = c * len_, e = std::min(n, i + len_); i < e; ++i) {
+        const int64_t b = bucket_of(i);
+        if (b < 0) {
+          bad.store(i, std::memory_order_relaxed);
+          continue;
         }
+        ++start_[c * parts_ + (b >> shift_)];
+      }
     });
     bad_ = bad.load();
     part_begin_ = cpu::counts_to_starts(start_, chunks_, parts_);
@@ -92,15 +91,13 @@ class BucketBatch {
   // their order by bucket (input order within a bucket).
   template <class PartFn>
   void for_each_part(PartFn fn) {
-    at::parallel_for(0, parts_, 1, [&](int64_t pb, int64_t pe) {
-      std::vector<uint32_t> order;
-      for (int64_t p = pb; p < pe; ++p) {
-        const int64_t m = part_begin_[p + 1] - part_begin_[p];
-        if (m == 0) continue;
-        Rec* recs = recs_ + part_begin_[p];
-        sort_part(p, recs, m, order);
-        fn(recs, order.data(), m);
-      }
+    cpu::parallel_claim(parts_, [&](int64_t p) {
+      thread_local std::vector<uint32_t> order;
+      const int64_t m = part_begin_[p + 1] - part_begin_[p];
+      if (m == 0) return;
+      Rec* recs = recs_ + part_begin_[p];
+      sort_part(p, recs, m, order);
+      fn(recs, order.data(), m);
     });
   }
 
@@ -116,18 +113,16 @@ class BucketBatch {
   // record: parts in order, input order within a part.
   template <class Place, class Fn>
   void each_record(Place place, Fn fn) const {
-    at::parallel_for(0, chunks_, 1, [&](int64_t cb, int64_t ce) {
-      std::vector<int64_t> next;
-      for (int64_t c = cb; c < ce; ++c) {
-        next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
-        for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
-          const auto x = place(i);
-          const int64_t j = next[bucket(x) >> shift_]++;
-          // Each part's slots are taken in sequence, but too many parts are
-          // in flight for the hardware to follow: fetch a few records ahead.
-          __builtin_prefetch(recs_ + std::min(j + kStreamAhead, n_ - 1), 1, 1);
-          fn(i, x, j);
-        }
+    cpu::parallel_claim(chunks_, [&](int64_t c) {
+      thread_local std::vector<int64_t> next;
+      next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
+      for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
+        const auto x = place(i);
+        const int64_t j = next[bucket(x) >> shift_]++;
+        // Each part's slots are taken in sequence, but too many parts are
+        // in flight for the hardware to follow: fetch a few records ahead.
+        __builtin_prefetch(recs_ + std::min(j + kStreamAhead, n_ - 1), 1, 1);
+        fn(i, x, j);
       }
     });
   }

@@ -270,7 +270,7 @@ int64_t lookup_pipeline(const LookupView& v, int64_t n, const Rows& rows = {}) {
   constexpr int kStages = 3;
   constexpr int64_t B = kLookupBlock;
   std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, n, 2048, [&](int64_t b, int64_t e) {
+  cpu::parallel_ranges(n, 2048, [&](int64_t b, int64_t e) {
     int64_t base[kStages][B];  // bucket's first slot, -1 for a bad table id
     uint8_t dg[kStages][B];
     int32_t cand[kStages][B];  // first_digest_match
