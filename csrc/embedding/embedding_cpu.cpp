@@ -62,12 +62,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   const int64_t C = std::max<int64_t>(1, std::min<int64_t>(cpu::num_chunks(n, 16384), nb));
   std::vector<int64_t> at_(C * P, 0);  // [chunk][part]: count, then write cursor
   auto for_each_chunk = [&](auto fn) {
-    at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c)
-        for (int64_t j = nb * c / C; j < nb * (c + 1) / C; ++j) {
-          const int64_t t = bags.table[bags.feature(j)];
-          for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) fn(c, t, i);
-        }
+    cpu::parallel_claim(C, [&](int64_t c) {
+      for (int64_t j = nb * c / C; j < nb * (c + 1) / C; ++j) {
+        const int64_t t = bags.table[bags.feature(j)];
+        for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) fn(c, t, i);
+      }
     });
   };
   // Each index's part, kept from the counting pass for the later passes.
@@ -111,35 +110,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   std::unique_ptr<Rec[]> first(new Rec[n]);  // per unique: its pair (hash unused)
   std::unique_ptr<int64_t[]> count(new int64_t[n]);
   std::vector<int64_t> uniques(P, 0);
-  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
+  cpu::parallel_claim(P, [&](int64_t p) {
     thread_local std::vector<Entry> table;
-    for (int64_t p = pb; p < pe; ++p) {
-      const int64_t m = part_begin[p + 1] - part_begin[p];
-      int64_t cap = 16;
-      while (cap < 2 * m) cap <<= 1;
-      table.assign(cap, Entry{0, 0, -1});
-      Rec* fp = first.get() + part_begin[p];
-      int64_t* cp = count.get() + part_begin[p];
-      int32_t u = 0;
-      for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) {
-        const Rec r = rec[j];
-        for (uint64_t h = r.hash & (cap - 1);; h = (h + 1) & (cap - 1)) {
-          Entry& e = table[h];
-          if (e.id < 0) {
-            e = Entry{r.key, r.tid, u};
-            fp[u] = r;
-            cp[u++] = 1;
-          } else if (e.key != r.key || e.tid != r.tid) {
-            continue;
-          } else {
-            ++cp[e.id];
-          }
-          lid[j] = e.id;
-          break;
+    const int64_t m = part_begin[p + 1] - part_begin[p];
+    int64_t cap = 16;
+    while (cap < 2 * m) cap <<= 1;
+    table.assign(cap, Entry{0, 0, -1});
+    Rec* fp = first.get() + part_begin[p];
+    int64_t* cp = count.get() + part_begin[p];
+    int32_t u = 0;
+    for (int64_t j = part_begin[p]; j < part_begin[p + 1]; ++j) {
+      const Rec r = rec[j];
+      for (uint64_t h = r.hash & (cap - 1);; h = (h + 1) & (cap - 1)) {
+        Entry& e = table[h];
+        if (e.id < 0) {
+          e = Entry{r.key, r.tid, u};
+          fp[u] = r;
+          cp[u++] = 1;
+        } else if (e.key != r.key || e.tid != r.tid) {
+          continue;
+        } else {
+          ++cp[e.id];
         }
+        lid[j] = e.id;
+        break;
       }
-      uniques[p] = u;
     }
+    uniques[p] = u;
   });
   std::vector<int64_t> base(P + 1, 0);
   for (int64_t p = 0; p < P; ++p) base[p + 1] = base[p] + uniques[p];
@@ -148,13 +145,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
          ucounts = at::empty({U}, indices.options()), inverse = at::empty({n}, indices.options());
   int64_t *uk = ukeys.data_ptr<int64_t>(), *ut = utids.data_ptr<int64_t>(), *uc = ucounts.data_ptr<int64_t>(),
           *inv = inverse.data_ptr<int64_t>();
-  at::parallel_for(0, P, 1, [&](int64_t pb, int64_t pe) {
-    for (int64_t p = pb; p < pe; ++p) {
-      for (int64_t u = 0; u < uniques[p]; ++u) {
-        uk[base[p] + u] = first[part_begin[p] + u].key;
-        ut[base[p] + u] = first[part_begin[p] + u].tid;
-        uc[base[p] + u] = count[part_begin[p] + u];
-      }
+  cpu::parallel_claim(P, [&](int64_t p) {
+    for (int64_t u = 0; u < uniques[p]; ++u) {
+      uk[base[p] + u] = first[part_begin[p] + u].key;
+      ut[base[p] + u] = first[part_begin[p] + u].tid;
+      uc[base[p] + u] = count[part_begin[p] + u];
     }
   });
   // inverse in input order: each chunk replays its placing pass to find
@@ -209,8 +204,8 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
     for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     constexpr bool kStreamed = std::is_same_v<scalar_t, float>;
     auto wanted = [&](int64_t i) { return r[i] >= 0 && (mask == nullptr || mask[i]); };
-    at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
-      std::vector<float> buf;
+    cpu::parallel_ranges(n, 256, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> buf;
       constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
         const int64_t a = i + kAhead;
@@ -301,7 +296,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
   // Both passes read at random (the keys' arrays, then renumber):
   // fetched kAhead positions ahead.
   constexpr int64_t kAhead = 16;
-  at::parallel_for(0, n, 16384, [&](int64_t b, int64_t e) {
+  cpu::parallel_ranges(n, 16384, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       if (j + kAhead < e) {
         const int64_t oa = order.pos(j + kAhead);
@@ -320,7 +315,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
       renumber[o] = j;
     }
   });
-  at::parallel_for(0, m, 16384, [&](int64_t b, int64_t e) {
+  cpu::parallel_ranges(m, 16384, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       if (i + kAhead < e) __builtin_prefetch(&renumber[inv[i + kAhead]]);
       io[i] = renumber[inv[i]];
@@ -459,9 +454,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   std::unique_ptr<float[]> occ_s(new float[n]);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16384));
   auto for_each_part = [&](auto fn) {
-    at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
-      for (int64_t q = pb; q < pe; ++q) fn(U * q / parts, U * (q + 1) / parts);
-    });
+    cpu::parallel_claim(parts, [&](int64_t q) { fn(U * q / parts, U * (q + 1) / parts); });
   };
   // The counters and cursors are hit at random (U of them, beyond the
   // caches for a large batch): fetched kCountAhead indices ahead.
@@ -506,9 +499,10 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
     std::vector<int64_t> task_u(tasks + 1, U);
     for (int64_t q = 0; q < tasks; ++q)
       task_u[q] = std::lower_bound(begin.begin(), begin.end() - 1, n * q / tasks) - begin.begin();
-    at::parallel_for(0, tasks, 1, [&](int64_t qb, int64_t qe) {
-      const int64_t ub = task_u[qb], ue = task_u[qe];
-      std::vector<float> g(max_d);
+    cpu::parallel_claim(tasks, [&](int64_t q) {
+      const int64_t ub = task_u[q], ue = task_u[q + 1];
+      thread_local std::vector<float> g;
+      g.resize(max_d);
       // Rows being updated and gradient slices are scattered: fetch ahead.
       constexpr int64_t kRowAhead = 16, kGradAhead = 4, kGradPrefetches = 4;
       for (int64_t u = ub; u < ue; ++u) {

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/parallel_cpu.h"
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/row_math_cpu.h"
@@ -162,7 +163,7 @@ constexpr int64_t kSpanIndices = 2048;
 // spans in parallel; a span ends at the first bag boundary past kSpanIndices.
 template <class Fn>
 void for_each_span(const Bags& bags, Fn fn) {
-  at::parallel_for(0, bags.num_bags(), 64, [&](int64_t b, int64_t e) {
+  cpu::parallel_ranges(bags.num_bags(), 64, [&](int64_t b, int64_t e) {
     for (int64_t jb = b; jb < e;) {
       int64_t je = jb + 1;
       while (je < e && bags.off[je] - bags.off[jb] < kSpanIndices) ++je;
