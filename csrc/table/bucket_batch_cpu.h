@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -26,15 +27,13 @@
 namespace dynamicemb {
 namespace table {
 
-// Room for a call's scratch arrays, kept by the calling thread from call to
-// call: a call of a million keys needs tens of MiB, which glibc would map
-// afresh each time (blocks from 32 MiB up always are) and the kernel fault in
-// and clear page by page. Room `which` (0: BucketBatch's records, 1 and up:
-// the caller's) of the largest call so far stays allocated, on 2 MiB pages
-// where the kernel gives them.
-inline void* scratch_room(int64_t bytes, int which = 0) {
-  thread_local at::Tensor rooms[3];
-  at::Tensor& room = rooms[which];
+// Room for a call's records, kept by the calling thread from call to call:
+// a call of a million keys needs tens of MiB, which glibc would map afresh
+// each time (blocks from 32 MiB up always are) and the kernel fault in and
+// clear page by page. The room of the largest call so far stays allocated,
+// on 2 MiB pages where the kernel gives them.
+inline void* scratch_room(int64_t bytes) {
+  thread_local at::Tensor room;
   if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
   return room.data_ptr<uint8_t>();
 }
@@ -84,13 +83,24 @@ class BucketBatch {
           fill(i, r);
           return r;
         },
-        [&](int64_t, const Rec& r, int64_t j) { recs_[j] = r; });
+        [&](int64_t, int64_t, const Rec& r, int64_t j) { recs_[j] = r; });
   }
 
   // fn(recs, order, m) for each part, in parallel: the part's m records and
   // their order by bucket (input order within a bucket).
   template <class PartFn>
   void for_each_part(PartFn fn) {
+    for_each_part(fn, CountsNone{});
+  }
+
+  // for_each_part that also counts, right after fn walked a part (its
+  // records still in cache), the records that keep(rec) holds per chunk of
+  // input: returns each chunk's first position among the kept records in
+  // input order (chunks + 1 entries, the last their count), for scatter's
+  // numbering.
+  template <class PartFn, class Keep>
+  std::vector<int64_t> for_each_part(PartFn fn, Keep keep) {
+    std::vector<int64_t> kept(chunks_ * parts_, 0);  // [chunk][part]
     cpu::parallel_claim(parts_, [&](int64_t p) {
       thread_local std::vector<uint32_t> order;
       const int64_t m = part_begin_[p + 1] - part_begin_[p];
@@ -98,17 +108,46 @@ class BucketBatch {
       Rec* recs = recs_ + part_begin_[p];
       sort_part(p, recs, m, order);
       fn(recs, order.data(), m);
+      if constexpr (std::is_same_v<Keep, CountsNone>) return;
+      for (int64_t c = 0; c < chunks_; ++c) {
+        const int64_t e = c + 1 < chunks_ ? start_[(c + 1) * parts_ + p] : part_begin_[p + 1];
+        int64_t k = 0;
+        for (int64_t j = start_[c * parts_ + p]; j < e; ++j) k += keep(static_cast<const Rec&>(recs_[j]));
+        kept[c * parts_ + p] = k;
+      }
     });
+    std::vector<int64_t> first(chunks_ + 1, 0);
+    for (int64_t c = 0; c < chunks_; ++c)
+      first[c + 1] = first[c] + std::accumulate(kept.begin() + c * parts_, kept.begin() + (c + 1) * parts_, int64_t{0});
+    return first;
   }
 
   // back(i, rec) for every key, chunks of input in parallel.
   template <class BucketOf, class Back>
   void scatter(BucketOf bucket_of, Back back) const {
-    each_record(bucket_of, [&](int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
+    each_record(bucket_of, [&](int64_t, int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
+  }
+
+  // scatter, and emit(o, i, rec) for the records that keep(rec) holds, o
+  // numbering them in input order from first (for_each_part's count).
+  template <class BucketOf, class Back, class Keep, class Emit>
+  void scatter(BucketOf bucket_of, Back back, Keep keep, const std::vector<int64_t>& first, Emit emit) const {
+    constexpr int64_t kLine = 8;  // per chunk its next kept position, a cache line apart (no false sharing)
+    std::vector<int64_t> next(chunks_ * kLine);
+    for (int64_t c = 0; c < chunks_; ++c) next[c * kLine] = first[c];
+    each_record(bucket_of, [&](int64_t c, int64_t i, int64_t, int64_t j) {
+      const Rec& r = recs_[j];
+      back(i, r);
+      if (keep(r)) emit(next[c * kLine]++, i, r);
+    });
   }
 
  private:
-  // fn(i, x, j) for every i in input order (chunks in parallel), with
+  struct CountsNone {  // for_each_part without a count
+    bool operator()(const Rec&) const { return false; }
+  };
+
+  // fn(c, i, x, j) for every i in input order (chunks c in parallel), with
   // x = place(i) (x's bucket: x itself or x.bucket) and j the slot of i's
   // record: parts in order, input order within a part.
   template <class Place, class Fn>
@@ -122,7 +161,7 @@ class BucketBatch {
         // Each part's slots are taken in sequence, but too many parts are
         // in flight for the hardware to follow: fetch a few records ahead.
         __builtin_prefetch(recs_ + std::min(j + kStreamAhead, n_ - 1), 1, 1);
-        fn(i, x, j);
+        fn(c, i, x, j);
       }
     });
   }

@@ -496,7 +496,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     r.digest = d;
     r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
   });
-  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+  auto evicted = [](const Rec& r) { return r.res == kEvicted; };
+  const std::vector<int64_t> first_evicted = bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
     RunVictims victims[2];  // of this run and the next
     walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
       const uint32_t* idx = runs.idx(run);
@@ -564,18 +565,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
       }
       vic.reset();
     }, WrittenAtMatch{sc, ep, ts});
-  });
-  // The displaced key and score of an evicting insert, by key position.
-  int64_t* ev_key = static_cast<int64_t*>(scratch_room(n * int64_t{sizeof(int64_t)}, 1));
-  int64_t* ev_score = static_cast<int64_t*>(scratch_room(n * int64_t{sizeof(int64_t)}, 2));
-  bb.scatter(where, [&](int64_t i, const Rec& r) {
-    out[i] = r.bucket;
-    res[i] = r.res;
-    if (r.res == kEvicted) {
-      ev_key[i] = r.key;
-      ev_score[i] = r.score;
-    }
-  });
+  }, evicted);
+  // Each key's slot and result, and the evicted (key, table, slot, score)
+  // in input order, written in one pass.
+  const int64_t m = first_evicted.back();
+  Tensor e_keys = new_tensor(m, at::kLong), e_tids = new_tensor(m, at::kLong), e_idx = new_tensor(m, at::kLong),
+         e_scores = new_tensor(m, at::kLong);
+  int64_t *ekp = e_keys.data_ptr<int64_t>(), *etp = e_tids.data_ptr<int64_t>(), *eip = e_idx.data_ptr<int64_t>(),
+          *esp = e_scores.data_ptr<int64_t>();
+  bb.scatter(
+      where,
+      [&](int64_t i, const Rec& r) {
+        out[i] = r.bucket;
+        res[i] = r.res;
+      },
+      evicted, first_evicted,
+      [&](int64_t o, int64_t i, const Rec& r) {
+        ekp[o] = r.key;
+        etp[o] = tids ? tids[i] : 0;
+        eip[o] = r.bucket;
+        esp[o] = r.score;
+      });
 
   // Counters: inserted (new keys stored, by a free slot or by evicting),
   // evicted, failed; the size grows by the keys that took a free slot.
@@ -589,23 +599,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     ctr[t * 3 + 1] += c[kEvicted];
     ctr[t * 3 + 2] += c[kFailed];
   }
-
-  Tensor e_keys, e_tids, e_idx, e_scores;
-  int64_t *ekp, *etp, *eip, *esp;
-  compact(
-      n, [&](int64_t i) { return res[i] == kEvicted; },
-      [&](int64_t m) {
-        ekp = (e_keys = new_tensor(m, at::kLong)).data_ptr<int64_t>();
-        etp = (e_tids = new_tensor(m, at::kLong)).data_ptr<int64_t>();
-        eip = (e_idx = new_tensor(m, at::kLong)).data_ptr<int64_t>();
-        esp = (e_scores = new_tensor(m, at::kLong)).data_ptr<int64_t>();
-      },
-      [&](int64_t i, int64_t o) {
-        ekp[o] = ev_key[i];
-        etp[o] = tids ? tids[i] : 0;
-        eip[o] = out[i];
-        esp[o] = ev_score[i];
-      });
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
