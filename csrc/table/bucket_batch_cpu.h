@@ -100,7 +100,8 @@ class BucketBatch {
   // numbering.
   template <class PartFn, class Keep>
   std::vector<int64_t> for_each_part(PartFn fn, Keep keep) {
-    std::vector<int64_t> kept(chunks_ * parts_, 0);  // [chunk][part]
+    constexpr bool kCounts = !std::is_same_v<Keep, CountsNone>;
+    std::vector<int64_t> kept(kCounts ? chunks_ * parts_ : 0, 0);  // [chunk][part]
     cpu::parallel_claim(parts_, [&](int64_t p) {
       thread_local std::vector<uint32_t> order;
       const int64_t m = part_begin_[p + 1] - part_begin_[p];
@@ -108,7 +109,7 @@ class BucketBatch {
       Rec* recs = recs_ + part_begin_[p];
       sort_part(p, recs, m, order);
       fn(recs, order.data(), m);
-      if constexpr (std::is_same_v<Keep, CountsNone>) return;
+      if constexpr (!kCounts) return;
       for (int64_t c = 0; c < chunks_; ++c) {
         const int64_t e = c + 1 < chunks_ ? start_[(c + 1) * parts_ + p] : part_begin_[p + 1];
         int64_t k = 0;
@@ -116,6 +117,7 @@ class BucketBatch {
         kept[c * parts_ + p] = k;
       }
     });
+    if constexpr (!kCounts) return {};
     std::vector<int64_t> first(chunks_ + 1, 0);
     for (int64_t c = 0; c < chunks_; ++c)
       first[c + 1] = first[c] + std::accumulate(kept.begin() + c * parts_, kept.begin() + (c + 1) * parts_, int64_t{0});
