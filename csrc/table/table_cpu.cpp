@@ -524,10 +524,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
       if (b1 >= 0) {
         const int f = first_digest_match(sd + b1, cap, kEmpty);
         if (f >= 0) {
-          prefetch_write(sk + b1 + f);
-          prefetch_write(sc + b1 + f);
-          prefetch_write(ep + b1 + f);
-          if (ts) prefetch_write(ts + b1 + f);
+          // Every line the run's keys could fill (up to its length, within the bucket).
+          const int64_t last = b1 + std::min<int64_t>(cap - 1, f + runs.len(run + 1) - 1);
+          for (int64_t o = b1 + f; o <= last + 7; o += 8) {
+            prefetch_write(sk + std::min(o, last));
+            prefetch_write(sc + std::min(o, last));
+            if (ts) prefetch_write(ts + std::min(o, last));
+          }
+          for (int64_t o = b1 + f; o <= last + 15; o += 16) prefetch_write(ep + std::min(o, last));
         }
       }
       RunVictims& vic = victims[run & 1];
