@@ -5,8 +5,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <optional>
 #include <tuple>
@@ -40,35 +42,46 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, cons
   TORCH_CHECK(off[bags] == n, "dynamicemb: lengths sum to ", off[bags], " but there are ", n, " values");
   const float* w = checked_weights(weights, values);
   const int64_t* v = values.data_ptr<int64_t>();
-  // Destination bucket (rank, feature, bag) and routed key of every value.
-  std::vector<int64_t> bucket(n), key(n);
-  at::parallel_for(0, bags, 256, [&](int64_t jb, int64_t je) {
-    for (int64_t j = jb; j < je; ++j) {
+  // Chunks of whole bags: per value its routed key and owner, per (rank,
+  // bag) the output length, per (chunk, rank) the count; then each chunk
+  // writes its values to its ranks' runs, in input order. A rank's values in
+  // input order are its [feature][bag] layout: bags come in input order.
+  std::vector<int64_t> key(n);
+  std::vector<int32_t> rank_of(n);
+  Tensor out_len = at::zeros({world * bags}, lengths.options());
+  int64_t* ol = out_len.data_ptr<int64_t>();
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(cpu::num_chunks(n, 16384), bags));
+  const int64_t S = (world + 7) / 8 * 8;  // a chunk's counters on lines of their own
+  std::vector<int64_t> at_(C * S, 0);     // [chunk][rank]: count, then write cursor
+  cpu::parallel_claim(C, [&](int64_t c) {
+    int64_t* cnt = &at_[c * S];
+    for (int64_t j = bags * c / C; j < bags * (c + 1) / C; ++j) {
       const int64_t f = j / B;
       for (int64_t i = off[j]; i < off[j + 1]; ++i) {
         key[i] = v[i];
         const int64_t r = owner(rules[f], params[f], world, &key[i]);
-        bucket[i] = r * bags + j;
+        rank_of[i] = static_cast<int32_t>(r);
+        ++ol[r * bags + j];
+        ++cnt[r];
       }
     }
   });
-  const cpu::StablePartition sp(n, world * bags, [&](int64_t i) { return bucket[i]; });
-  Tensor out_len = at::empty({world * bags}, lengths.options());
+  for (int64_t r = 0, run = 0; r < world; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t k = at_[c * S + r];
+      at_[c * S + r] = run;
+      run += k;
+    }
   Tensor out_val = at::empty({n}, values.options());
   Tensor out_w = w ? at::empty({n}, weights->options()) : at::empty({0}, values.options().dtype(at::kFloat));
   Tensor permute = at::empty({n}, values.options());
-  int64_t* ol = out_len.data_ptr<int64_t>();
   int64_t* ov = out_val.data_ptr<int64_t>();
   float* ow = w ? out_w.data_ptr<float>() : nullptr;
   int64_t* perm = permute.data_ptr<int64_t>();
-  if (sp.parts() == 1) {  // world * bags == 1
-    ol[0] = n;
-  } else {
-    for (int64_t p = 0; p < world * bags; ++p) ol[p] = sp.end(p) - sp.begin(p);
-  }
-  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      const int64_t i = sp.pos(j);
+  cpu::parallel_claim(C, [&](int64_t c) {
+    int64_t* cursor = &at_[c * S];
+    for (int64_t i = off[bags * c / C]; i < off[bags * (c + 1) / C]; ++i) {
+      const int64_t j = cursor[rank_of[i]]++;
       ov[j] = key[i];
       if (ow) ow[j] = w[i];
       perm[i] = j;

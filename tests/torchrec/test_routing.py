@@ -115,6 +115,28 @@ def test_route_keys_mixed_rules(world):
     assert [t.tolist() for t in got] == [want[0], want[1], torch.tensor(want[2]).tolist(), want[3]]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_route_keys_large_batch_with_threads(world):
+    """A batch of ~40K values on 2 threads: several chunks of bags route in
+    parallel, and the layout still equals the one-by-one reference."""
+    F, B = 4, 4000
+    rules = [ROUTE_BLOCK, route_rule("hash_roundrobin"), route_rule("roundrobin"), route_rule("continuous")]
+    params = [5000, route_param("hash_roundrobin", 1 << 20), route_param("roundrobin", 1 << 20),
+              route_param("continuous", 1 << 20)]
+    rng = random.Random(world)
+    lengths = [rng.randrange(6) for _ in range(F * B)]
+    values = [rng.randrange(-(1 << 20), 1 << 22) for _ in range(sum(lengths))]
+    weights = [rng.random() for _ in values]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = ops.route_keys(torch.tensor(lengths), torch.tensor(values), torch.tensor(weights), rules, params, world)
+    finally:
+        torch.set_num_threads(old)
+    want = _route_reference(lengths, values, weights, rules, params, world)
+    assert [t.tolist() for t in got] == [want[0], want[1], torch.tensor(want[2]).tolist(), want[3]]
+
+
 # ---- where a 2-rank model stores keys ----------------------------------------------------
 
 NUM_EMBEDDINGS = 1000
