@@ -66,12 +66,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, cons
       }
     }
   });
-  for (int64_t r = 0, run = 0; r < world; ++r)
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t k = at_[c * S + r];
-      at_[c * S + r] = run;
-      run += k;
-    }
+  cpu::counts_to_starts(at_, C, S);  // (the padding's parts are empty, after the ranks)
   Tensor out_val = at::empty({n}, values.options());
   Tensor out_w = w ? at::empty({n}, weights->options()) : at::empty({0}, values.options().dtype(at::kFloat));
   Tensor permute = at::empty({n}, values.options());

@@ -77,16 +77,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
     part_at[i] = static_cast<uint8_t>(p);
     ++at_[c * P + p];
   });
-  std::vector<int64_t> part_begin(P + 1, 0);
-  for (int64_t p = 0, run = 0; p < P; ++p) {
-    part_begin[p] = run;
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t cnt = at_[c * P + p];
-      at_[c * P + p] = run;
-      run += cnt;
-    }
-    part_begin[p + 1] = run;
-  }
+  const std::vector<int64_t> part_begin = cpu::counts_to_starts(at_, C, P);
   std::vector<int64_t> cursor(at_);  // each (chunk, part)'s first record: the inverse's pass replays from it
   std::unique_ptr<Rec[]> rec(new Rec[n]);
   // Each part's records (and, in the last pass, local ids) are taken in

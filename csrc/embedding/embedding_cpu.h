@@ -43,7 +43,7 @@ inline void check_inverse(const Tensor& inverse, int64_t keys) {
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t n = inverse.numel();
   std::atomic<bool> any{false};
-  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+  cpu::parallel_ranges(n, 1 << 16, [&](int64_t b, int64_t e) {
     bool bad = false;
     for (int64_t i = b; i < e; ++i) bad |= static_cast<uint64_t>(inv[i]) >= static_cast<uint64_t>(keys);
     if (bad) any = true;
