@@ -67,10 +67,11 @@ TORCH_LIBRARY(dynamicemb, m) {
   // within blocks (embedding_cpu.cpp row_order): (order, rows, keys and table
   // ids permuted by it, inverse renumbered to match), with the new keys' rows
   // (is_new) initialised in that order. Kernels that write rows at random
-  // run about twice as fast in that order. CPU only.
+  // run about twice as fast in that order. A key's row is its hash table
+  // slot less its table's slot_begin (-1: none). CPU only.
   m.def(
-      "emb_row_order_init(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, Tensor is_new, "
-      "Tensor inverse, int[] dims, Tensor init_params, int seed) "
+      "emb_row_order_init(Tensor(a!)[] weights, Tensor slots, Tensor slot_begin, Tensor table_ids, Tensor keys, "
+      "Tensor is_new, Tensor inverse, int[] dims, Tensor init_params, int seed) "
       "-> (Tensor order, Tensor rows, Tensor keys, Tensor table_ids, Tensor inverse)");
   m.def(
       "emb_forward(Tensor[] weights, Tensor rows, Tensor unique_keys, Tensor inverse, Tensor offsets, "

@@ -89,8 +89,8 @@ def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed)
 
 
 @torch.library.register_fake(_lib + "emb_row_order_init")
-def _emb_row_order_init_fake(weights, rows, table_ids, keys, is_new, inverse, dims, init_params, seed):
-    return (torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(keys), torch.empty_like(table_ids),
+def _emb_row_order_init_fake(weights, slots, slot_begin, table_ids, keys, is_new, inverse, dims, init_params, seed):
+    return (torch.empty_like(slots), torch.empty_like(slots), torch.empty_like(keys), torch.empty_like(table_ids),
             torch.empty_like(inverse))
 
 

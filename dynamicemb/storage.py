@@ -87,6 +87,11 @@ class EmbeddingStorage(abc.ABC):
     version: int = 0
 
     @abc.abstractmethod
+    def _per_table_slot_begin(self) -> torch.Tensor:
+        """Each table's first slot in its group's hash table (its row 0)."""
+        return torch.stack([self._slot_begin[g][lt] for g, lt in self.group_of]) if self.num_tables else \
+            torch.zeros(0, dtype=torch.int64, device=self.device)
+
     def weights(self) -> List[torch.Tensor]:
         """Per table, the [rows, dim + state] tensor the kernels address."""
 
@@ -172,6 +177,7 @@ class HashTableStorage(EmbeddingStorage):
         self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
                          for t in range(self.num_tables)]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
+        self._table_slot_begin = self._per_table_slot_begin()
         self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
                           else None for n, o in zip(names, options)]
         self.rejected = torch.zeros(self.num_tables, dtype=torch.int64)
@@ -208,6 +214,11 @@ class HashTableStorage(EmbeddingStorage):
     def _group_slot_begin(self, g: int) -> torch.Tensor:
         ht, _ = self.groups[g]
         return (ht.table_buckets[:-1] * ht.bucket_capacity).to(self.device)
+
+    def _per_table_slot_begin(self) -> torch.Tensor:
+        """Each table's first slot in its group's hash table (its row 0)."""
+        return torch.stack([self._slot_begin[g][lt] for g, lt in self.group_of]) if self.num_tables else \
+            torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def weights(self) -> List[torch.Tensor]:
         return self._weights
@@ -272,7 +283,7 @@ class HashTableStorage(EmbeddingStorage):
         return None  # TIMESTAMP, NO_EVICTION: the table's clock
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
-        rows = torch.full_like(keys, -1)
+        slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
         is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
         failed = torch.zeros(self.num_tables, dtype=torch.int64)
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
@@ -288,7 +299,6 @@ class HashTableStorage(EmbeddingStorage):
             else:
                 lt_ins = lt
             out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
-            r = self._rows(g, out.indices, lt_ins)
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
             if keep is not None:  # stored keys leave the admission counters
                 for lt, t in enumerate(tables):
@@ -297,17 +307,19 @@ class HashTableStorage(EmbeddingStorage):
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
             if at is None:
-                rows, is_new = r, new
+                slots, is_new = out.indices, new
             else:
-                rows[at] = r
+                slots[at] = out.indices
                 is_new[at] = new
         self.rejected += rejected
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
             given = keys.new_empty(0) if inverse is None else inverse
             _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
-                self._weights, rows, table_ids, keys, is_new, given, self.dims, self.init_params, self.seed)
+                self._weights, slots, self._table_slot_begin, table_ids, keys, is_new, given, self.dims,
+                self.init_params, self.seed)
             inverse = None if inverse is None else renumbered
         else:
+            rows = torch.where(slots >= 0, slots - self._table_slot_begin[table_ids], slots)
             sel = is_new.nonzero().squeeze(1)
             if sel.numel():
                 ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
@@ -373,6 +385,7 @@ class HashTableStorage(EmbeddingStorage):
             moved[dst.to(w.device)] = w[src.to(w.device)]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
+        self._table_slot_begin = self._per_table_slot_begin()
         self.version += 1
         return old_idx, new_idx
 

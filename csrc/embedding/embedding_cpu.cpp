@@ -243,47 +243,56 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 // Pairs that name no row (or a bad one) come first.
 constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
 
-cpu::StablePartition row_order(const Rows& R, const int64_t* r, const int64_t* t, int64_t n) {
+template <class RowOf>
+cpu::StablePartition row_order(const Rows& R, RowOf row_of, const int64_t* t, int64_t n) {
   const int64_t T = static_cast<int64_t>(R.w.size());
   std::vector<int64_t> base(T + 1, 0);
   for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.w[k].size(0);
   int shift = 0;
   while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
   return cpu::StablePartition(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
-    return (0 <= t[i] && t[i] < T && 0 <= r[i] && r[i] < base[t[i] + 1] - base[t[i]]) ? ((base[t[i]] + r[i]) >> shift) + 1
-                                                                                      : 0;
+    const int64_t r = row_of(i);
+    return (0 <= t[i] && t[i] < T && 0 <= r && r < base[t[i] + 1] - base[t[i]]) ? ((base[t[i]] + r) >> shift) + 1
+                                                                                : 0;
   });
 }
 
 // A training step's unique keys put in row order (order, and rows, keys and
 // table ids permuted by it; inverse renumbered to match), with the rows of the
 // new keys (is_new) initialised in that order: one pass instead of an order,
-// gathers, a renumbering and an init call, each over the batch.
+// gathers, a renumbering and an init call, each over the batch. The keys come
+// with their hash table slots: a key's row is its slot less its table's first
+// slot (slot_begin), -1 stays -1.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
-    TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys, const Tensor& is_new,
-    const Tensor& inverse, IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+    TensorList weights, const Tensor& slots, const Tensor& slot_begin, const Tensor& table_ids, const Tensor& keys,
+    const Tensor& is_new, const Tensor& inverse, IntArrayRef dims, const Tensor& init_params, int64_t seed) {
   const Rows R = check_rows(weights, dims);
-  check_1d(rows, at::kLong, "rows");
+  check_1d(slots, at::kLong, "slots");
+  check_1d(slot_begin, at::kLong, "slot_begin");
   check_1d(table_ids, at::kLong, "table_ids");
   check_1d(keys, at::kLong, "keys");
   check_1d(is_new, at::kBool, "is_new");
   check_1d(inverse, at::kLong, "inverse");
-  const int64_t n = rows.numel(), m = inverse.numel();
+  const int64_t n = slots.numel(), m = inverse.numel(), T = static_cast<int64_t>(R.w.size());
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
-              "dynamicemb: rows, table_ids, keys and is_new differ in length");
+              "dynamicemb: slots, table_ids, keys and is_new differ in length");
+  TORCH_CHECK(slot_begin.numel() == T, "dynamicemb: slot_begin has ", slot_begin.numel(), " entries for ", T,
+              " tables");
   check_inverse(inverse, n);
-  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
-  const int64_t *r = rows.data_ptr<int64_t>(), *t = table_ids.data_ptr<int64_t>(), *k = keys.data_ptr<int64_t>(),
-                *inv = inverse.data_ptr<int64_t>();
+  const auto args = init_args(init_params, T);
+  const int64_t *s = slots.data_ptr<int64_t>(), *sb = slot_begin.data_ptr<int64_t>(),
+                *t = table_ids.data_ptr<int64_t>(), *k = keys.data_ptr<int64_t>(), *inv = inverse.data_ptr<int64_t>();
+  // The row of position i (a bad table id keeps its slot: row_order puts it first, init rejects it).
+  const auto row_of = [&](int64_t i) { return s[i] >= 0 && 0 <= t[i] && t[i] < T ? s[i] - sb[t[i]] : s[i]; };
   const bool* nw = is_new.data_ptr<bool>();
-  Tensor order_out = at::empty({n}, rows.options()), rows_out = at::empty({n}, rows.options()),
+  Tensor order_out = at::empty({n}, slots.options()), rows_out = at::empty({n}, slots.options()),
          keys_out = at::empty({n}, keys.options()), tids_out = at::empty({n}, table_ids.options()),
          inv_out = at::empty({m}, inverse.options());
   int64_t *oo = order_out.data_ptr<int64_t>(), *ro = rows_out.data_ptr<int64_t>(), *ko = keys_out.data_ptr<int64_t>(),
           *to = tids_out.data_ptr<int64_t>(), *io = inv_out.data_ptr<int64_t>();
   std::unique_ptr<int64_t[]> renumber(new int64_t[n]);
   std::unique_ptr<bool[]> new_out(new bool[n]);
-  const cpu::StablePartition order = row_order(R, r, t, n);
+  const cpu::StablePartition order = row_order(R, row_of, t, n);
   // Both passes read at random (the keys' arrays, then renumber):
   // fetched kAhead positions ahead.
   constexpr int64_t kAhead = 16;
@@ -291,7 +300,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
     for (int64_t j = b; j < e; ++j) {
       if (j + kAhead < e) {
         const int64_t oa = order.pos(j + kAhead);
-        __builtin_prefetch(r + oa);
+        __builtin_prefetch(s + oa);
         __builtin_prefetch(k + oa);
         __builtin_prefetch(t + oa);
         __builtin_prefetch(nw + oa);
@@ -299,7 +308,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
       }
       const int64_t o = order.pos(j);
       oo[j] = o;
-      ro[j] = r[o];
+      ro[j] = row_of(o);
       ko[j] = k[o];
       to[j] = t[o];
       new_out[j] = nw[o];

@@ -67,17 +67,35 @@ template <bool kOrdered>
 __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table, int64_t key, uint64_t first,
                                                     uint32_t out[64]) {
   const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
+  const auto mul = [](uint32_t m, uint32_t c) { return static_cast<uint64_t>(m) * c; };
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  // The 16 blocks differ only in c3 (the block number): round 0 multiplies
+  // (key, table), the same in every lane, and round 1's first product too,
+  // so those three products are scalar (exactly philox4's rounds 0 and 1).
+  const uint64_t a = mul(kM0, static_cast<uint32_t>(key)), b = mul(kM1, static_cast<uint32_t>(table));
+  const uint32_t r0c0 = static_cast<uint32_t>(b >> 32) ^ static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32) ^ k0;
+  const uint32_t r0c1 = static_cast<uint32_t>(b), r0c3 = static_cast<uint32_t>(a);
+  const uint32_t r0hi0 = static_cast<uint32_t>(a >> 32) ^ k1;  // round 0's c2 = this ^ c3 (per lane)
+  k0 += kW0;
+  k1 += kW1;
+  const uint64_t a1 = mul(kM0, r0c0);  // round 1's c0 product
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i m0 = _mm256_set1_epi32(u(kM0)), m1 = _mm256_set1_epi32(u(kM1));
   __m256i c0[2], c1[2], c2[2], c3[2];
   for (int h = 0; h < 2; ++h) {
-    c0[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(key)));
-    c1[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(key) >> 32));
-    c2[h] = _mm256_set1_epi32(u(static_cast<uint64_t>(table)));
-    c3[h] = _mm256_add_epi32(lanes, _mm256_set1_epi32(u(first + 8 * h)));
+    const __m256i r0c2 = _mm256_xor_si256(_mm256_add_epi32(lanes, _mm256_set1_epi32(u(first + 8 * h))),
+                                          _mm256_set1_epi32(u(r0hi0)));
+    __m256i hi1, lo1;
+    mulhilo8(r0c2, m1, &hi1, &lo1);
+    c0[h] = _mm256_xor_si256(hi1, _mm256_set1_epi32(u(r0c1 ^ k0)));
+    c1[h] = lo1;
+    c2[h] = _mm256_set1_epi32(u(static_cast<uint32_t>(a1 >> 32) ^ r0c3 ^ k1));
+    c3[h] = _mm256_set1_epi32(u(static_cast<uint32_t>(a1)));
   }
-  const __m256i m0 = _mm256_set1_epi32(u(0xD2511F53u)), m1 = _mm256_set1_epi32(u(0xCD9E8D57u));
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int r = 0; r < 10; ++r) {  // philox4's round, lane by lane
+  k0 += kW0;
+  k1 += kW1;
+  for (int r = 2; r < 10; ++r) {  // philox4's round, lane by lane
     const __m256i key0 = _mm256_set1_epi32(u(k0)), key1 = _mm256_set1_epi32(u(k1));
     for (int h = 0; h < 2; ++h) {
       __m256i hi0, lo0, hi1, lo1;
@@ -88,8 +106,8 @@ __attribute__((target("avx2"))) void philox16_avx2(uint64_t seed, int64_t table,
       c1[h] = lo1;
       c3[h] = lo0;
     }
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    k0 += kW0;
+    k1 += kW1;
   }
   if constexpr (kOrdered) {
     for (int h = 0; h < 2; ++h) {  // blocks 8h .. 8h + 7, 4 outputs each

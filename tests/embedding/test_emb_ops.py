@@ -69,10 +69,15 @@ def _many_uniques():
     return m, ukeys, utids, inverse, rows
 
 
+def _no_shift(m):
+    """slot_begin for slots that are the rows themselves."""
+    return torch.zeros(len(m.dims), dtype=torch.int64)
+
+
 def _row_order(m, rows, utids):
     """emb_row_order_init's order alone (no new rows, no inverse)."""
     none = torch.zeros(rows.numel(), dtype=torch.bool)
-    return ops.emb_row_order_init(m.storage.weights(), rows, utids, torch.zeros_like(rows), none,
+    return ops.emb_row_order_init(m.storage.weights(), rows, _no_shift(m), utids, torch.zeros_like(rows), none,
                                   rows.new_empty(0), m.dims, m.storage.init_params, 0)[0]
 
 
@@ -80,8 +85,8 @@ def test_opcheck_emb_row_order_init():
     m, ukeys, utids, inverse, rows = _many_uniques()
     is_new = torch.arange(ukeys.numel()) % 3 == 0
     weights = [w.clone() for w in m.storage.weights()]
-    torch.library.opcheck(ops.emb_row_order_init, (weights, rows, utids, ukeys, is_new, inverse, m.dims,
-                                                   m.storage.init_params, 0))
+    torch.library.opcheck(ops.emb_row_order_init, (weights, rows, _no_shift(m), utids, ukeys, is_new, inverse,
+                                                   m.dims, m.storage.init_params, 0))
 
 
 def test_row_order_sorts_by_row_within_blocks():
@@ -109,12 +114,17 @@ def test_row_order_sorts_by_row_within_blocks():
     assert torch.equal(_row_order(m, rows, utids), torch.arange(ukeys.numel()))
 
 
-def test_row_order_init_permutes_renumbers_and_initialises_new_rows():
+@pytest.mark.parametrize("shifted", [False, True])
+def test_row_order_init_permutes_renumbers_and_initialises_new_rows(shifted):
     m, ukeys, utids, inverse, rows = _many_uniques()
     U = ukeys.numel()
     is_new = torch.arange(U) % 3 == 0
     weights = [w.clone() for w in m.storage.weights()]
-    order, r, k, t, inv = ops.emb_row_order_init(weights, rows, utids, ukeys, is_new, inverse, m.dims,
+    # Slots of a hash table holding the tables one after another: a key's row
+    # is its slot less its table's first slot; -1 (no row) stays -1.
+    begin = torch.tensor([1000, 1000 + m.storage.weights()[0].shape[0]]) if shifted else _no_shift(m)
+    slots = torch.where(rows >= 0, rows + begin[utids], rows)
+    order, r, k, t, inv = ops.emb_row_order_init(weights, slots, begin, utids, ukeys, is_new, inverse, m.dims,
                                                  m.storage.init_params, 4)
     assert torch.equal(order, _row_order(m, rows, utids))
     assert torch.equal(r, rows[order]) and torch.equal(k, ukeys[order]) and torch.equal(t, utids[order])
@@ -126,7 +136,10 @@ def test_row_order_init_permutes_renumbers_and_initialises_new_rows():
     ops.emb_init_rows(want, rows[sel], utids[sel], ukeys[sel], m.dims, m.storage.init_params, 4)
     assert sel.numel() > 1000 and all(torch.equal(a, b) for a, b in zip(weights, want))
     with pytest.raises(RuntimeError, match=rf"inverse\[1\] = {U} names no key"):
-        ops.emb_row_order_init(weights, rows, utids, ukeys, is_new, torch.tensor([0, U]), m.dims,
+        ops.emb_row_order_init(weights, slots, begin, utids, ukeys, is_new, torch.tensor([0, U]), m.dims,
+                               m.storage.init_params, 4)
+    with pytest.raises(RuntimeError, match="slot_begin has 1 entries for 2 tables"):
+        ops.emb_row_order_init(weights, slots, begin[:1], utids, ukeys, is_new, inverse, m.dims,
                                m.storage.init_params, 4)
 
 
