@@ -63,19 +63,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   std::vector<int64_t> at_(C * P, 0);  // [chunk][part]: count, then write cursor
   auto for_each_chunk = [&](auto fn) {
     cpu::parallel_claim(C, [&](int64_t c) {
-      for (int64_t j = nb * c / C; j < nb * (c + 1) / C; ++j) {
+      auto f = fn;  // a local copy: its captures stay in registers (see the counting pass)
+      for (int64_t j = nb * c / C, je = nb * (c + 1) / C; j < je; ++j) {
         const int64_t t = bags.table[bags.feature(j)];
-        for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) fn(c, t, i);
+        for (int64_t i = bags.off[j], ie = bags.off[j + 1]; i < ie; ++i) f(c, t, i);
       }
     });
   };
   // Each index's part, kept from the counting pass for the later passes.
   std::unique_ptr<uint8_t[]> part_at(new uint8_t[n]);
   static_assert((1 << unique::kPartBits) <= 256, "parts must fit a byte");
-  for_each_chunk([&](int64_t c, int64_t t, int64_t i) {
+  // The pointers by value: a byte store may alias anything the loop reads
+  // through a reference, which made it reload them all for every index.
+  for_each_chunk([pa = part_at.get(), cnt = at_.data(), key, P, &hash_of, &part_of](int64_t c, int64_t t, int64_t i) {
     const int64_t p = part_of(hash_of(key[i], t));
-    part_at[i] = static_cast<uint8_t>(p);
-    ++at_[c * P + p];
+    pa[i] = static_cast<uint8_t>(p);
+    ++cnt[c * P + p];
   });
   const std::vector<int64_t> part_begin = cpu::counts_to_starts(at_, C, P);
   std::vector<int64_t> cursor(at_);  // each (chunk, part)'s first record: the inverse's pass replays from it
