@@ -78,12 +78,12 @@ class BucketBatch {
     static_assert(std::is_trivially_default_constructible_v<Rec> && std::is_trivially_destructible_v<Rec>);
     recs_ = static_cast<Rec*>(scratch_room(n_ * static_cast<int64_t>(sizeof(Rec))));
     each_record(
-        [&](int64_t i) {
+        [fill](int64_t i) {
           Rec r;
           fill(i, r);
           return r;
         },
-        [&](int64_t, int64_t, const Rec& r, int64_t j) { recs_[j] = r; });
+        [recs = recs_](int64_t, int64_t, const Rec& r, int64_t j) { recs[j] = r; });
   }
 
   // fn(recs, order, m) for each part, in parallel: the part's m records and
@@ -127,7 +127,9 @@ class BucketBatch {
   // back(i, rec) for every key, chunks of input in parallel.
   template <class BucketOf, class Back>
   void scatter(BucketOf bucket_of, Back back) const {
-    each_record(bucket_of, [&](int64_t, int64_t i, int64_t, int64_t j) { back(i, static_cast<const Rec&>(recs_[j])); });
+    each_record(bucket_of, [recs = recs_, back](int64_t, int64_t i, int64_t, int64_t j) {
+      back(i, static_cast<const Rec&>(recs[j]));
+    });
   }
 
   // scatter, and emit(o, i, rec) for the records that keep(rec) holds, o
@@ -137,8 +139,8 @@ class BucketBatch {
     constexpr int64_t kLine = 8;  // per chunk its next kept position, a cache line apart (no false sharing)
     std::vector<int64_t> next(chunks_ * kLine);
     for (int64_t c = 0; c < chunks_; ++c) next[c * kLine] = first[c];
-    each_record(bucket_of, [&](int64_t c, int64_t i, int64_t, int64_t j) {
-      const Rec& r = recs_[j];
+    each_record(bucket_of, [recs = recs_, next = next.data(), back, keep, emit](int64_t c, int64_t i, int64_t, int64_t j) {
+      const Rec& r = recs[j];
       back(i, r);
       if (keep(r)) emit(next[c * kLine]++, i, r);
     });
@@ -152,18 +154,28 @@ class BucketBatch {
   // fn(c, i, x, j) for every i in input order (chunks c in parallel), with
   // x = place(i) (x's bucket: x itself or x.bucket) and j the slot of i's
   // record: parts in order, input order within a part.
+  //
+  // The loop works on local copies of the members and closures: callers
+  // store bytes (results, digests), which may alias anything read through a
+  // pointer or reference, so the compiler would reload those for every key.
   template <class Place, class Fn>
   void each_record(Place place, Fn fn) const {
     cpu::parallel_claim(chunks_, [&](int64_t c) {
-      thread_local std::vector<int64_t> next;
-      next.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
+      thread_local std::vector<int64_t> cursors;
+      cursors.assign(start_.begin() + c * parts_, start_.begin() + (c + 1) * parts_);
+      int64_t* const next = cursors.data();
+      const Rec* const recs = recs_;
+      const int shift = shift_;
+      const int64_t last = n_ - 1;
+      auto pl = place;
+      auto f = fn;
       for (int64_t i = c * len_, e = std::min(n_, i + len_); i < e; ++i) {
-        const auto x = place(i);
-        const int64_t j = next[bucket(x) >> shift_]++;
+        const auto x = pl(i);
+        const int64_t j = next[bucket(x) >> shift]++;
         // Each part's slots are taken in sequence, but too many parts are
         // in flight for the hardware to follow: fetch a few records ahead.
-        __builtin_prefetch(recs_ + std::min(j + kStreamAhead, n_ - 1), 1, 1);
-        fn(c, i, x, j);
+        __builtin_prefetch(recs + std::min(j + kStreamAhead, last), 1, 1);
+        f(c, i, x, j);
       }
     });
   }

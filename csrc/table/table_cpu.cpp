@@ -83,10 +83,10 @@ const int64_t* opt_ptr(const std::optional<Tensor>& t) {
 // ---- key placement -------------------------------------------------------------
 
 // Global bucket of key i, or -1 for a bad table id.
-struct BucketOf {
+struct BucketOf {  // held by value in the per-key loops (see BucketBatch::each_record)
   const int64_t* keys;
   const int64_t* tids;
-  const Layout& L;
+  Layout L;
   int64_t table(int64_t i) const { return tids ? tids[i] : 0; }
   int64_t operator()(int64_t i) const {
     const int64_t t = table(i);
@@ -103,7 +103,7 @@ BucketBatch<Rec> batch_by_bucket(const BucketOf& where, int64_t n, Fill fill) {
   const int64_t i = bb.bad_position();
   TORCH_CHECK(i < 0, "dynamicemb: table id ", where.tids ? where.tids[std::max<int64_t>(i, 0)] : 0,
               " (key position ", i, ") is out of range [0, ", where.L.num_tables, ")");
-  bb.gather([&](int64_t i, Rec& r) {
+  bb.gather([where, fill](int64_t i, Rec& r) {
     const uint64_t h = key_hash(where.keys[i]);
     r.bucket = global_bucket(where.L.tb, where.table(i), h);
     fill(i, digest_of(h), r);
@@ -266,11 +266,15 @@ struct CopyRows {
 };
 
 template <class Rows = NoRows>
-int64_t lookup_pipeline(const LookupView& v, int64_t n, const Rows& rows = {}) {
+int64_t lookup_pipeline(const LookupView& view, int64_t n, const Rows& copier = {}) {
   constexpr int kStages = 3;
   constexpr int64_t B = kLookupBlock;
   std::atomic<int64_t> bad{-1};
   cpu::parallel_ranges(n, 2048, [&](int64_t b, int64_t e) {
+    // Local copies: the digest bytes stored below may alias anything read
+    // through a reference, which made every key reload the view's pointers.
+    const LookupView v = view;
+    const Rows rows = copier;
     int64_t base[kStages][B];  // bucket's first slot, -1 for a bad table id
     uint8_t dg[kStages][B];
     int32_t cand[kStages][B];  // first_digest_match
@@ -413,7 +417,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
     uint8_t digest;
   };
   const BucketOf where{k, opt_ptr(table_ids), L};
-  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [k, ks, dflt](int64_t i, uint8_t d, Rec& r) {
     r.key = k[i];
     r.score = ks ? ks[i] : dflt;
     r.digest = d;
@@ -427,7 +431,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
         if (ts) ts[base + s] = call_score;
       },
       WrittenAtMatch{sc, nullptr, ts});
-  bb.scatter(where, [&](int64_t i, const Rec& r) {
+  bb.scatter(where, [out, fnd](int64_t i, const Rec& r) {  // by value: see BucketBatch::each_record
     out[i] = r.bucket;
     fnd[i] = r.bucket >= 0;
   });
@@ -490,7 +494,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     int8_t res;
   };
   const BucketOf where{k, tids, L};
-  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [k, ks, dflt, evicts, may_evict_table, tids](int64_t i, uint8_t d,
+                                                                                                   Rec& r) {
     r.key = k[i];
     r.score = ks ? ks[i] : dflt;
     r.digest = d;
@@ -579,12 +584,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
           *esp = e_scores.data_ptr<int64_t>();
   bb.scatter(
       where,
-      [&](int64_t i, const Rec& r) {
+      [out, res](int64_t i, const Rec& r) {  // by value: see BucketBatch::each_record
         out[i] = r.bucket;
         res[i] = r.res;
       },
       evicted, first_evicted,
-      [&](int64_t o, int64_t i, const Rec& r) {
+      [ekp, etp, eip, esp, tids](int64_t o, int64_t i, const Rec& r) {
         ekp[o] = r.key;
         etp[o] = tids ? tids[i] : 0;
         eip[o] = r.bucket;
@@ -629,7 +634,7 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
     bool erased;  // set by the walk
   };
   const BucketOf where{k, tids, L};
-  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [&](int64_t i, uint8_t d, Rec& r) {
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [k](int64_t i, uint8_t d, Rec& r) {
     r.key = k[i];
     r.digest = d;
   });
@@ -637,7 +642,7 @@ Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tens
     if (s >= 0) sd[base + s] = kErased;
     r.erased = s >= 0;
   });
-  bb.scatter(where, [&](int64_t i, const Rec& r) { er[i] = r.erased; });
+  bb.scatter(where, [er](int64_t i, const Rec& r) { er[i] = r.erased; });
   const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
   int64_t* sz = sizes.data_ptr<int64_t>();
   for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];
