@@ -54,17 +54,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cpu(const Tensor& lengths, cons
   const int64_t S = (world + 7) / 8 * 8;  // a chunk's counters on lines of their own
   std::vector<int64_t> at_(C * S, 0);     // [chunk][rank]: count, then write cursor
   cpu::parallel_claim(C, [&](int64_t c) {
-    int64_t* cnt = &at_[c * S];
-    for (int64_t j = bags * c / C; j < bags * (c + 1) / C; ++j) {
-      const int64_t f = j / B;
-      for (int64_t i = off[j]; i < off[j + 1]; ++i) {
-        key[i] = v[i];
-        const int64_t r = owner(rules[f], params[f], world, &key[i]);
-        rank_of[i] = static_cast<int32_t>(r);
-        ++ol[r * bags + j];
-        ++cnt[r];
+    // Locals: the stores below may alias integers read through a reference.
+    const int64_t jb = bags * c / C, je = bags * (c + 1) / C, nbags = B, all = bags, ranks = world;
+    const int64_t *o = off.data(), *vin = v;
+    int64_t* k = key.data();
+    int32_t* ro = rank_of.data();
+    int64_t* lens = ol;
+    for (int64_t j = jb; j < je; ++j) {
+      const int64_t f = j / nbags, rule = rules[f], param = params[f];
+      for (int64_t i = o[j], ie = o[j + 1]; i < ie; ++i) {
+        int64_t kk = vin[i];
+        const int64_t r = owner(rule, param, ranks, &kk);
+        k[i] = kk;
+        ro[i] = static_cast<int32_t>(r);
+        ++lens[r * all + j];
       }
     }
+    // The chunk's count per rank, from its bags' lengths (an increment per
+    // value made a chain through one counter).
+    int64_t* cnt = &at_[c * S];
+    for (int64_t r = 0; r < ranks; ++r)
+      for (int64_t j = jb; j < je; ++j) cnt[r] += lens[r * all + j];
   });
   cpu::counts_to_starts(at_, C, S);  // (the padding's parts are empty, after the ranks)
   Tensor out_val = at::empty({n}, values.options());

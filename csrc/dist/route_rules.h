@@ -39,8 +39,10 @@ DE_HD int64_t owner(int64_t rule, int64_t param, int64_t world, int64_t* key) {
       *key = static_cast<int64_t>(k / w);
       return static_cast<int64_t>(k % w);
     }
-    case kHashRoundRobin:
-      return static_cast<int64_t>(table::key_hash(*key) % static_cast<uint64_t>(world));
+    case kHashRoundRobin: {
+      const uint64_t h = table::key_hash(*key), w = static_cast<uint64_t>(world);
+      return static_cast<int64_t>((w & (w - 1)) == 0 ? h & (w - 1) : h % w);  // the same; no 64-bit divide
+    }
     case kRoundRobin:
       return floor_mod(*key, world);
     case kContinuous: {
