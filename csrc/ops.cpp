@@ -7,7 +7,7 @@
 //
 // Table state is a set of slot tensors (see table/table_rules.h): slot_keys
 // int64, slot_digests uint8, slot_scores int64, slot_timestamps int64 (only
-// for the (TIMESTAMP, LFU) strategy, else empty), slot_epochs int32 (which
+// for the (TIMESTAMP, LFU) strategy, else empty), slot_epochs uint8 (which
 // insert call last held a slot), and table_buckets int64 [num_tables + 1].
 #include <torch/library.h>
 

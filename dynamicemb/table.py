@@ -13,7 +13,9 @@ from dynamicemb._ops import ops
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_device, strategy_code
 
 _S = DynamicEmbScoreStrategy
-_INT32_MAX = 2**31 - 1
+# Insert calls are numbered 1.._MAX_EPOCH in each slot's one-byte epoch (the
+# call that last wrote it); on wrapping every slot's epoch is cleared.
+_MAX_EPOCH = 255
 
 
 class EvictedKeys(NamedTuple):
@@ -109,7 +111,7 @@ class ScoredHashTable:
         self.slot_scores = memory.zeros(num_slots, torch.int64, self.device)
         n_ts = num_slots if self.strategy == TIMESTAMP_LFU else 0
         self.slot_timestamps = memory.zeros(n_ts, torch.int64, self.device)
-        self.slot_epochs = memory.zeros(num_slots, torch.int32, self.device)
+        self.slot_epochs = memory.zeros(num_slots, torch.uint8, self.device)
 
     @property
     def table_buckets(self) -> torch.Tensor:
@@ -187,7 +189,7 @@ class ScoredHashTable:
 
     def _next_epoch(self) -> int:
         self._epoch += 1
-        if self._epoch > _INT32_MAX:  # wrap: forget which call held which slot
+        if self._epoch > _MAX_EPOCH:  # wrap: forget which call held which slot
             self.slot_epochs.zero_()
             self._epoch = 1
         return self._epoch
@@ -300,7 +302,7 @@ class ScoredHashTable:
             self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
             new_tb, self.bucket_capacity)
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
-        epochs = memory.zeros(keys.numel(), torch.int32, self.device)
+        epochs = memory.zeros(keys.numel(), torch.uint8, self.device)
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
         self.slot_epochs = epochs
         self._table_buckets = new_tb

@@ -131,7 +131,7 @@ struct Runs {
 // not written), fetched for writing with the key's line.
 struct WrittenAtMatch {
   const int64_t* scores = nullptr;
-  const int32_t* epochs = nullptr;
+  const Epoch* epochs = nullptr;
   const int64_t* timestamps = nullptr;
 };
 
@@ -452,7 +452,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_slots(slot_scores, at::kLong, "slot_scores", L);
-  check_slots(slot_epochs, at::kInt, "slot_epochs", L);
+  check_slots(slot_epochs, at::kByte, "slot_epochs", L);
   const bool* may_evict_table = nullptr;
   if (evictable) {
     check_tensor(*evictable, at::kBool, "evictable");
@@ -464,7 +464,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   check_tensor(counters, at::kLong, "counters");
   TORCH_CHECK(sizes.numel() == L.num_tables && counters.numel() == 3 * L.num_tables,
               "dynamicemb: sizes / counters must hold 1 / 3 entries per table");
-  TORCH_CHECK(epoch > 0 && epoch <= INT32_MAX, "dynamicemb: epoch must be in [1, 2^31)");
+  TORCH_CHECK(epoch > 0 && epoch <= kMaxEpoch, "dynamicemb: epoch must be in [1, ", kMaxEpoch, "], got ", epoch);
   const int64_t n = check_keys(keys, table_ids, key_scores, kCpu);
 
   Tensor indices = new_tensor(n, at::kLong);
@@ -475,12 +475,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   int64_t* sk = slot_keys.data_ptr<int64_t>();
   uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   int64_t* sc = slot_scores.data_ptr<int64_t>();
-  int32_t* ep = slot_epochs.data_ptr<int32_t>();
+  Epoch* ep = slot_epochs.data_ptr<Epoch>();
   int64_t* ts = keeps_timestamps(strategy) ? slot_timestamps.data_ptr<int64_t>() : nullptr;
   int64_t* out = indices.data_ptr<int64_t>();
   int8_t* res = results.data_ptr<int8_t>();
   const int64_t dflt = default_key_score(strategy, call_score);
-  const int32_t e32 = static_cast<int32_t>(epoch);
+  const Epoch ecall = static_cast<Epoch>(epoch);
   const bool evicts = may_evict(strategy);
   const int cap = static_cast<int>(L.cap);
 
@@ -517,11 +517,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
           const int64_t b2 = recs[runs.idx(run + 2)[0]].bucket * L.cap;
           if (bucket_full(sd + b2, cap)) {
             for (int64_t o = 0; o < cap; o += 8) prefetch(sc + b2 + o);
-            for (int64_t o = 0; o < cap; o += 16) prefetch(ep + b2 + o);
+            for (int64_t o = 0; o < cap; o += 64) prefetch(ep + b2 + o);
           }
         }
         if (b1 >= 0 && bucket_full(sd + b1, cap))
-          victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, e32, runs.len(run + 1));
+          victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, ecall, runs.len(run + 1));
       }
       // A bucket's new keys fill its free slots from the first kEmpty one on
       // (the used slots are a prefix): the lines they write are fetched one
@@ -536,7 +536,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             prefetch_write(sc + std::min(o, last));
             if (ts) prefetch_write(ts + std::min(o, last));
           }
-          for (int64_t o = b1 + f; o <= last + 15; o += 16) prefetch_write(ep + std::min(o, last));
+          for (int64_t o = b1 + f; o <= last + 63; o += 64) prefetch_write(ep + std::min(o, last));
         }
       }
       RunVictims& vic = victims[run & 1];
@@ -552,7 +552,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
           r.res = kInserted;
           const int64_t key = r.key, score = score_on_insert(strategy, call_score, r.score);
           if (s < 0 && r.may_evict) {
-            s = vic.next(sc + base, ep + base, sk + base, cap, e32, len - q);
+            s = vic.next(sc + base, ep + base, sk + base, cap, ecall, len - q);
             if (s >= 0) {
               r.key = sk[base + s];
               r.score = sc[base + s];
@@ -569,7 +569,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
           sc[base + s] = score;
         }
         if (ts) ts[base + s] = call_score;
-        ep[base + s] = e32;
+        ep[base + s] = ecall;
         r.bucket = base + s;
       }
       vic.reset();

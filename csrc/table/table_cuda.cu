@@ -456,13 +456,13 @@ struct InsertArgs {
   int64_t dflt;
   int64_t strategy;
   int64_t call_score;
-  int32_t epoch;
+  Epoch epoch;
   int64_t cap;
   int64_t* sk;
   uint8_t* sd;
   int64_t* sc;
   int64_t* ts;  // null unless the strategy keeps timestamps
-  int32_t* ep;
+  Epoch* ep;
   int64_t* out;
   int8_t* res;
   int64_t* ev_key;    // the displaced key and score, by key position
@@ -576,7 +576,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
   check_slots(slot_keys, at::kLong, "slot_keys", L);
   check_slots(slot_digests, at::kByte, "slot_digests", L);
   check_slots(slot_scores, at::kLong, "slot_scores", L);
-  check_slots(slot_epochs, at::kInt, "slot_epochs", L);
+  check_slots(slot_epochs, at::kByte, "slot_epochs", L);
   if (evictable) {
     check_tensor(*evictable, at::kBool, "evictable", L.dev);
     TORCH_CHECK(evictable->numel() == L.num_tables, "dynamicemb: evictable must hold one flag per table");
@@ -587,7 +587,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
   check_tensor(counters, at::kLong, "counters", L.dev);
   TORCH_CHECK(sizes.numel() == L.num_tables && counters.numel() == 3 * L.num_tables,
               "dynamicemb: sizes / counters must hold 1 / 3 entries per table");
-  TORCH_CHECK(epoch > 0 && epoch <= INT32_MAX, "dynamicemb: epoch must be in [1, 2^31)");
+  TORCH_CHECK(epoch > 0 && epoch <= kMaxEpoch, "dynamicemb: epoch must be in [1, ", kMaxEpoch, "], got ", epoch);
   const int64_t n = check_keys(keys, table_ids, key_scores, L.dev);
 
   Tensor indices = new_tensor(n, at::kLong, L.dev);
@@ -607,13 +607,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
                      default_key_score(strategy, call_score),
                      strategy,
                      call_score,
-                     static_cast<int32_t>(epoch),
+                     static_cast<Epoch>(epoch),
                      L.cap,
                      slot_keys.data_ptr<int64_t>(),
                      slot_digests.data_ptr<uint8_t>(),
                      slot_scores.data_ptr<int64_t>(),
                      with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr,
-                     slot_epochs.data_ptr<int32_t>(),
+                     slot_epochs.data_ptr<Epoch>(),
                      indices.data_ptr<int64_t>(),
                      results.data_ptr<int8_t>(),
                      ev_key.data_ptr<int64_t>(),

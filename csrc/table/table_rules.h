@@ -30,6 +30,13 @@ constexpr uint8_t kFirstLiveDigest = 2;
 // Digests are compared 16 at a time (one SSE2 register; one CUDA tile).
 constexpr int kGroupSize = 16;
 
+// The insert call that last wrote a slot: the running call holds the slots
+// whose epoch is its own (it never evicts them). One byte, so that a victim
+// search reads two lines of a 128-slot bucket's epochs, not eight; callers
+// number calls 1..kMaxEpoch and clear every slot's epoch when they wrap.
+using Epoch = uint8_t;
+constexpr int64_t kMaxEpoch = 255;
+
 // Values match dynamicemb.DynamicEmbScoreStrategy / ScoredHashTable in Python.
 enum ScoreStrategy : int64_t {
   kTimestamp = 0,     // score = clock at the last access (LRU)
@@ -279,7 +286,7 @@ DE_HD bool better_victim(int64_t score, int slot, int64_t best_score, int best_s
 // none is left) and its score. Selections by masks, not branches (compilers
 // turn a conditional move into a jump at will): each comparison's outcome is
 // data, not a pattern.
-DE_HD int group_victim(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+DE_HD int group_victim(const int64_t* scores, const Epoch* epochs, Epoch call_epoch, uint32_t skip,
                        int64_t* score) {
   int best = -1;
   int64_t best_score = 0;
@@ -305,8 +312,8 @@ DE_HD int group_victim(const int64_t* scores, const int32_t* epochs, int32_t cal
 // `victim_of_group` has group_victim's signature and result (a backend may
 // pass a vector form of it).
 template <class GroupVictim>
-DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int capacity,
-                            int32_t call_epoch, int r, int* out, int* group_slot, int64_t* group_score,
+DE_HD int victim_candidates(const int64_t* scores, const Epoch* epochs, int capacity,
+                            Epoch call_epoch, int r, int* out, int* group_slot, int64_t* group_score,
                             uint32_t* taken, GroupVictim victim_of_group) {
   const int groups = capacity / kGroupSize;
   for (int g = 0; g < groups; ++g) {
@@ -334,8 +341,8 @@ DE_HD int victim_candidates(const int64_t* scores, const int32_t* epochs, int ca
 // The next victim from victim_candidates' list: the first listed slot not held
 // now; `*cursor` skips the ones taken (held slots stay held). -1 when every
 // listed slot is held, which with a list shorter than r means every slot is.
-DE_HD int next_victim(const int* cand, int m, int* cursor, const int32_t* epochs,
-                      int32_t call_epoch) {
+DE_HD int next_victim(const int* cand, int m, int* cursor, const Epoch* epochs,
+                      Epoch call_epoch) {
   while (*cursor < m && epochs[cand[*cursor]] == call_epoch) ++*cursor;
   return *cursor < m ? cand[*cursor] : -1;
 }
@@ -346,8 +353,8 @@ DE_HD int next_victim(const int* cand, int m, int* cursor, const int32_t* epochs
 // order, so the minimum is the victim. Every lane returns it.
 template <class Tile>
 __device__ __forceinline__ int tile_pick_victim(const Tile& tile, const int64_t* scores,
-                                                const int32_t* epochs, int capacity,
-                                                int32_t call_epoch) {
+                                                const Epoch* epochs, int capacity,
+                                                Epoch call_epoch) {
   int best = -1;
   int64_t best_score = 0;
   for (int i = static_cast<int>(tile.thread_rank()); i < capacity; i += kGroupSize) {

@@ -21,12 +21,6 @@ namespace table {
 #if defined(__x86_64__)
 #define DE_AVX2 __attribute__((target("avx2"))) inline
 
-// Bit i set where epochs[i] == call_epoch, for 8 slots.
-DE_AVX2 uint32_t held8_avx2(const int32_t* epochs, __m256i call_epoch) {
-  const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(epochs));
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, call_epoch))));
-}
-
 DE_AVX2 __m256i min_epi64_avx2(__m256i a, __m256i b) {
   return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi64(a, b));
 }
@@ -34,10 +28,9 @@ DE_AVX2 __m256i min_epi64_avx2(__m256i a, __m256i b) {
 // group_victim for 16 slots in vectors: closed slots (held, or in `skip`)
 // read as INT64_MAX, the minimum is reduced across lanes, and the lowest open
 // slot holding it is the victim: the same slot and score as group_victim.
-DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+DE_AVX2 int group_victim_avx2(const int64_t* scores, const Epoch* epochs, Epoch call_epoch, uint32_t skip,
                               int64_t* score) {
-  const __m256i ce = _mm256_set1_epi32(call_epoch);
-  const uint32_t closed = (held8_avx2(epochs, ce) | held8_avx2(epochs + 8, ce) << 8 | skip) & 0xFFFFu;
+  const uint32_t closed = (group_match(epochs, call_epoch) | skip) & 0xFFFFu;
   if (closed == 0xFFFFu) return -1;
   const __m256i lane_bit = _mm256_set_epi64x(8, 4, 2, 1);
   const __m256i top = _mm256_set1_epi64x(INT64_MAX);
@@ -64,13 +57,14 @@ DE_AVX2 int group_victim_avx2(const int64_t* scores, const int32_t* epochs, int3
 // loses to the listed one). The same list as victim_candidates.
 constexpr int kFewVictims = 16;
 
-DE_AVX2 int few_victims_avx2(const int64_t* scores, const int32_t* epochs, int cap, int32_t call_epoch, int r,
+DE_AVX2 int few_victims_avx2(const int64_t* scores, const Epoch* epochs, int cap, Epoch call_epoch, int r,
                              int* out) {
   int64_t listed[kFewVictims];  // the scores of out[0, m)
   int m = 0;
-  const __m256i ce = _mm256_set1_epi32(call_epoch);
+  uint32_t held = 0;  // of the group of 16 slots that s is in
   for (int s = 0; s < cap; s += 8) {
-    uint32_t open = ~held8_avx2(epochs + s, ce) & 0xFFu;
+    if ((s & (kGroupSize - 1)) == 0) held = group_match(epochs + s, call_epoch);
+    uint32_t open = ~(held >> (s & 8)) & 0xFFu;
     if (m == r) {
       const __m256i last = _mm256_set1_epi64x(listed[m - 1]);
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scores + s));
@@ -98,7 +92,7 @@ DE_AVX2 int few_victims_avx2(const int64_t* scores, const int32_t* epochs, int c
 
 // group_victim, in vectors where the CPU has AVX2.
 struct CpuGroupVictim {
-  int operator()(const int64_t* scores, const int32_t* epochs, int32_t call_epoch, uint32_t skip,
+  int operator()(const int64_t* scores, const Epoch* epochs, Epoch call_epoch, uint32_t skip,
                  int64_t* score) const {
 #if defined(__x86_64__)
     if (cpu::has_avx2()) return group_victim_avx2(scores, epochs, call_epoch, skip, score);
@@ -113,7 +107,7 @@ struct CpuGroupVictim {
 // slots are then prefetched: each eviction reads and overwrites one.
 class RunVictims {
  public:
-  void build(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+  void build(const int64_t* scores, const Epoch* epochs, const int64_t* keys, int cap, Epoch epoch,
              int64_t keys_left) {
     cand_.resize(cap);
     const int groups = cap / kGroupSize;
@@ -133,7 +127,7 @@ class RunVictims {
   }
 
   // The victim for a key with `keys_left` keys of the run left, itself included.
-  int next(const int64_t* scores, const int32_t* epochs, const int64_t* keys, int cap, int32_t epoch,
+  int next(const int64_t* scores, const Epoch* epochs, const int64_t* keys, int cap, Epoch epoch,
            int64_t keys_left) {
     if (m_ < 0) build(scores, epochs, keys, cap, epoch, keys_left);
     return next_victim(cand_.data(), m_, &cursor_, epochs, epoch);

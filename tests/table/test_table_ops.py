@@ -37,7 +37,7 @@ def _samples(t: ScoredHashTable, code: int):
             yield "table_lookup_gather", (t.slot_keys, t.slot_digests, tb, keys, tid, bc, values,
                                           values.new_empty(keys.numel(), 5))
         yield "table_lookup_refresh", slots + (tb, keys, tid, ks, code, bc, 77)
-        yield "table_insert", ins + (tid, ks, code, bc, 78, 1000)
+        yield "table_insert", ins + (tid, ks, code, bc, 78, 200)
         yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
     yield "table_export_range", (t.slot_keys, t.slot_digests, None, tb, 0, 80, bc, 0)
     yield "table_export_range", (t.slot_keys, t.slot_digests, t.slot_scores, tb, 16, 48, bc, 3)
@@ -151,6 +151,12 @@ def test_length_mismatches(t):
     with pytest.raises(RuntimeError, match=r"scores must be 1-D with one entry per key \(3\), got shape \[1\]"):
         ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs,
                          c.table_buckets, c.sizes, c.counters, keys, None, torch.tensor([1]), 2, 16, 0, 1)
+    with pytest.raises(RuntimeError, match=r"epoch must be in \[1, 255\], got 256"):
+        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs,
+                         c.table_buckets, c.sizes, c.counters, keys, None, None, 2, 16, 0, 256)
+    with pytest.raises(RuntimeError, match="slot_epochs"):
+        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs.int(),
+                         c.table_buckets, c.sizes, c.counters, keys, None, None, 2, 16, 0, 1)
     assert c.size() == 0
 
 

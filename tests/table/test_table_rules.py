@@ -1,6 +1,7 @@
 """The table rules one by one, with the expected outcome written out by hand
 (and the reference model run alongside through Pair): placement, every score
 strategy, victim choice, held keys, tombstones, grow, extreme keys."""
+import random
 import time
 
 import pytest
@@ -201,12 +202,24 @@ def test_keys_held_by_the_call_are_never_evicted_by_it(device):
 def test_epoch_wrap_forgets_which_call_held_a_slot(device):
     p = Pair(STEP, [1], device=device)
     p.insert(FILL, step=0)  # call epoch 1 marks every slot
-    p.table._epoch = 2**31 - 2
-    p.insert([], step=0)  # epoch INT32_MAX; the next call wraps to 1
+    p.table._epoch = 254
+    p.insert([], step=0)  # epoch 255, the last; the next call wraps to 1
     # Had the wrap kept the stale marks, every slot would look held by it.
     out = p.insert([1] + FILL, step=1)  # 1 evicts 100, 100 evicts 101, ...
     assert p.table._epoch == 1
     assert _results(out) == [R.EVICTED] * 16 + [R.FAILED]
+
+
+def test_same_call_holds_its_slots_across_epoch_wraps(device):
+    # 300 calls, each continued once with same_call, number their epochs
+    # past the one-byte wrap: every call and continuation matches the model
+    # (which holds a call's slots by call, not by epoch number).
+    p = Pair(STEP, [2], device=device)
+    rng = random.Random(7)
+    for c in range(300):
+        p.insert([rng.randrange(120) for _ in range(10)], step=c)
+        p.insert([rng.randrange(120) for _ in range(10)], step=c, same_call=True)
+    assert p.table._epoch == 300 - 255
 
 
 def test_erase_leaves_tombstones_reused_before_eviction(device):

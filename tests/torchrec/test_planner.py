@@ -136,8 +136,8 @@ def test_planner_charges_dynamic_tables_with_their_sharders_optimizer():
     configs = models.ebc_configs(["d_table"], dim=dim, num_embeddings=n)
     planner = _planner(configs, models.dynamic_constraints(["d_table"]), world=world)
     rows = -(-(-(-n // world)) // 128) * 128  # ceil(n / world), in buckets of 128
-    adam = rows * 3 * dim * 4 + rows * 21     # fp32 value + m + v, and the hash table's 21 bytes per slot
-    sgd = rows * dim * 4 + rows * 21
+    adam = rows * 3 * dim * 4 + rows * 18     # fp32 value + m + v, and the hash table's 18 bytes per slot
+    sgd = rows * dim * 4 + rows * 18
     assert _ddr_taken(planner, configs, ADAM) == [adam] * world
     assert planner.optimizers == {"d_table": EmbOptimType.ADAM}
     assert planner.dynamic_bytes_per_rank() == {"d_table": adam}
@@ -258,7 +258,7 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
     assert opts["big_table"].local_hbm_for_values == values - 1
     assert not opts["big_table"].values_on_device(values) and opts["fits_table"].values_on_device(values)
     assert opts["free_table"].values_on_device(values)
-    table = rows * 21  # hash table bytes per rank (keys, digests, scores, epochs)
+    table = rows * 18  # hash table bytes per rank (keys, digests, scores, epochs)
     for d in planner._topology.devices:
         assert hbm - d.storage.hbm == 3 * table + 2 * values
         assert ddr - d.storage.ddr == values
