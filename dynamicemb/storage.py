@@ -68,6 +68,11 @@ class FindOrInsertResult:
     rejected: torch.Tensor  # per table: keys refused by admission in this call
 
 
+def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
+    """A key's row: its hash table slot less its table's first slot (begin); -1 stays -1."""
+    return torch.where(slots >= 0, slots - begin, slots)
+
+
 class EmbeddingStorage(abc.ABC):
     """What the module needs of a storage. Besides the methods below, a
     storage has the attributes the module's kernels read:
@@ -87,11 +92,6 @@ class EmbeddingStorage(abc.ABC):
     version: int = 0
 
     @abc.abstractmethod
-    def _per_table_slot_begin(self) -> torch.Tensor:
-        """Each table's first slot in its group's hash table (its row 0)."""
-        return torch.stack([self._slot_begin[g][lt] for g, lt in self.group_of]) if self.num_tables else \
-            torch.zeros(0, dtype=torch.int64, device=self.device)
-
     def weights(self) -> List[torch.Tensor]:
         """Per table, the [rows, dim + state] tensor the kernels address."""
 
@@ -248,7 +248,7 @@ class HashTableStorage(EmbeddingStorage):
             yield g, mask, local[table_ids[mask]]
 
     def _rows(self, g: int, slots: torch.Tensor, local_tids: torch.Tensor) -> torch.Tensor:
-        return torch.where(slots >= 0, slots - self._slot_begin[g][local_tids], slots)
+        return _slot_rows(slots, self._slot_begin[g][local_tids])
 
     def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
         rows = torch.full_like(keys, -1)
@@ -319,7 +319,7 @@ class HashTableStorage(EmbeddingStorage):
                 self.init_params, self.seed)
             inverse = None if inverse is None else renumbered
         else:
-            rows = torch.where(slots >= 0, slots - self._table_slot_begin[table_ids], slots)
+            rows = _slot_rows(slots, self._table_slot_begin[table_ids])
             sel = is_new.nonzero().squeeze(1)
             if sel.numel():
                 ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),

@@ -15,7 +15,8 @@ from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_d
 _S = DynamicEmbScoreStrategy
 # Insert calls are numbered 1.._MAX_EPOCH in each slot's one-byte epoch (the
 # call that last wrote it); on wrapping every slot's epoch is cleared.
-_MAX_EPOCH = 255
+_EPOCH_DTYPE = torch.uint8
+_MAX_EPOCH = torch.iinfo(_EPOCH_DTYPE).max  # table_rules.h kMaxEpoch
 
 
 class EvictedKeys(NamedTuple):
@@ -111,7 +112,7 @@ class ScoredHashTable:
         self.slot_scores = memory.zeros(num_slots, torch.int64, self.device)
         n_ts = num_slots if self.strategy == TIMESTAMP_LFU else 0
         self.slot_timestamps = memory.zeros(n_ts, torch.int64, self.device)
-        self.slot_epochs = memory.zeros(num_slots, torch.uint8, self.device)
+        self.slot_epochs = memory.zeros(num_slots, _EPOCH_DTYPE, self.device)
 
     @property
     def table_buckets(self) -> torch.Tensor:
@@ -302,7 +303,7 @@ class ScoredHashTable:
             self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
             new_tb, self.bucket_capacity)
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
-        epochs = memory.zeros(keys.numel(), torch.uint8, self.device)
+        epochs = memory.zeros(keys.numel(), _EPOCH_DTYPE, self.device)
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
         self.slot_epochs = epochs
         self._table_buckets = new_tb

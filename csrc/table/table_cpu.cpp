@@ -111,6 +111,15 @@ BucketBatch<Rec> batch_by_bucket(const BucketOf& where, int64_t n, Fill fill) {
   return bb;
 }
 
+// Fetches every cache line of a[0 .. n), for writing with kWrite.
+template <bool kWrite = false, class T>
+void prefetch_range(const T* a, int64_t n) {
+  constexpr uintptr_t kLineBytes = 64;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(a + n);
+  for (uintptr_t l = reinterpret_cast<uintptr_t>(a) & ~(kLineBytes - 1); l < end; l += kLineBytes)
+    __builtin_prefetch(reinterpret_cast<const void*>(l), kWrite, 1);
+}
+
 // Prefetches the digests of the bucket at slot `base` (both lines for 128 slots).
 void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
   prefetch(digests + base);
@@ -516,8 +525,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         if (run + 2 < runs.count) {
           const int64_t b2 = recs[runs.idx(run + 2)[0]].bucket * L.cap;
           if (bucket_full(sd + b2, cap)) {
-            for (int64_t o = 0; o < cap; o += 8) prefetch(sc + b2 + o);
-            for (int64_t o = 0; o < cap; o += 64) prefetch(ep + b2 + o);
+            prefetch_range(sc + b2, cap);
+            prefetch_range(ep + b2, cap);
           }
         }
         if (b1 >= 0 && bucket_full(sd + b1, cap))
@@ -530,13 +539,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         const int f = first_digest_match(sd + b1, cap, kEmpty);
         if (f >= 0) {
           // Every line the run's keys could fill (up to its length, within the bucket).
-          const int64_t last = b1 + std::min<int64_t>(cap - 1, f + runs.len(run + 1) - 1);
-          for (int64_t o = b1 + f; o <= last + 7; o += 8) {
-            prefetch_write(sk + std::min(o, last));
-            prefetch_write(sc + std::min(o, last));
-            if (ts) prefetch_write(ts + std::min(o, last));
-          }
-          for (int64_t o = b1 + f; o <= last + 63; o += 64) prefetch_write(ep + std::min(o, last));
+          const int64_t from = b1 + f, fill = std::min<int64_t>(cap - f, runs.len(run + 1));
+          prefetch_range<true>(sk + from, fill);
+          prefetch_range<true>(sc + from, fill);
+          if (ts) prefetch_range<true>(ts + from, fill);
+          prefetch_range<true>(ep + from, fill);
         }
       }
       RunVictims& vic = victims[run & 1];
