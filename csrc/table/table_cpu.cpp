@@ -21,6 +21,7 @@
 #include "common/huge_pages_cpu.h"
 #include "common/parallel_cpu.h"
 #include "table/bucket_batch_cpu.h"
+#include "table/bucket_scan_cpu.h"
 #include "table/table_checks.h"
 #include "table/table_rules.h"
 #include "table/victims_cpu.h"
@@ -475,6 +476,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
               "dynamicemb: sizes / counters must hold 1 / 3 entries per table");
   TORCH_CHECK(epoch > 0 && epoch <= kMaxEpoch, "dynamicemb: epoch must be in [1, ", kMaxEpoch, "], got ", epoch);
   const int64_t n = check_keys(keys, table_ids, key_scores, kCpu);
+  const bool avx2 = cpu::has_avx2();
 
   Tensor indices = new_tensor(n, at::kLong);
   Tensor results = new_tensor(n, at::kChar);
@@ -512,7 +514,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   });
   auto evicted = [](const Rec& r) { return r.res == kEvicted; };
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
-    RunVictims victims[2];  // of this run and the next
+    int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
+    RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
     walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
       const uint32_t* idx = runs.idx(run);
       const int64_t len = runs.len(run);
@@ -547,10 +550,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         }
       }
       RunVictims& vic = victims[run & 1];
+      // A full bucket stays full through its run (inserts only take slots).
+      const bool full = bucket_full(sd + base, cap);
       for (int64_t q = 0; q < len; ++q) {
         Rec& r = recs[idx[q]];
-        int free_slot;
-        int s = find_in_bucket<true>(sd + base, sk + base, cap, r.digest, r.key, &free_slot);
+        int free_slot = -1;
+        int s = full ? find_in_full_bucket(sd + base, sk + base, cap, r.digest, r.key, avx2)
+                     : find_in_bucket<true>(sd + base, sk + base, cap, r.digest, r.key, &free_slot);
         if (s >= 0) {
           sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
           r.res = kAssigned;

@@ -215,3 +215,48 @@ def test_export_and_grow_of_a_large_table_match_model(threads, device):
     p.grow([4200, 300])
     p.grow([8400, 600])
     p.export()
+
+
+@pytest.mark.parametrize("cap", [16, 128])
+def test_full_buckets_with_spread_and_rising_scores_match_model(cap, threads, device):
+    """The victim lists of full buckets by both CPU paths (one filtered pass
+    while scores rise with the slot, ranks under a threshold for scores in no
+    slot order) and the switches between them within a walk. CUSTOMIZED
+    scores: a table filled and evicted with rising scores (the oldest slots
+    first), then scores over the whole int64 range (extremes included) with
+    half the keys refreshed, then few distinct values. Runs take up to ~25
+    victims of one bucket; repeats and present keys hold slots."""
+    rng = random.Random(77 + cap)
+    buckets = [2048 // cap, 2]
+    p = Pair(CUSTOMIZED, buckets, cap, device)
+    slots = sum(buckets) * cap
+    fresh = iter(rng.sample(range(-(1 << 50), 1 << 50), 4 * slots))
+    clock = iter(range(1 << 40, 1 << 41))
+
+    def batch(n, old):
+        tids = [rng.randrange(len(buckets)) for _ in range(n)]
+        pairs = list(zip(tids, (next(fresh) for _ in range(n)))) + rng.sample(old, min(len(old), n // 8))
+        pairs += rng.sample(pairs, n // 16)
+        rng.shuffle(pairs)
+        return [k for _, k in pairs], [t for t, _ in pairs]
+
+    def spread(n):
+        return [rng.choice([INT64_MIN, INT64_MAX]) if rng.random() < 0.02 else rng.randrange(INT64_MIN, INT64_MAX)
+                for _ in range(n)]
+
+    for _ in range(4):  # full in slot order
+        keys, tids = batch(slots // 3, [])
+        p.insert(keys, tids, [next(clock) for _ in keys])
+    for phase in ("rising", "spread", "few values"):
+        for n in (slots // 8, cap // 4, slots // 8):
+            live = sorted(p.live())
+            if phase == "spread":  # refresh a random half: scores in no slot order
+                half = rng.sample(live, len(live) // 2)
+                p.lookup([k for _, k in half], [t for t, _ in half], update_score=True, scores=spread(len(half)))
+            keys, tids = batch(n, live)
+            scores = {"rising": lambda: [next(clock) for _ in keys], "spread": lambda: spread(len(keys)),
+                      "few values": lambda: [rng.randrange(3) for _ in keys]}[phase]()
+            out = p.insert(keys, tids, scores)
+            if n > cap // 4:  # several victims taken from one bucket in one call
+                assert int(torch.bincount(out.evicted.indices.cpu() // cap).max()) > 1
+    p.export()
