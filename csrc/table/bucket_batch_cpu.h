@@ -6,9 +6,10 @@
 // is moved into one of P parts, each a contiguous range of 2^shift buckets:
 // one pass counts the keys per (chunk of input, part), one writes the
 // records. Each part's records then sit together (a few hundred KiB, cache
-// resident), are sorted by bucket and walked in bucket order, and a last pass
-// in input order hands every key its record back. Every pass over the inputs
-// and outputs is sequential; only the walk over the table's slots is not.
+// resident), are copied in bucket order (so that the walk reads them in
+// sequence), walked, and copied back; a last pass in input order hands every
+// key its record back. Every pass over the inputs and outputs is sequential;
+// only the walk over the table's slots is not.
 // A key position that the placement rejects (bad table id) is reported before
 // any record is written, so the caller can throw before touching a slot.
 #pragma once
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -37,6 +39,32 @@ inline void* scratch_room(int64_t bytes) {
   if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
   return room.data_ptr<uint8_t>();
 }
+
+// A thread's growable scratch of n T's (uninitialised), kept from call to
+// call; Tag tells one use's scratch from another's.
+template <class T, class Tag>
+T* thread_scratch(int64_t n) {
+  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>);
+  thread_local std::unique_ptr<T[]> buf;
+  thread_local int64_t size = 0;
+  if (size < n) {
+    buf.reset(new T[n]);
+    size = n;
+  }
+  return buf.get();
+}
+
+// One part's records in bucket order (input order within a bucket), cut into
+// runs of one bucket each: run r is recs[start[r], start[r + 1]).
+template <class Rec>
+struct Runs {
+  Rec* recs;
+  const uint32_t* start;  // count + 1 entries
+  int64_t count;
+  Rec* begin(int64_t r) const { return recs + start[r]; }
+  int64_t len(int64_t r) const { return start[r + 1] - start[r]; }
+  int64_t bucket(int64_t r) const { return recs[start[r]].bucket; }
+};
 
 template <class Rec>  // Rec: trivially constructible, with an int64_t `bucket`
 class BucketBatch {
@@ -86,8 +114,8 @@ class BucketBatch {
         [recs = recs_](int64_t, int64_t, const Rec& r, int64_t j) { recs[j] = r; });
   }
 
-  // fn(recs, order, m) for each part, in parallel: the part's m records and
-  // their order by bucket (input order within a bucket).
+  // fn(runs) for each part, in parallel: its records in bucket order, cut
+  // into runs of one bucket (Runs). What fn writes to them is copied back.
   template <class PartFn>
   void for_each_part(PartFn fn) {
     for_each_part(fn, CountsNone{});
@@ -103,13 +131,16 @@ class BucketBatch {
     constexpr bool kCounts = !std::is_same_v<Keep, CountsNone>;
     std::vector<int64_t> kept(kCounts ? chunks_ * parts_ : 0, 0);  // [chunk][part]
     cpu::parallel_claim(parts_, [&](int64_t p) {
-      thread_local std::vector<uint32_t> order;
+      thread_local std::vector<uint32_t> start;
       const int64_t m = part_begin_[p + 1] - part_begin_[p];
       if (m == 0) return;
       Rec* recs = recs_ + part_begin_[p];
-      sort_part(p, recs, m, order);
-      fn(recs, order.data(), m);
-      if constexpr (!kCounts) return;
+      Rec* sorted = thread_scratch<Rec, SortedTag>(m);
+      uint32_t* rank = thread_scratch<uint32_t, RankTag>(m);  // where recs[j] went in sorted
+      sort_part(p, recs, m, sorted, rank, start);
+      fn(Runs<Rec>{sorted, start.data(), static_cast<int64_t>(start.size()) - 1});
+      for (int64_t j = 0; j < m; ++j) recs[j] = sorted[rank[j]];
+    if constexpr (!kCounts) return;
       for (int64_t c = 0; c < chunks_; ++c) {
         const int64_t e = c + 1 < chunks_ ? start_[(c + 1) * parts_ + p] : part_begin_[p + 1];
         int64_t k = 0;
@@ -183,23 +214,44 @@ class BucketBatch {
   static int64_t bucket(int64_t b) { return b; }
   static int64_t bucket(const Rec& r) { return r.bucket; }
 
-  // Part p's records ordered by bucket, stably: a counting sort over the
-  // part's bucket range when the keys are dense enough in it, else a sort.
-  void sort_part(int64_t p, const Rec* recs, int64_t m, std::vector<uint32_t>& order) const {
-    order.resize(m);
+  // Part p's records copied to `sorted` in bucket order, stably (rank[j]:
+  // where recs[j] went), by a counting sort over the part's bucket range when
+  // the keys are dense enough in it, else by a sort; `start` gets the runs'
+  // first positions, and m.
+  void sort_part(int64_t p, const Rec* recs, int64_t m, Rec* sorted, uint32_t* rank,
+                 std::vector<uint32_t>& start) const {
+    start.clear();
     const int64_t lo = p << shift_, width = std::min(num_buckets_, (p + 1) << shift_) - lo;
     if (width > 4 * m + 64) {
+      thread_local std::vector<uint32_t> order;
+      order.resize(m);
       for (int64_t j = 0; j < m; ++j) order[j] = static_cast<uint32_t>(j);
       std::stable_sort(order.begin(), order.end(),
                        [&](uint32_t x, uint32_t y) { return recs[x].bucket < recs[y].bucket; });
-      return;
+      for (int64_t k = 0; k < m; ++k) {
+        sorted[k] = recs[order[k]];
+        rank[order[k]] = static_cast<uint32_t>(k);
+        if (k == 0 || sorted[k].bucket != sorted[k - 1].bucket) start.push_back(static_cast<uint32_t>(k));
+      }
+    } else {
+      thread_local std::vector<uint32_t> at;  // per bucket: its first position, then the next free one
+      at.assign(width + 1, 0);
+      for (int64_t j = 0; j < m; ++j) ++at[recs[j].bucket - lo + 1];
+      for (int64_t c = 1; c <= width; ++c) {
+        if (at[c] != 0) start.push_back(at[c - 1]);
+        at[c] += at[c - 1];
+      }
+      for (int64_t j = 0; j < m; ++j) {
+        const uint32_t k = at[recs[j].bucket - lo]++;
+        sorted[k] = recs[j];
+        rank[j] = k;
+      }
     }
-    thread_local std::vector<uint32_t> at;
-    at.assign(width + 1, 0);
-    for (int64_t j = 0; j < m; ++j) ++at[recs[j].bucket - lo + 1];
-    for (int64_t c = 1; c <= width; ++c) at[c] += at[c - 1];
-    for (int64_t j = 0; j < m; ++j) order[at[recs[j].bucket - lo]++] = static_cast<uint32_t>(j);
+    start.push_back(static_cast<uint32_t>(m));
   }
+
+  struct SortedTag {};
+  struct RankTag {};
 
   static constexpr int64_t kStreamAhead = 256 / sizeof(Rec) + 1;  // records, about 4 lines
 

@@ -127,16 +127,6 @@ void prefetch_bucket(const uint8_t* digests, int64_t base, int64_t cap) {
   if (cap > 64) prefetch(digests + base + 64);
 }
 
-// One part's records in bucket order, cut into runs of one bucket each: run
-// r is recs[idx(r)[0 .. len(r))], in input order.
-struct Runs {
-  const uint32_t* order;
-  const uint32_t* start;  // count + 1 entries
-  int64_t count;
-  const uint32_t* idx(int64_t r) const { return order + start[r]; }
-  int64_t len(int64_t r) const { return start[r + 1] - start[r]; }
-};
-
 // The per-slot arrays a call writes at the slot a key is found in (nullptr:
 // not written), fetched for writing with the key's line.
 struct WrittenAtMatch {
@@ -145,26 +135,21 @@ struct WrittenAtMatch {
   const int64_t* timestamps = nullptr;
 };
 
-// Walks one part's records in bucket order: fn(runs, r, base) for each run
+// Walks one part's runs in bucket order: fn(runs, r, base) for each run
 // (base: the first slot of its bucket), so that fn may look at later runs.
-// Prefetches per key, at three distances: its record, its bucket's digests
-// and, once they are in, the lines of the slot its digest first matches (the
-// key's, and those of `written`); and each run's digests three runs ahead.
+// Prefetches per key, at two distances: its bucket's digests and, once they
+// are in, the lines of the slot its digest first matches (the key's, and
+// those of `written`); and each run's digests three runs ahead.
 template <class Rec, class RunFn>
-void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, const int64_t* sk,
-               int64_t cap, RunFn fn, const WrittenAtMatch& written = {}) {
-  thread_local std::vector<uint32_t> start;
-  start.clear();
-  for (int64_t j = 0; j < m; ++j)
-    if (j == 0 || recs[order[j]].bucket != recs[order[j - 1]].bucket) start.push_back(static_cast<uint32_t>(j));
-  start.push_back(static_cast<uint32_t>(m));
-  const Runs runs{order, start.data(), static_cast<int64_t>(start.size()) - 1};
-  constexpr int64_t kRecordAhead = 32, kDigestAhead = 16, kKeyAhead = 6;
+void walk_runs(const Runs<Rec>& runs, const uint8_t* sd, const int64_t* sk, int64_t cap, RunFn fn,
+               const WrittenAtMatch& written = {}) {
+  const Rec* recs = runs.recs;
+  const int64_t m = runs.start[runs.count];
+  constexpr int64_t kDigestAhead = 16, kKeyAhead = 6;
   auto ahead = [&](int64_t q) {
-    if (q + kRecordAhead < m) prefetch_write(&recs[order[q + kRecordAhead]]);
-    if (q + kDigestAhead < m) prefetch_bucket(sd, recs[order[q + kDigestAhead]].bucket * cap, cap);
+    if (q + kDigestAhead < m) prefetch_bucket(sd, recs[q + kDigestAhead].bucket * cap, cap);
     if (q + kKeyAhead < m) {
-      const Rec& r = recs[order[q + kKeyAhead]];
+      const Rec& r = recs[q + kKeyAhead];
       const int c = first_digest_match(sd + r.bucket * cap, static_cast<int>(cap), r.digest);
       if (c >= 0) {
         const int64_t slot = r.bucket * cap + c;
@@ -175,13 +160,12 @@ void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, c
       }
     }
   };
-  for (int64_t q = 0; q < std::min(m, kRecordAhead); ++q) prefetch_write(&recs[order[q]]);
-  for (int64_t q = 0; q < std::min(m, kDigestAhead); ++q) prefetch_bucket(sd, recs[order[q]].bucket * cap, cap);
+  for (int64_t q = 0; q < std::min(m, kDigestAhead); ++q) prefetch_bucket(sd, recs[q].bucket * cap, cap);
   for (int64_t r = 0; r < runs.count; ++r) {
     // Digests also three runs ahead, for fn's look at the next two runs.
-    if (r + 3 < runs.count) prefetch_bucket(sd, recs[runs.idx(r + 3)[0]].bucket * cap, cap);
+    if (r + 3 < runs.count) prefetch_bucket(sd, runs.bucket(r + 3) * cap, cap);
     for (int64_t q = runs.start[r]; q < runs.start[r + 1]; ++q) ahead(q);
-    fn(runs, r, recs[runs.idx(r)[0]].bucket * cap);
+    fn(runs, r, runs.bucket(r) * cap);
   }
 }
 
@@ -190,14 +174,13 @@ void walk_runs(Rec* recs, const uint32_t* order, int64_t m, const uint8_t* sd, c
 template <class Rec, class Fn>
 void find_each(BucketBatch<Rec>& bb, const uint8_t* sd, const int64_t* sk, int64_t cap, Fn fn,
                const WrittenAtMatch& written = {}) {
-  bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+  bb.for_each_part([&](const Runs<Rec>& part) {
     walk_runs(
-        recs, order, m, sd, sk, cap,
-        [&](const Runs& runs, int64_t run, int64_t base) {
-          for (int64_t q = 0; q < runs.len(run); ++q) {
-            Rec& r = recs[runs.idx(run)[q]];
-            fn(r, base, find_in_bucket<false>(sd + base, sk + base, cap, r.digest, r.key, nullptr));
-          }
+        part, sd, sk, cap,
+        [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
+          Rec* rs = runs.begin(run);
+          for (int64_t q = 0; q < runs.len(run); ++q)
+            fn(rs[q], base, find_in_bucket<false>(sd + base, sk + base, cap, rs[q].digest, rs[q].key, nullptr));
         },
         written);
   });
@@ -513,20 +496,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
   });
   auto evicted = [](const Rec& r) { return r.res == kEvicted; };
-  const std::vector<int64_t> first_evicted = bb.for_each_part([&](Rec* recs, const uint32_t* order, int64_t m) {
+  const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
     RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
-    walk_runs(recs, order, m, sd, sk, L.cap, [&](const Runs& runs, int64_t run, int64_t base) {
-      const uint32_t* idx = runs.idx(run);
+    walk_runs(part, sd, sk, L.cap, [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
+      Rec* rs = runs.begin(run);
       const int64_t len = runs.len(run);
-      const int64_t b1 = run + 1 < runs.count ? recs[runs.idx(run + 1)[0]].bucket * L.cap : -1;  // next run's
+      const int64_t b1 = run + 1 < runs.count ? runs.bucket(run + 1) * L.cap : -1;  // next run's
       if (evicts) {
         // Full buckets evict: their scores and epochs are fetched two runs
         // ahead and their victims listed one run ahead. (Listing only for
         // runs with a surely new key measured slower for runs of found keys:
         // the fetched lines are those their score and epoch writes need.)
         if (run + 2 < runs.count) {
-          const int64_t b2 = recs[runs.idx(run + 2)[0]].bucket * L.cap;
+          const int64_t b2 = runs.bucket(run + 2) * L.cap;
           if (bucket_full(sd + b2, cap)) {
             prefetch_range(sc + b2, cap);
             prefetch_range(ep + b2, cap);
@@ -553,7 +536,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
       // A full bucket stays full through its run (inserts only take slots).
       const bool full = bucket_full(sd + base, cap);
       for (int64_t q = 0; q < len; ++q) {
-        Rec& r = recs[idx[q]];
+        Rec& r = rs[q];
         int free_slot = -1;
         int s = full ? find_in_full_bucket(sd + base, sk + base, cap, r.digest, r.key, avx2)
                      : find_in_bucket<true>(sd + base, sk + base, cap, r.digest, r.key, &free_slot);

@@ -23,14 +23,6 @@ namespace table {
 #define DE_AVX2 __attribute__((target("avx2"))) inline
 #define DE_AVX2_POPCNT __attribute__((target("avx2,popcnt"))) inline
 
-// For _mm256_permutevar8x32_epi32: the 64-bit lanes whose bit is set in the
-// index, moved to the front in order (as 32-bit halves).
-alignas(32) inline constexpr int32_t kCompress4x64[16][8] = {
-    {0, 1, 2, 3, 4, 5, 6, 7}, {0, 1, 0, 1, 0, 1, 0, 1}, {2, 3, 2, 3, 2, 3, 2, 3}, {0, 1, 2, 3, 0, 1, 0, 1},
-    {4, 5, 4, 5, 4, 5, 4, 5}, {0, 1, 4, 5, 0, 1, 0, 1}, {2, 3, 4, 5, 2, 3, 2, 3}, {0, 1, 2, 3, 4, 5, 0, 1},
-    {6, 7, 6, 7, 6, 7, 6, 7}, {0, 1, 6, 7, 0, 1, 0, 1}, {2, 3, 6, 7, 2, 3, 2, 3}, {0, 1, 2, 3, 6, 7, 0, 1},
-    {4, 5, 6, 7, 4, 5, 4, 5}, {0, 1, 4, 5, 6, 7, 0, 1}, {2, 3, 4, 5, 6, 7, 2, 3}, {0, 1, 2, 3, 4, 5, 6, 7}};
-
 DE_AVX2 __m256i load4(const int64_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 DE_AVX2 __m256i min_epi64_avx2(__m256i a, __m256i b) {
@@ -165,26 +157,25 @@ DE_AVX2_POPCNT int ranked_victims_avx2(const int64_t* scores, const Epoch* epoch
   t = max_epi64_avx2(t, _mm256_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
   // 3. Those scoring T exactly follow the others in the list, in slot order;
   // they are kept apart, so that only the ones scoring below T need ranks.
-  alignas(32) int64_t cs[kRankedCap + 4];  // candidates below T: scores
-  alignas(32) int64_t ci[kRankedCap + 4];  // and slots
-  alignas(32) int64_t eq[kRankedCap + 4];  // slots scoring T
-  int c = 0, e = 0;
+  uint64_t below[kRankedCap / 64 + 1] = {}, at[kRankedCap / 64 + 1] = {};  // bit per slot
   for (int v = 0; v < nv; ++v) {
     const __m256i x = load4(scores + 4 * v);
-    const uint32_t open = ~held4(v) & 15u;
-    const uint32_t below = open & ~mask4(_mm256_cmpgt_epi64(x, t)) & ~mask4(_mm256_cmpeq_epi64(x, t));
-    const uint32_t at = open & mask4(_mm256_cmpeq_epi64(x, t));
-    if ((below | at) == 0) continue;
-    const __m256i slot = _mm256_add_epi64(_mm256_set1_epi64x(4 * v), lanes);
-    const __m256i front = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress4x64[below]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cs + c), _mm256_permutevar8x32_epi32(x, front));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + c), _mm256_permutevar8x32_epi32(slot, front));
-    const __m256i front_at = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress4x64[at]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(eq + e), _mm256_permutevar8x32_epi32(slot, front_at));
-    c += __builtin_popcount(below);
-    e += __builtin_popcount(at);
+    const uint64_t open = ~held4(v) & 15u;
+    const uint64_t eq = mask4(_mm256_cmpeq_epi64(x, t));
+    below[v / 16] |= (open & ~(mask4(_mm256_cmpgt_epi64(x, t)) | eq)) << (4 * (v % 16));
+    at[v / 16] |= (open & eq) << (4 * (v % 16));
   }
-  if (c > kRankedMax) return -1;
+  alignas(32) int64_t cs[kRankedMax + 4];  // candidates below T: scores
+  int ci[kRankedMax];                      // and slots
+  int c = 0;
+  for (int w = 0; w * 64 < cap; ++w) {
+    if (c + __builtin_popcountll(below[w]) > kRankedMax) return -1;
+    for (uint64_t bits = below[w]; bits; bits &= bits - 1) {
+      const int i = 64 * w + __builtin_ctzll(bits);
+      cs[c] = scores[i];
+      ci[c++] = i;
+    }
+  }
   // 4. Four candidates at a time against each candidate j: j goes first if it
   // scores lower, or equal from an earlier (lower) slot.
   const int m = std::min(c, r);
@@ -202,9 +193,11 @@ DE_AVX2_POPCNT int ranked_victims_avx2(const int64_t* scores, const Epoch* epoch
     // Ranks from m on land in out[m], a spare entry.
     for (int l = 0; l < 4 && i + l < c; ++l) out[rk[l] < m ? rk[l] : m] = static_cast<int>(ci[i + l]);
   }
-  const int m_at = std::min(e, r - m);
-  for (int k = 0; k < m_at; ++k) out[m + k] = static_cast<int>(eq[k]);
-  return m + m_at;
+  // Then the slots scoring T, in slot order.
+  int k = m;
+  for (int w = 0; w * 64 < cap && k < r; ++w)
+    for (uint64_t bits = at[w]; bits && k < r; bits &= bits - 1) out[k++] = 64 * w + __builtin_ctzll(bits);
+  return k;
 }
 
 // The list for r <= kFewVictims by the path that suits the walk's buckets:
