@@ -185,7 +185,8 @@ DE_AVX2_POPCNT int ranked_victims_avx2(const int64_t* scores, const Epoch* epoch
     __m256i rank = _mm256_setzero_si256();
     for (int j = 0; j < c; ++j) {
       const __m256i y = _mm256_set1_epi64x(cs[j]);
-      const __m256i tie_first = _mm256_and_si256(_mm256_cmpeq_epi64(x, y), _mm256_cmpgt_epi64(xi, _mm256_set1_epi64x(j)));
+      const __m256i earlier = _mm256_cmpgt_epi64(xi, _mm256_set1_epi64x(j));
+      const __m256i tie_first = _mm256_and_si256(_mm256_cmpeq_epi64(x, y), earlier);
       rank = _mm256_sub_epi64(rank, _mm256_or_si256(_mm256_cmpgt_epi64(x, y), tie_first));
     }
     alignas(32) int64_t rk[4];
