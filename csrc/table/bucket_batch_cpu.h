@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -29,29 +28,19 @@
 namespace dynamicemb {
 namespace table {
 
-// Room for a call's records, kept by the calling thread from call to call:
-// a call of a million keys needs tens of MiB, which glibc would map afresh
-// each time (blocks from 32 MiB up always are) and the kernel fault in and
-// clear page by page. The room of the largest call so far stays allocated,
-// on 2 MiB pages where the kernel gives them.
-inline void* scratch_room(int64_t bytes) {
-  thread_local at::Tensor room;
-  if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
-  return room.data_ptr<uint8_t>();
-}
-
-// A thread's growable scratch of n T's (uninitialised), kept from call to
-// call; Tag tells one use's scratch from another's.
+// Room for n T's (uninitialised), kept by the calling thread from call to
+// call; Tag tells one use's room from another's. A call of a million keys
+// needs tens of MiB of records, which glibc would map afresh each time
+// (blocks from 32 MiB up always are) and the kernel fault in and clear page
+// by page. The room of the largest call so far stays allocated, on 2 MiB
+// pages where the kernel gives them.
 template <class T, class Tag>
-T* thread_scratch(int64_t n) {
+T* scratch_room(int64_t n) {
   static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>);
-  thread_local std::unique_ptr<T[]> buf;
-  thread_local int64_t size = 0;
-  if (size < n) {
-    buf.reset(new T[n]);
-    size = n;
-  }
-  return buf.get();
+  thread_local at::Tensor room;
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  if (!room.defined() || room.numel() < bytes) room = cpu::empty_huge({bytes}, at::kByte);
+  return reinterpret_cast<T*>(room.data_ptr<uint8_t>());
 }
 
 // One part's records in bucket order (input order within a bucket), cut into
@@ -104,7 +93,7 @@ class BucketBatch {
   template <class Fill>
   void gather(Fill fill) {
     static_assert(std::is_trivially_default_constructible_v<Rec> && std::is_trivially_destructible_v<Rec>);
-    recs_ = static_cast<Rec*>(scratch_room(n_ * static_cast<int64_t>(sizeof(Rec))));
+    recs_ = scratch_room<Rec, RecordsTag>(n_);
     each_record(
         [fill](int64_t i) {
           Rec r;
@@ -135,8 +124,8 @@ class BucketBatch {
       const int64_t m = part_begin_[p + 1] - part_begin_[p];
       if (m == 0) return;
       Rec* recs = recs_ + part_begin_[p];
-      Rec* sorted = thread_scratch<Rec, SortedTag>(m);
-      uint32_t* rank = thread_scratch<uint32_t, RankTag>(m);  // where recs[j] went in sorted
+      Rec* sorted = scratch_room<Rec, SortedTag>(m);
+      uint32_t* rank = scratch_room<uint32_t, RankTag>(m);  // where recs[j] went in sorted
       sort_part(p, recs, m, sorted, rank, start);
       fn(Runs<Rec>{sorted, start.data(), static_cast<int64_t>(start.size()) - 1});
       for (int64_t j = 0; j < m; ++j) recs[j] = sorted[rank[j]];
@@ -250,6 +239,7 @@ class BucketBatch {
     start.push_back(static_cast<uint32_t>(m));
   }
 
+  struct RecordsTag {};
   struct SortedTag {};
   struct RankTag {};
 

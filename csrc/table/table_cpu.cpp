@@ -499,10 +499,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
     RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
+    bool next_full = false;  // the next run's bucket is full (inserts only take slots: it stays so)
     walk_runs(part, sd, sk, L.cap, [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
       Rec* rs = runs.begin(run);
       const int64_t len = runs.len(run);
       const int64_t b1 = run + 1 < runs.count ? runs.bucket(run + 1) * L.cap : -1;  // next run's
+      const bool full = run == 0 ? bucket_full(sd + base, cap) : next_full;
+      next_full = b1 >= 0 && bucket_full(sd + b1, cap);
       if (evicts) {
         // Full buckets evict: their scores and epochs are fetched two runs
         // ahead and their victims listed one run ahead. (Listing only for
@@ -515,7 +518,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
             prefetch_range(ep + b2, cap);
           }
         }
-        if (b1 >= 0 && bucket_full(sd + b1, cap))
+        if (next_full)
           victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, ecall, runs.len(run + 1));
       }
       // A bucket's new keys fill its free slots from the first kEmpty one on
@@ -533,8 +536,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         }
       }
       RunVictims& vic = victims[run & 1];
-      // A full bucket stays full through its run (inserts only take slots).
-      const bool full = bucket_full(sd + base, cap);
       for (int64_t q = 0; q < len; ++q) {
         Rec& r = rs[q];
         int free_slot = -1;
