@@ -12,20 +12,10 @@ import models
 from dynamicemb.routing import DIST_TYPES, ROUTE_BLOCK, owners, route_param, route_rule
 from dynamicemb._ops import ops
 from multiprocess import run_ranks
+from table.reference import fmix64  # the table's Python model: the same hash rule
 
 MASK = (1 << 64) - 1
 EDGE_KEYS = [0, 1, -1, 2, 7, 1000, -1000, 2**31, 2**62 + 5, 2**63 - 1, -(2**63), -(2**63) + 1]
-
-
-def fmix64(k: int) -> int:
-    """MurmurHash3's 64-bit finalizer on the key's two's-complement bits."""
-    k &= MASK
-    k ^= k >> 33
-    k = (k * 0xFF51AFD7ED558CCD) & MASK
-    k ^= k >> 33
-    k = (k * 0xC4CEB9FE1A85EC53) & MASK
-    k ^= k >> 33
-    return k
 
 
 def reference_owner(key: int, dist_type: str, world: int, num_embeddings: int) -> int:
