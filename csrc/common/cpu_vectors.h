@@ -8,6 +8,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+// Hand-written vector functions, compiled for AVX2 in a portable build and
+// called only where has_avx2() holds.
+#define DE_AVX2 __attribute__((target("avx2"))) inline
+#define DE_AVX2_POPCNT __attribute__((target("avx2,popcnt"))) inline
+#endif
+
 namespace dynamicemb {
 namespace cpu {
 

@@ -129,7 +129,7 @@ class BucketBatch {
       sort_part(p, recs, m, sorted, rank, start);
       fn(Runs<Rec>{sorted, start.data(), static_cast<int64_t>(start.size()) - 1});
       for (int64_t j = 0; j < m; ++j) recs[j] = sorted[rank[j]];
-    if constexpr (!kCounts) return;
+      if constexpr (!kCounts) return;
       for (int64_t c = 0; c < chunks_; ++c) {
         const int64_t e = c + 1 < chunks_ ? start_[(c + 1) * parts_ + p] : part_begin_[p + 1];
         int64_t k = 0;

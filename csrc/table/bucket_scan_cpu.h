@@ -7,17 +7,13 @@
 #include "common/cpu_vectors.h"
 #include "table/table_rules.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 namespace dynamicemb {
 namespace table {
 
 #if defined(__x86_64__)
 // Bit i set where digests[g + i] == d, for the 32 digests from g (16 when
 // only 16 are left before cap).
-__attribute__((target("avx2"))) inline uint32_t match32_avx2(const uint8_t* digests, int g, int cap, uint8_t d) {
+DE_AVX2 uint32_t match32_avx2(const uint8_t* digests, int g, int cap, uint8_t d) {
   if (g + 32 > cap) return group_match(digests + g, d);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(digests + g));
   return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(static_cast<char>(d)))));
@@ -26,8 +22,8 @@ __attribute__((target("avx2"))) inline uint32_t match32_avx2(const uint8_t* dige
 // find_in_bucket<true> for a full bucket (no kEmpty or kErased slot, so no
 // free slot and no early stop): the lowest slot whose digest is d and key is
 // `key`, or -1.
-__attribute__((target("avx2"))) inline int find_in_full_bucket_avx2(const uint8_t* digests, const int64_t* keys,
-                                                                     int cap, uint8_t d, int64_t key) {
+DE_AVX2 int find_in_full_bucket_avx2(const uint8_t* digests, const int64_t* keys, int cap, uint8_t d,
+                                     int64_t key) {
   for (int g = 0; g < cap; g += 32)
     for (uint32_t m = match32_avx2(digests, g, cap, d); m; m &= m - 1)
       if (keys[g + lowest_bit(m)] == key) return g + lowest_bit(m);

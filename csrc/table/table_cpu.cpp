@@ -499,24 +499,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
     RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
-    bool next_full = false;  // the next run's bucket is full (inserts only take slots: it stays so)
+    // Whether the buckets of runs run, run + 1 and run + 2 are full (at
+    // index run % 3, ...), each tested once, two runs ahead: a run writes only
+    // its own bucket, and inserts only take slots, so a later one stays as tested.
+    bool full_at[3] = {};
     walk_runs(part, sd, sk, L.cap, [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
       Rec* rs = runs.begin(run);
       const int64_t len = runs.len(run);
       const int64_t b1 = run + 1 < runs.count ? runs.bucket(run + 1) * L.cap : -1;  // next run's
-      const bool full = run == 0 ? bucket_full(sd + base, cap) : next_full;
-      next_full = b1 >= 0 && bucket_full(sd + b1, cap);
+      auto test_full = [&](int64_t r) { return r < runs.count && bucket_full(sd + runs.bucket(r) * L.cap, cap); };
+      if (run == 0) {
+        full_at[0] = test_full(0);
+        full_at[1] = test_full(1);
+      }
+      full_at[(run + 2) % 3] = test_full(run + 2);
+      const bool full = full_at[run % 3], next_full = full_at[(run + 1) % 3];
       if (evicts) {
         // Full buckets evict: their scores and epochs are fetched two runs
         // ahead and their victims listed one run ahead. (Listing only for
         // runs with a surely new key measured slower for runs of found keys:
         // the fetched lines are those their score and epoch writes need.)
-        if (run + 2 < runs.count) {
+        if (full_at[(run + 2) % 3]) {
           const int64_t b2 = runs.bucket(run + 2) * L.cap;
-          if (bucket_full(sd + b2, cap)) {
-            prefetch_range(sc + b2, cap);
-            prefetch_range(ep + b2, cap);
-          }
+          prefetch_range(sc + b2, cap);
+          prefetch_range(ep + b2, cap);
         }
         if (next_full)
           victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, ecall, runs.len(run + 1));

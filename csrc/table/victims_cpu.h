@@ -12,17 +12,10 @@
 #include "common/cpu_vectors.h"
 #include "table/table_rules.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 namespace dynamicemb {
 namespace table {
 
 #if defined(__x86_64__)
-#define DE_AVX2 __attribute__((target("avx2"))) inline
-#define DE_AVX2_POPCNT __attribute__((target("avx2,popcnt"))) inline
-
 DE_AVX2 __m256i load4(const int64_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 DE_AVX2 __m256i min_epi64_avx2(__m256i a, __m256i b) {
@@ -224,8 +217,6 @@ DE_AVX2 int list_few_victims_avx2(const int64_t* scores, const Epoch* epochs, in
   int entered;
   return few_victims_avx2(scores, epochs, cap, call_epoch, r, out, &entered);
 }
-#undef DE_AVX2
-#undef DE_AVX2_POPCNT
 #endif
 
 // group_victim, in vectors where the CPU has AVX2.
