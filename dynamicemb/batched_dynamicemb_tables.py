@@ -82,6 +82,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             another index elsewhere.
         storage: an EmbeddingStorage to use instead of the default
             HashTableStorage.
+        feature_names: per table, the names of the features it serves (for
+            checkpoints and serving; default: the table's name).
+        table_poolings: per table, the pooling the user configured ("SUM",
+            "MEAN" or "NONE"; default: pooling_mode), which may differ from
+            pooling_mode (a row-wise sharded MEAN table pools as SUM here).
     """
 
     def __init__(self, table_options: Sequence[DynamicEmbTableOptions], table_names: Optional[Sequence[str]] = None,
@@ -89,7 +94,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                  optimizer=EmbOptimType.EXACT_SGD, learning_rate: float = 0.01, eps: float = 1.0e-8,
                  beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, weight_decay_mode=None,
                  output_dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
-                 init_streams: Optional[Sequence[int]] = None, storage: Optional[EmbeddingStorage] = None):
+                 init_streams: Optional[Sequence[int]] = None, storage: Optional[EmbeddingStorage] = None,
+                 feature_names: Optional[Sequence[Sequence[str]]] = None,
+                 table_poolings: Optional[Sequence[str]] = None):
         super().__init__()
         if not table_options:
             raise ValueError("BatchedDynamicEmbeddingTables needs at least one table")
@@ -106,6 +113,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if not 0 <= t < self.num_tables:
                 raise ValueError(f"feature {f} maps to table {t}, outside [0, {self.num_tables})")
         self.pooling = pooling_code(pooling_mode)
+        self._feature_names = [list(f) for f in feature_names] if feature_names is not None else None
+        self._table_poolings = [DynamicEmbPoolingMode(pooling_code(p)).name for p in table_poolings] \
+            if table_poolings is not None else None
+        for what, given in (("feature_names", self._feature_names), ("table_poolings", self._table_poolings)):
+            if given is not None and len(given) != self.num_tables:
+                raise ValueError(f"{what} has {len(given)} entries for {self.num_tables} tables")
         if self.pooling == DynamicEmbPoolingMode.NONE and len({self.dims[t] for t in self.feature_table_map}) > 1:
             raise ValueError(f"pooling NONE needs one dim for all tables, got {self.dims}")
         self.optimizer = optimizer_code(optimizer)
@@ -223,6 +236,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 grad[lo:hi] = dot / lens[bag] if self.pooling == DynamicEmbPoolingMode.MEAN else dot
             col += D
         return grad
+
+    def feature_names_of(self, t: int) -> list:
+        """The features table t serves (its name when none were given)."""
+        return list(self._feature_names[t]) if self._feature_names is not None else [self.table_names[t]]
+
+    def table_pooling_name(self, t: int) -> str:
+        """Table t's pooling as configured: "SUM", "MEAN" or "NONE"."""
+        if self._table_poolings is not None:
+            return self._table_poolings[t]
+        return DynamicEmbPoolingMode(self.pooling).name
 
     # ---- accounting ----------------------------------------------------------------------------
 

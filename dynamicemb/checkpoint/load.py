@@ -65,7 +65,7 @@ def _check_rows(name: str, meta: dict, world_size: int, path: str) -> None:
         raise CheckpointError(f"{where}: the part files hold {summed} rows per rank, rows_per_rank says {per_rank}")
 
 
-def _expected(meta: dict, entry: dict) -> Dict[str, tuple]:
+def expected_tensors(meta: dict, entry: dict) -> Dict[str, tuple]:
     """{tensor: (safetensors dtype, shape)} that the manifest implies for one file."""
     n = entry["rows"]
     if entry["kind"] == "counter":
@@ -143,7 +143,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
         meta = manifest["tables"][name]
         for entry in entries:
             check_file(path, entry, name)
-            check_tensors(path, entry, name, _expected(meta, entry))
+            check_tensors(path, entry, name, expected_tensors(meta, entry))
     # The keys each table receives here (read alone) against its capacity;
     # admission counts are built aside, to be swapped in by phase 2.
     for name, ref in tables.items():

@@ -46,6 +46,13 @@ class TableRef:
             "num_embeddings": o.num_embeddings,
             "bucket_capacity": o.bucket_capacity,
             "admission_counter": self.storage.admission[self.index] is not None,
+            # What serving needs (dynamicemb.inference.from_dump): the features
+            # the table feeds, its pooling as the user configured it, and what a
+            # missing key reads in eval (packed initializer, seed).
+            "feature_names": m.feature_names_of(self.index),
+            "pooling": m.table_pooling_name(self.index),
+            "eval_initializer": self.storage.eval_init_params[self.index].tolist(),
+            "seed": m.seed,
         }
 
 

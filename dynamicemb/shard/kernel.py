@@ -97,6 +97,14 @@ def _output_dtype(fused_params) -> torch.dtype:
     return dt.as_dtype() if isinstance(dt, SparseType) else dt
 
 
+def _user_pooling(table, kernel_pooling) -> str:
+    """The pooling the user gave the table (a row-wise MEAN table pools as
+    SUM in the kernel; TorchRec divides later)."""
+    if kernel_pooling == DynamicEmbPoolingMode.NONE:
+        return "NONE"
+    return table.pooling.name
+
+
 class _DynamicKernel(BaseEmbedding):
     def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup],
                  device: Optional[torch.device], pooling) -> None:
@@ -126,6 +134,8 @@ class _DynamicKernel(BaseEmbedding):
             device=device,
             seed=int(fused.get("dynamicemb_seed", 0)),
             init_streams=[init_stream(t.name) for t in tables],
+            feature_names=[t.feature_names for t in tables],
+            table_poolings=[_user_pooling(t, pooling) for t in tables],
             **extra,
         )
 

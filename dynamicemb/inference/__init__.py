@@ -1,0 +1,12 @@
+"""Serving trained dynamic tables (API.md §5): frozen tables as a plain
+torch.nn.Module that torch.export can export, built from a dump or from a
+trained model."""
+from dynamicemb.inference.quantize import dequantize_rows_int8, quantize_rows_int8
+from dynamicemb.inference.table import FrozenTable, InferenceEmbeddingTable
+
+__all__ = [
+    "FrozenTable",
+    "InferenceEmbeddingTable",
+    "dequantize_rows_int8",
+    "quantize_rows_int8",
+]

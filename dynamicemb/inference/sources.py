@@ -1,0 +1,93 @@
+"""Where a frozen table's content comes from: a dump directory (any world
+size: every rank's files are read, and each key is in exactly one of them)
+or a live model (every rank's rows gathered over a process group)."""
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.checkpoint.format import CheckpointError, check_file, check_tensors, read_manifest, read_tensors
+from dynamicemb.checkpoint.load import expected_tensors
+from dynamicemb.inference.table import ZEROS_INIT, FrozenTable
+
+
+def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
+                feature_names: Optional[Dict[str, List[str]]] = None) -> Dict[str, dict]:
+    """{table: {"table": FrozenTable, "pooling", "seed"}} from the dump at
+    `path`, every file verified (size, checksum, tensors) before it is read.
+    `feature_names` overrides the features the manifest records."""
+    path = os.path.abspath(path)
+    manifest = read_manifest(path)
+    names = list(manifest["tables"]) if table_names is None else list(table_names)
+    missing = [n for n in names if n not in manifest["tables"]]
+    if missing:
+        raise CheckpointError(f"table {missing[0]!r}: {os.path.join(path, 'manifest.json')} has no such table "
+                              f"(it has {sorted(manifest['tables'])})")
+    out = {}
+    for name in names:
+        meta = manifest["tables"][name]
+        keys, values = [], []
+        for entry in meta["files"]:
+            if entry["kind"] != "part":
+                continue
+            check_file(path, entry, name)
+            check_tensors(path, entry, name, expected_tensors(meta, entry))
+            part = read_tensors(path, entry, ["keys", "values"])
+            keys.append(part["keys"])
+            values.append(part["values"])
+        dim = meta["dim"]
+        dtype = getattr(torch, meta["dtype"])
+        feats = (feature_names or {}).get(name) or meta.get("feature_names") or [name]
+        out[name] = {
+            "table": FrozenTable(name, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
+                                 torch.cat(values) if values else torch.zeros(0, dim, dtype=dtype), list(feats),
+                                 list(meta.get("eval_initializer", ZEROS_INIT))),
+            "pooling": meta.get("pooling", "SUM"),
+            "seed": meta.get("seed", 0),
+        }
+    return out
+
+
+def _gather_rows(keys: torch.Tensor, values: torch.Tensor, pg) -> tuple:
+    """Every rank's (keys, values) of one table, concatenated on every rank."""
+    if pg is None and not (dist.is_initialized() and dist.get_world_size() > 1):
+        return keys, values
+    world = dist.get_world_size(pg)
+    n = torch.tensor([keys.numel()], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, n, group=pg)
+    counts = [int(c) for c in counts]
+    most = max(counts)
+    # Rows travel as float64 beside their keys (a lossless carrier for every value dtype).
+    packed = torch.zeros(most, 1 + values.shape[1], dtype=torch.float64)
+    packed[:keys.numel(), 1:] = values.to(torch.float64)
+    key_buf = torch.zeros(most, dtype=torch.int64)
+    key_buf[:keys.numel()] = keys
+    all_keys = [torch.zeros(most, dtype=torch.int64) for _ in range(world)]
+    all_rows = [torch.zeros_like(packed) for _ in range(world)]
+    dist.all_gather(all_keys, key_buf, group=pg)
+    dist.all_gather(all_rows, packed, group=pg)
+    keys = torch.cat([k[:c] for k, c in zip(all_keys, counts)])
+    values = torch.cat([r[:c, 1:] for r, c in zip(all_rows, counts)]).to(values.dtype)
+    return keys, values
+
+
+def module_tables(module: BatchedDynamicEmbeddingTables, pg: Optional[dist.ProcessGroup] = None
+                  ) -> List[FrozenTable]:
+    """The tables of a training module, with every rank's rows of `pg`
+    (collective: every rank of `pg` calls it)."""
+    out = []
+    for t, name in enumerate(module.table_names):
+        keys, values = [], []
+        for b in module.storage.export_rows(t):
+            keys.append(b.keys.cpu())
+            values.append(b.values.cpu())
+        dim = module.dims[t]
+        k = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+        v = torch.cat(values) if values else torch.zeros(0, dim, dtype=module.embedding_dtype)
+        k, v = _gather_rows(k, v, pg)
+        out.append(FrozenTable(name, k, v, module.feature_names_of(t),
+                               module.storage.eval_init_params[t].tolist()))
+    return out
