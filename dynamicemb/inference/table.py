@@ -251,13 +251,13 @@ class InferenceEmbeddingTable(nn.Module):
                                           output_size=psw.numel())
             per_bag = torch.zeros(lengths.numel(), dtype=torch.float32, device=out.device).index_add_(0, bag, psw)
             per_bag = per_bag + 1e-6
-        per_bag = per_bag.view(F, -1)
-        cols = [0]
-        for d in self.feature_dims:
-            cols.append(cols[-1] + d)
-        factor = torch.ones_like(out)
-        for f in self._mean_features:
-            factor[:, cols[f]:cols[f + 1]] = per_bag[f].unsqueeze(1).to(out.dtype)
+        # [B, sum dims] factors built without broadcasting: export would
+        # specialise a batch of one away.
+        per_bag = per_bag.to(out.dtype).view(F, -1)
+        ones = torch.ones_like(per_bag[0])
+        rows = torch.stack([per_bag[f] if f in self._mean_features else ones for f in range(F)])
+        factor = torch.repeat_interleave(rows.t(), torch.tensor(self.feature_dims, device=out.device), dim=1,
+                                         output_size=sum(self.feature_dims))
         return out * factor if self.mean_divisor == "length" else out / factor
 
     def forward(self, features, offsets: Optional[torch.Tensor] = None,

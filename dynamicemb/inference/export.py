@@ -1,0 +1,62 @@
+"""Exporting an InferenceEmbeddingTable (or a model holding them) for
+serving: torch.export with dynamic batch size and id count, and an
+AOTInductor package for CPU serving.
+
+A program exported from TBE-layout inputs (values, offsets) loads and runs
+in a process that imports only torch and dynamicemb (which registers the
+lookup op); one exported from KeyedJaggedTensor inputs needs torchrec too
+(its pytree types)."""
+from typing import Optional, Tuple
+
+import torch
+
+from dynamicemb.inference.table import InferenceEmbeddingTable
+
+
+def example_inputs(module: InferenceEmbeddingTable, batch_size: int = 2, ids_per_bag: int = 2,
+                   weighted: Optional[bool] = None) -> Tuple[torch.Tensor, ...]:
+    """(values, offsets[, per_sample_weights]) in TBE layout: batch_size bags
+    per feature of ids_per_bag ids each (2 bags at least: a size-1 dimension
+    would be specialised by export)."""
+    F = len(module.feature_names)
+    n = F * batch_size * ids_per_bag
+    device = module.slot_keys.device
+    values = torch.arange(n, dtype=torch.int64, device=device)
+    offsets = torch.arange(0, n + 1, ids_per_bag, dtype=torch.int64, device=device)
+    if module.is_weighted if weighted is None else weighted:
+        return values, offsets, torch.ones(n, dtype=torch.float32, device=device)
+    return values, offsets
+
+
+def dynamic_shapes(module: InferenceEmbeddingTable, weighted: bool):
+    """Any id count and any batch size (offsets hold F * batch + 1 entries)."""
+    ids = torch.export.Dim("ids", min=0)
+    batch = torch.export.Dim("batch", min=1)
+    shapes = ({0: ids}, {0: len(module.feature_names) * batch + 1})
+    return shapes + ({0: ids},) if weighted else shapes
+
+
+def _export(model, inputs, shapes) -> torch.export.ExportedProgram:
+    # Size-oblivious reasoning: an output [batch, dim] would otherwise add a
+    # guard batch != 1 (its stride check), and a batch of one would not run.
+    from torch.fx.experimental import _config
+    with _config.patch(backed_size_oblivious=True):
+        return torch.export.export(model.eval(), inputs, dynamic_shapes=shapes)
+
+
+def export(module: InferenceEmbeddingTable, inputs: Optional[tuple] = None) -> torch.export.ExportedProgram:
+    """torch.export of the module's TBE-layout lookup, dynamic in the batch
+    size (1 included) and the number of ids (example inputs by default)."""
+    inputs = example_inputs(module) if inputs is None else inputs
+    return _export(module, inputs, dynamic_shapes(module, len(inputs) > 2))
+
+
+def package(model: torch.nn.Module, example: tuple, path: str, dynamic_shapes=None) -> str:
+    """Exports `model` on `example` inputs and compiles it with AOTInductor
+    into the package `path` (load it with torch._inductor.aoti_load_package
+    after importing dynamicemb); for an InferenceEmbeddingTable the dynamic
+    shapes default to dynamic_shapes(). Returns the package's path."""
+    if dynamic_shapes is None and isinstance(model, InferenceEmbeddingTable):
+        dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2)
+    program = _export(model, example, dynamic_shapes)
+    return torch._inductor.aoti_compile_and_package(program, package_path=path)
