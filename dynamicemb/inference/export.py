@@ -36,6 +36,32 @@ def dynamic_shapes(module: InferenceEmbeddingTable, weighted: bool):
     return shapes + ({0: ids},) if weighted else shapes
 
 
+def kjt_dynamic_shapes(kjt, name: str = "kjt"):
+    """The dynamic shapes of a KeyedJaggedTensor argument (its pytree fields:
+    values, weights, lengths, offsets, ...): any id count, any batch size."""
+    F = len(kjt.keys())
+    ids = torch.export.Dim(f"{name}_ids", min=0)
+    batch = torch.export.Dim(f"{name}_batch", min=1)
+    return [{0: ids}, {0: ids} if kjt._weights is not None else None, {0: F * batch},
+            {0: F * batch + 1} if kjt._offsets is not None else None, None, None]
+
+
+def model_dynamic_shapes(args: tuple):
+    """Per argument: a KeyedJaggedTensor's dynamic shapes, None (static) for anything else."""
+    shapes = []
+    for i, a in enumerate(args):
+        is_kjt = type(a).__name__ == "KeyedJaggedTensor"
+        shapes.append(kjt_dynamic_shapes(a, f"arg{i}") if is_kjt else None)
+    return tuple(shapes)
+
+
+def export_model(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    """torch.export of a whole model (e.g. to_inference's) on example `args`,
+    dynamic in the id count and batch size of its KeyedJaggedTensor inputs
+    (exported programs with KJT inputs need torchrec imported to load)."""
+    return _export(model, args, model_dynamic_shapes(args))
+
+
 def _export(model, inputs, shapes) -> torch.export.ExportedProgram:
     # Size-oblivious reasoning: an output [batch, dim] would otherwise add a
     # guard batch != 1 (its stride check), and a batch of one would not run.
@@ -55,8 +81,10 @@ def package(model: torch.nn.Module, example: tuple, path: str, dynamic_shapes=No
     """Exports `model` on `example` inputs and compiles it with AOTInductor
     into the package `path` (load it with torch._inductor.aoti_load_package
     after importing dynamicemb); for an InferenceEmbeddingTable the dynamic
-    shapes default to dynamic_shapes(). Returns the package's path."""
-    if dynamic_shapes is None and isinstance(model, InferenceEmbeddingTable):
-        dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2)
+    shapes default to dynamic_shapes(), for another model to
+    model_dynamic_shapes(). Returns the package's path."""
+    if dynamic_shapes is None:
+        dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2) \
+            if isinstance(model, InferenceEmbeddingTable) else model_dynamic_shapes(example)
     program = _export(model, example, dynamic_shapes)
     return torch._inductor.aoti_compile_and_package(program, package_path=path)

@@ -1,0 +1,115 @@
+"""Serving speed of exported dynamic tables on the CPU.
+
+    bash scripts/dev.sh bench inference [--rows 100000] [--dim 64] [--repeats 30]
+
+Batch: 512 samples x 26 features (one table each) x 10 ids per bag, Zipf(1.05)
+ids over each table's rows. Compared, on the same rows:
+  - dynamicemb exported program (torch.export of InferenceEmbeddingTable), float32 and int8;
+  - TorchRec's quantized CPU inference EmbeddingBagCollection (int8, a static table: ids are row numbers);
+  - the training module's eval path (BatchedDynamicEmbeddingTables.eval()).
+Reports ids/s (Mkeys/s = 2^20 ids/s) at the median batch time and p50 / p99
+batch latency; writes benchmark/results/inference.json. Target: the int8
+program at >= 0.8x the rate of TorchRec's quantized module.
+"""
+import argparse
+import statistics
+
+import torch
+
+from _common import MKEYS, default_out, env_info, format_table, timed, write_json
+
+FEATURES, BATCH, POOL = 26, 512, 10
+
+
+def zipf_ids(rows: int, n: int, g: torch.Generator, s: float = 1.05) -> torch.Tensor:
+    ranks = torch.arange(1, rows + 1, dtype=torch.float64)
+    p = ranks.pow(-s)
+    return torch.multinomial(p / p.sum(), n, replacement=True, generator=g)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default=default_out("inference"))
+    args = ap.parse_args()
+    import torchrec
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+    from dynamicemb.inference import FrozenTable, InferenceEmbeddingTable
+    from dynamicemb.inference.export import export
+
+    g = torch.Generator().manual_seed(0)
+    names = [f"t{i}" for i in range(FEATURES)]
+    weights = [torch.rand(args.rows, args.dim, generator=g) - 0.5 for _ in names]
+    # Keys of the dynamic tables: a permutation of a sparse id space; the static table's id is the row.
+    keys = [torch.randperm(args.rows, generator=g) * 1_000_003 + 17 for _ in names]
+    batches = []
+    for r in range(4):
+        rows = [zipf_ids(args.rows, BATCH * POOL, g) for _ in names]
+        offsets = torch.arange(0, FEATURES * BATCH * POOL + 1, POOL)
+        batches.append(dict(
+            dyn=(torch.cat([k[i] for k, i in zip(keys, rows)]), offsets),
+            static=torchrec.KeyedJaggedTensor.from_offsets_sync([n + "_f" for n in names], torch.cat(rows),
+                                                                offsets)))
+    n_ids = FEATURES * BATCH * POOL
+
+    progs = {}
+    for dtype in ("float32", "int8"):
+        m = InferenceEmbeddingTable([FrozenTable(n, k, w, [n + "_f"]) for n, k, w in zip(names, keys, weights)],
+                                    dtype=dtype)
+        progs[dtype] = (export(m).module(), m.memory_bytes())
+    ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        name=n, embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[n + "_f"]) for n in names])
+    with torch.no_grad():
+        for n, w in zip(names, weights):
+            ebc.embedding_bags[n].weight.copy_(w)
+    ebc.qconfig = torch.ao.quantization.QConfig(
+        activation=torch.ao.quantization.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+    qebc = QuantEBC.from_float(ebc)
+    train = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=args.dim, max_capacity=args.rows * 2)
+                                           for _ in names], table_names=names)
+    for t, (k, w) in enumerate(zip(keys, weights)):
+        train.storage.insert_rows(t, k, w)
+    train.eval()
+
+    cases = {
+        "dynamicemb program float32": lambda b: progs["float32"][0](*b["dyn"]),
+        "dynamicemb program int8": lambda b: progs["int8"][0](*b["dyn"]),
+        "torchrec quantized EBC int8 (static)": lambda b: qebc(b["static"]).values(),
+        "training module eval (float32)": lambda b: train(*b["dyn"]),
+    }
+    # Same answers where the rows are the same (float32 program vs the training module).
+    assert torch.equal(cases["dynamicemb program float32"](batches[0]), cases["training module eval (float32)"](batches[0]))
+    times = {k: [] for k in cases}
+    dev = torch.device("cpu")
+    with torch.inference_mode():
+        for r in range(args.repeats + 2):
+            for name, fn in cases.items():  # round robin: the cases see the same machine state
+                dt, _ = timed(lambda: fn(batches[r % len(batches)]), dev)
+                if r >= 2:
+                    times[name].append(dt)
+    ref = statistics.median(times["torchrec quantized EBC int8 (static)"])
+    rows, results = [], {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        p99 = sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))]
+        results[name] = dict(median_s=med, p50_ms=med * 1e3, p99_ms=p99 * 1e3, mkeys_per_s=n_ids / med / MKEYS,
+                             vs_torchrec_int8=ref / med, times=ts)
+        rows.append([name, f"{n_ids / med / MKEYS:.1f}", f"{med * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{ref / med:.2f}x"])
+    print(f"batch {BATCH} x {FEATURES} features x {POOL} ids, Zipf(1.05) over {args.rows} rows per table, dim "
+          f"{args.dim}, {torch.get_num_threads()} threads")
+    print(format_table(["case", "Mids/s", "p50 ms", "p99 ms", "vs torchrec int8"], rows))
+    print(f"memory: program float32 {progs['float32'][1] / 2**20:.0f} MiB, int8 {progs['int8'][1] / 2**20:.0f} MiB "
+          f"(raw float32 rows {FEATURES * args.rows * args.dim * 4 / 2**20:.0f} MiB)")
+    ok = results["dynamicemb program int8"]["vs_torchrec_int8"] >= 0.8
+    print(f"target (int8 program >= 0.8x torchrec int8): {'met' if ok else 'NOT met'}")
+    path = write_json(args.out, dict(env=env_info(dev), config=vars(args), results=results,
+                                     memory_bytes={k: v[1] for k, v in progs.items()}))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
