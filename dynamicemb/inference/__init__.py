@@ -1,6 +1,8 @@
 """Serving trained dynamic tables (API.md §5): frozen tables as a plain
 torch.nn.Module that torch.export can export, built from a dump or from a
-trained model."""
+trained model. Importing it does not import torchrec."""
+from dynamicemb.inference.convert import to_inference
+from dynamicemb.inference.export import export, export_model, package
 from dynamicemb.inference.quantize import dequantize_rows_int8, quantize_rows_int8
 from dynamicemb.inference.table import FrozenTable, InferenceEmbeddingTable
 
@@ -8,5 +10,9 @@ __all__ = [
     "FrozenTable",
     "InferenceEmbeddingTable",
     "dequantize_rows_int8",
+    "export",
+    "export_model",
+    "package",
     "quantize_rows_int8",
+    "to_inference",
 ]
