@@ -8,7 +8,7 @@ import torch
 import torchrec
 
 from dynamicemb.inference import FrozenTable, InferenceEmbeddingTable, dequantize_rows_int8, quantize_rows_int8
-from reference import DictTables
+from dict_tables import DictTables
 
 DIMS = {"t0": 8, "t1": 12, "t2": 3}
 
