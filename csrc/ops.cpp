@@ -87,7 +87,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   // i of feature f is found in hash table table_group[t] (logical table
   // table_local[t]) of its table t = feature_table[f]; slot - first slot of
   // that logical table is its row in weights[t]. Missing keys read their
-  // initial value from init_params.
+  // initial value from init_params. Weights: float32 / float16 / bfloat16
+  // [rows, >= dim], or uint8 [rows, dim + 8] (FBGEMM's fused 8-bit rowwise:
+  // codes q, float32 scale, float32 bias; element = q * scale + bias).
   m.def(
       "emb_lookup_forward(Tensor[] slot_keys, Tensor[] slot_digests, Tensor[] table_buckets, "
       "int[] bucket_capacity, int[] table_group, int[] table_local, Tensor[] weights, Tensor indices, "

@@ -1,8 +1,8 @@
 // Host-side checks of TBE-style bag inputs (offsets [F * B + 1] and the
-// feature -> table map), shared by the CPU and CUDA embedding kernels so that
-// both refuse the same inputs with the same messages. Where the offsets
-// themselves are read differs (host loop / device kernel); the verdict on
-// what was read is here.
+// feature -> table map) and of row widths, shared by the CPU and CUDA
+// embedding kernels so that both refuse the same inputs with the same
+// messages. Where the offsets themselves are read differs (host loop /
+// device kernel); the verdict on what was read is here.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -39,6 +39,21 @@ void check_offset_values(int64_t first, int64_t last, int64_t n, int64_t bad, Pa
   const std::pair<int64_t, int64_t> v = pair_at(bad);
   TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", bad + 1, "] = ", v.second,
               " < offsets[", bad, "])");
+}
+
+// uint8 rows are FBGEMM's fused 8-bit rowwise layout: dim codes q, then a
+// float32 scale and bias (native byte order) in this many bytes; element d
+// is float(q[d]) * scale + bias. Only emb_lookup_forward reads them.
+constexpr int64_t kInt8RowTail = 8;
+
+// Table t's rows ([rows, width] of dtype) hold its dim elements. uint8 rows
+// are exactly dim + kInt8RowTail wide: the kernels find the scale and bias
+// right after the dim codes, FBGEMM in a row's last 8 bytes; both must agree.
+inline void check_row_width(size_t t, at::ScalarType dtype, int64_t width, int64_t dim) {
+  TORCH_CHECK(width >= dim, "dynamicemb: table ", t, " rows are narrower than its dim");
+  TORCH_CHECK(dtype != at::kByte || width == dim + kInt8RowTail, "dynamicemb: table ", t,
+              ": uint8 rows must be dim + ", kInt8RowTail, " = ", dim + kInt8RowTail,
+              " bytes wide (codes, then float32 scale and bias), got ", width);
 }
 
 // The fused update's codes: an optimizer and a weight decay mode the rules know.

@@ -3,8 +3,9 @@
 // input validation, the bag structure and the pooled gather.
 //
 // Rows: table t's values are weights[t], a 2-D [rows, dim_t + state_t] tensor
-// in the storage dtype. Bags: TBE layout, offsets [F * B + 1], bag j = f * B +
-// b; feature f reads table feature_table[f]; pooled output [B, sum_f dim_f].
+// in the storage dtype (uint8, for emb_lookup_forward only: [rows, dim_t + 8],
+// bag_checks.h). Bags: TBE layout, offsets [F * B + 1], bag j = f * B + b;
+// feature f reads table feature_table[f]; pooled output [B, sum_f dim_f].
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -105,7 +106,7 @@ inline Rows check_rows(TensorList weights, IntArrayRef dims) {
     const Tensor& w = weights[t];
     TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
                 "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
-    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
+    check_row_width(t, r.dtype, w.size(1), dims[t]);
     r.w.push_back(w);
     r.dim.push_back(dims[t]);
     r.stride.push_back(w.size(1));
@@ -173,6 +174,13 @@ void for_each_span(const Bags& bags, Fn fn) {
   });
 }
 
+// The bytes of a row that a gather reads: its dim elements (uint8: then
+// their scale and bias).
+template <class W>
+constexpr int64_t row_bytes(int64_t dim) {
+  return std::is_same_v<W, uint8_t> ? dim + kInt8RowTail : dim * static_cast<int64_t>(sizeof(W));
+}
+
 // Pools bags [jb, je): src[i - off[jb]] is index i's row (nullptr: it has
 // none and reads its initial value, from key_of(i)). acc: max dim floats.
 template <class W, class O, class KeyOf>
@@ -183,7 +191,7 @@ void pool_span(const Rows& R, const Bags& bags, int64_t jb, int64_t je, const W*
   // acc += scale * (row of index i); prefetches the row kPrefetchAhead on.
   auto add = [&](int64_t t, int64_t i, float scale) {
     const int64_t D = R.dim[t];
-    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead - base], D * static_cast<int64_t>(sizeof(W)));
+    if (i + kPrefetchAhead < end) prefetch_row(src[i + kPrefetchAhead - base], row_bytes<W>(D));
     if (const W* row = src[i - base]) {
       add_scaled(acc, row, scale, D);
     } else {

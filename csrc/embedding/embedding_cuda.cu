@@ -14,7 +14,8 @@
 //   never contract into FMAs.
 // - emb_lookup_forward: one thread per index finds its row with
 //   table_rules.h's scalar bucket scan, then emb_forward's kernels run with
-//   each index as its own key (inverse = identity).
+//   each index as its own key (inverse = identity). It also reads uint8 rows
+//   (bag_checks.h), dequantized per element by load_value.
 // - emb_backward_update: occurrences grouped per unique key by a stable sort
 //   of inverse; one warp per unique key sums its gradient in input order,
 //   then applies the optimizer rule to the row in place. Row-wise Adagrad
@@ -142,7 +143,7 @@ Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
                     w.scalar_type() == r.dtype,
                 "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
                 r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
-    TORCH_CHECK(w.size(1) >= dims[t], "dynamicemb: table ", t, " rows are narrower than its dim");
+    check_row_width(t, r.dtype, w.size(1), dims[t]);
     r.w.push_back(w);
     r.dim.push_back(dims[t]);
     r.stride.push_back(w.size(1));
@@ -369,6 +370,21 @@ __device__ __forceinline__ float mul_add(float acc, float scale, float v) {
   return __fadd_rn(acc, __fmul_rn(scale, v));
 }
 
+// Element d of a row of D elements, as a float.
+template <class W>
+__device__ __forceinline__ float load_value(const W* row, int64_t d, int64_t /*D*/) {
+  return static_cast<float>(row[d]);
+}
+
+// uint8 rows (bag_checks.h): code d dequantized by the scale and bias after
+// the D codes (unaligned: memcpy), multiply then add as the CPU's.
+__device__ __forceinline__ float load_value(const uint8_t* row, int64_t d, int64_t D) {
+  float scale, bias;
+  memcpy(&scale, row + D, sizeof scale);
+  memcpy(&bias, row + D + sizeof scale, sizeof bias);
+  return __fadd_rn(__fmul_rn(static_cast<float>(row[d]), scale), bias);
+}
+
 // The forward kernels' register budget: the rare initial-value call would
 // otherwise set it (~110) for the whole kernel and halve the resident warps.
 constexpr int kForwardBlocksPerSM = 4;
@@ -411,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
 #pragma unroll
             for (int k = 0; k < kPerLane; ++k) {
               const int64_t d = d0 + k * kWarp + lane;
-              if (d < D) acc[k] = mul_add(acc[k], sq, static_cast<float>(row[d]));
+              if (d < D) acc[k] = mul_add(acc[k], sq, load_value(row, d, D));
             }
           } else {  // no row: the key's initial value
             const int64_t kq = __shfl_sync(kFullMask, key, q);
@@ -447,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
     if (r >= 0) {
       const W* row = static_cast<const W*>(tab.w) + r * tab.stride;
       for (int64_t d = lane; d < D; d += kWarp)
-        o[d] = static_cast<O>(mul_add(0.0f, 1.0f, static_cast<float>(row[d])));
+        o[d] = static_cast<O>(mul_add(0.0f, 1.0f, load_value(row, d, D)));
     } else {
       const int64_t key = ukeys[u];
       for (int64_t d = lane; d < D; d += kWarp)
@@ -456,10 +472,12 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
   }
 }
 
-Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
+// The forward; uint8 rows (int8_rows) only for emb_lookup_forward: the
+// training ops refuse them at their dtype dispatch, as the CPU's.
+Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
                     const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
                     const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
-                    int64_t seed, at::ScalarType output_dtype) {
+                    int64_t seed, at::ScalarType output_dtype, bool int8_rows) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -491,8 +509,8 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
   if (items == 0 || out.numel() == 0) return out;
   const Tensor tabs = upload(table_facts(R, args), dev, stream);
   const Tensor feats = upload(feature_facts(bags, doff), dev, stream);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward_cuda", [&] {
-    using W = scalar_t;
+  auto launch = [&](auto row_type) {
+    using W = decltype(row_type);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_forward_cuda_out", [&] {
       const unsigned grid = blocks_for(items, kWarpsPerBlock);
       if (pooling == kNone) {
@@ -508,8 +526,22 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-  });
+  };
+  if (int8_rows && R.dtype == at::kByte) {
+    launch(uint8_t{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward_cuda",
+                                    [&] { launch(scalar_t{}); });
+  }
   return out;
+}
+
+Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
+                    const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
+                    const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
+                    int64_t seed, at::ScalarType output_dtype) {
+  return forward_rows(weights, rows, unique_keys, inverse, offsets, feature_table, dims, per_sample_weights, pooling,
+                      init_params, seed, output_dtype, false);
 }
 
 // ---- eval forward fused with the lookup ----------------------------------------------------------
@@ -603,8 +635,8 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
         bags.num_bags(), bags.B, indices.data_ptr<int64_t>(), n, rows.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return forward_cuda(weights, rows, indices, at::arange(n, L), offsets, feature_table, dims, per_sample_weights,
-                      pooling, init_params, seed, output_dtype);
+  return forward_rows(weights, rows, indices, at::arange(n, L), offsets, feature_table, dims, per_sample_weights,
+                      pooling, init_params, seed, output_dtype, true);
 }
 
 // ---- backward + fused optimizer ------------------------------------------------------------------

@@ -141,7 +141,8 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
   Tensor out = forward_output(R, bags, doff, psw, pooling, output_dtype);
   const int64_t* keys = indices.data_ptr<int64_t>();
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_lookup_forward", [&] {
+  // Besides float rows, uint8 rows (bag_checks.h), which only this op reads.
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, R.dtype, "dynamicemb_lookup_forward", [&] {
     using W = scalar_t;
     std::vector<const W*> w;
     for (const auto& x : R.w) w.push_back(x.data_ptr<W>());

@@ -27,6 +27,15 @@ DE_ROW_CLONES static void add_scaled(float* __restrict acc, const float* __restr
   for (int64_t i = 0; i < n; ++i) acc[i] += s * x[i];
 }
 
+// uint8 rows (bag_checks.h: n codes, then float32 scale and bias, unaligned):
+// each element dequantized as q * scale + bias, then added as a float's.
+DE_ROW_CLONES static void add_scaled(float* __restrict acc, const uint8_t* __restrict x, float s, int64_t n) {
+  float scale, bias;
+  std::memcpy(&scale, x + n, sizeof scale);
+  std::memcpy(&bias, x + n + sizeof scale, sizeof bias);
+  for (int64_t i = 0; i < n; ++i) acc[i] += s * (static_cast<float>(x[i]) * scale + bias);
+}
+
 // Half and bfloat16 rows: converted element by element.
 template <class W>
 static void add_scaled(float* __restrict acc, const W* __restrict x, float s, int64_t n) {

@@ -3,7 +3,8 @@ they are, and int8 rows in FBGEMM's fused 8-bit rowwise layout.
 
 An int8 row is `dim` unsigned 8-bit codes followed by its float32 scale and
 bias (dim + 8 bytes): value = code * scale + bias, with scale = (max - min) /
-255 and bias = min of the row, so the error of an element is at most scale /
+255 and bias = min of the row (the bytes of FBGEMM's
+FloatToFused8BitRowwiseQuantized), so the error of an element is at most scale /
 2 (half a step of its row's range). The kernels (emb_lookup_forward) read
 this layout directly; the codes are computed here with torch alone, so that
 building or serving a table needs no FBGEMM.
@@ -37,7 +38,10 @@ def quantize_rows_int8(values: torch.Tensor) -> torch.Tensor:
     else:
         mn, mx = x.min(1, keepdim=True).values, x.max(1, keepdim=True).values
     rng = mx - mn
-    codes = torch.round((x - mn) * (255.0 / (rng + _EPS))).clamp_(0, 255).to(torch.uint8)
+    # A true division for the inverse scale, as FBGEMM's: torch computes
+    # `255.0 / t` as 255 * (1 / t), which moves some codes across a .5.
+    inverse = torch.full_like(rng, 255.0) / (rng + _EPS)
+    codes = torch.round((x - mn) * inverse).clamp_(0, 255).to(torch.uint8)
     scale_bias = torch.cat([rng / 255.0, mn], dim=1).contiguous().view(torch.uint8)
     return torch.cat([codes, scale_bias], dim=1).contiguous()
 
