@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.batched_dynamicemb_tables import pooling_code
 from dynamicemb.inference.quantize import storage_width, to_storage, value_dtype
@@ -175,7 +176,8 @@ class InferenceEmbeddingTable(nn.Module):
         begin, end = ht.table_slot_range(i)
         slots, _ = ht.lookup(t.keys.to(device=device, dtype=torch.int64), torch.full_like(t.keys, i, device=device,
                                                                                           dtype=torch.int64))
-        rows = torch.zeros(end - begin, storage_width(t.dim, self.value_dtype), dtype=self.value_dtype, device=device)
+        # Rows read at random: on 2 MiB pages where the kernel offers them (memory.zeros).
+        rows = memory.zeros((end - begin, storage_width(t.dim, self.value_dtype)), self.value_dtype, device)
         rows[slots - begin] = to_storage(t.values.to(device), self.value_dtype)
         return rows
 
