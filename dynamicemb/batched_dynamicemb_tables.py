@@ -18,7 +18,8 @@ from torch import nn
 from dynamicemb._ops import ops
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.storage import EmbeddingStorage, HashTableStorage
+from dynamicemb.storage import EmbeddingStorage
+from dynamicemb.tiers import make_storage
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device
 
 
@@ -134,8 +135,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")
         self.embedding_dtype = dtypes.pop()
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
-        self.storage = storage or HashTableStorage(self.table_names, self.table_options, widths,
-                                                   self.embedding_dtype, self.device, seed, init_streams)
+        self.storage = storage or make_storage(self.table_names, self.table_options, widths, self.embedding_dtype,
+                                               self.device, seed, init_streams)
         self.step = 0  # training forwards so far (the STEP score)
         self.optimizer_step = 0  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
@@ -212,6 +213,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                 inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
                                 self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
                                 self.weight_decay, self.optimizer_step, self.weight_decay_mode)
+        self.storage.batch_done()  # its rows may move again
 
     def _per_sample_weights_grad(self, grad_output, rows, ukeys, inverse, offsets) -> torch.Tensor:
         """d loss / d per_sample_weights[i]: the row of index i (stored or
@@ -246,6 +248,22 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if self._table_poolings is not None:
             return self._table_poolings[t]
         return DynamicEmbPoolingMode(self.pooling).name
+
+    # ---- tiers ----------------------------------------------------------------------------------
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None,
+                 batch_size_per_feature_per_rank=None) -> None:
+        """Readies the rows of a coming batch (TorchRec's prefetch pipelines
+        call this one batch ahead): a cached table moves them from its
+        backing store into its cache and keeps them there until that batch's
+        forward. Nothing is inserted or scored."""
+        indices, offsets, _ = self._check_input(indices, offsets, None)
+        ukeys, utids, _, _ = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
+        self.storage.prefetch(ukeys, utids)
+
+    def flush(self) -> None:
+        """Writes every cached row back to its backing store (between steps)."""
+        self.storage.flush()
 
     # ---- accounting ----------------------------------------------------------------------------
 

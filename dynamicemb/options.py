@@ -95,6 +95,13 @@ class DynamicEmbTableOptions:
     # Ranks the table is sharded over (filled by the planner): each rank's
     # share of global_hbm_for_values is global_hbm_for_values / num_shards.
     num_shards: int = 1
+    # With caching=True: where rows the cache does not hold live. A
+    # dynamicemb.tiers.BackingStore (one object may serve several tables:
+    # they are told apart by name); else a FileStore in storage_path (a
+    # directory; each rank writes its own files there) when given; else a
+    # HostStore (host memory).
+    backing_store: Optional[object] = None
+    storage_path: Optional[str] = None
 
     @property
     def local_hbm_for_values(self) -> int:
@@ -130,10 +137,11 @@ class DynamicEmbTableOptions:
             bad(f"unknown dist_type {self.dist_type!r}; use 'hash_roundrobin', 'roundrobin' or 'continuous'")
         if self.global_hbm_for_values < 0:
             bad(f"global_hbm_for_values must be >= 0 bytes, got {self.global_hbm_for_values}")
-        if self.caching and self.global_hbm_for_values > 0:
-            bad("caching=True (a device cache in front of host storage) is not supported yet; with "
-                "caching=False a table that does not fit global_hbm_for_values keeps its values in pinned "
-                "host memory that the kernels read and update in place")
+        if self.caching and self.global_hbm_for_values <= 0:
+            bad("caching=True needs global_hbm_for_values > 0: the bytes of the cache (values and optimizer "
+                "state) over all ranks")
+        if (self.backing_store is not None or self.storage_path is not None) and not self.caching:
+            bad("backing_store and storage_path are for caching=True (rows the cache does not hold)")
         if (self.admit_strategy is None) != (self.admission_counter is None):
             bad("admit_strategy and admission_counter must be given together")
 

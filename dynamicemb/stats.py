@@ -7,6 +7,10 @@ import torch.distributed as dist
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 
 STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected")
+# Tables with caching=True also report their tiers: forward lookups found in
+# the cache (hits) or not (misses), cache rows written back to the backing
+# store, rows in each tier, and the cache's capacity.
+TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows", "cache_capacity")
 
 
 def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingTables]:
@@ -33,14 +37,16 @@ def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) 
     stats: Dict[str, Dict[str, int]] = {}
     for m in dynamic_modules(model):
         for name, s in m.table_stats().items():
-            stats[name] = {k: s[k] for k in STAT_KEYS}
+            stats[name] = {k: s[k] for k in STAT_KEYS + TIER_KEYS if k in s}
     if pg is None:
         return stats
     names = sorted(stats)
-    t = torch.tensor([[stats[n][k] for k in STAT_KEYS] for n in names], dtype=torch.int64,
-                     device=collective_device(pg)).reshape(-1, len(STAT_KEYS))
+    keys = [STAT_KEYS + tuple(k for k in TIER_KEYS if k in stats[n]) for n in names]
+    width = max((len(k) for k in keys), default=len(STAT_KEYS))
+    t = torch.tensor([[stats[n][k] for k in ks] + [0] * (width - len(ks)) for n, ks in zip(names, keys)],
+                     dtype=torch.int64, device=collective_device(pg)).reshape(-1, width)
     dist.all_reduce(t, group=pg)
-    return {n: dict(zip(STAT_KEYS, row)) for n, row in zip(names, t.tolist())}
+    return {n: dict(zip(ks, row)) for n, ks, row in zip(names, keys, t.tolist())}
 
 
 def collective_device(pg: dist.ProcessGroup) -> torch.device:

@@ -125,6 +125,16 @@ class EmbeddingStorage(abc.ABC):
         storage has no fused path (the module then dedups, finds and gathers)."""
         return None
 
+    def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
+        """Readies a coming batch's distinct keys (a tiered storage moves their
+        rows into its cache); nothing by default."""
+
+    def batch_done(self) -> None:
+        """A training batch's backward has run (its rows may move again)."""
+
+    def flush(self) -> None:
+        """Writes every row to its last tier (a tiered storage); nothing by default."""
+
     def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
                     optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
         """Stores distinct `keys` of one table with the given values (and
@@ -156,10 +166,11 @@ class HashTableStorage(EmbeddingStorage):
         # Groups of tables sharing one physical hash table.
         groups: Dict[tuple, List[int]] = {}
         for t, o in enumerate(options):
-            groups.setdefault((strategy_code(o.score_strategy), o.bucket_capacity), []).append(t)
+            # A cached table's cache never grows: it does not share a hash table with tables that do.
+            groups.setdefault((strategy_code(o.score_strategy), o.bucket_capacity, o.caching), []).append(t)
         self.groups = []  # (ScoredHashTable, global table ids)
         self.group_of = [None] * self.num_tables  # t -> (group index, table id in the group)
-        for gi, ((code, bc), tables) in enumerate(groups.items()):
+        for gi, ((code, bc, _), tables) in enumerate(groups.items()):
             strategy = (_S.TIMESTAMP, _S.LFU) if code == 5 else _S(code)
             ht = ScoredHashTable([init_caps[t] for t in tables], bucket_capacity=bc, score_strategy=strategy,
                                  num_tables=len(tables), device=device, table_names=[names[t] for t in tables])
@@ -222,6 +233,10 @@ class HashTableStorage(EmbeddingStorage):
 
     def weights(self) -> List[torch.Tensor]:
         return self._weights
+
+    def max_rows(self, t: int) -> int:
+        """The most keys table t may hold on this rank."""
+        return self.max_caps[t]
 
     def capacity(self, t: int) -> int:
         g, lt = self.group_of[t]

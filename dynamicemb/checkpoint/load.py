@@ -159,7 +159,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
                 c = _mine(read_tensors(path, entry, ["keys", "counts"]), same, meta, world, rank, num_embeddings)
                 ckeys.append(c["keys"])
                 ccounts.append(c["counts"])
-        cap = ref.storage.max_caps[ref.index] if hasattr(ref.storage, "max_caps") else None
+        cap = ref.storage.max_rows(ref.index) if hasattr(ref.storage, "max_rows") else None
         if cap is not None and rows > cap:
             raise CheckpointError(f"table {name!r}: {rows} keys of the dump at {path} go to rank {rank} of {world}, "
                                   f"more than the table's maximum capacity there ({cap} rows)")

@@ -267,9 +267,11 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
 def test_host_tier_refusals_name_the_table():
     with pytest.raises(ValueError, match="t_table.*global_hbm_for_values must be >= 0"):
         DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=-1).validate("t_table")
-    with pytest.raises(ValueError, match="t_table.*caching=True"):
-        DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=1 << 20,
-                               caching=True).validate("t_table")
+    with pytest.raises(ValueError, match="t_table.*caching=True needs global_hbm_for_values > 0"):
+        DynamicEmbTableOptions(dim=4, max_capacity=128, caching=True).validate("t_table")
+    with pytest.raises(ValueError, match="t_table.*backing_store and storage_path are for caching=True"):
+        DynamicEmbTableOptions(dim=4, max_capacity=128, storage_path="/tmp/x").validate("t_table")
+    DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=1 << 20, caching=True).validate("t_table")
 
 
 def test_sizing_helpers_import_without_torchrec():

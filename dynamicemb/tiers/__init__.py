@@ -1,0 +1,50 @@
+"""Storage tiers (API.md §1: global_hbm_for_values, caching): a cache of hot
+rows in front of a backing store in host memory, in a file, or behind a
+user's BackingStore."""
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.storage import EmbeddingStorage, HashTableStorage
+from dynamicemb.tiers.cache import CachedStorage
+from dynamicemb.tiers.file_store import FileStore
+from dynamicemb.tiers.store import BackingStore, HostStore
+
+__all__ = ["BackingStore", "CachedStorage", "FileStore", "HostStore", "make_storage"]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _backing_store(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]) -> BackingStore:
+    """The one store of a module's cached tables, from their options."""
+    given = {id(o.backing_store): o.backing_store for o in options if o.caching and o.backing_store is not None}
+    paths = {o.storage_path for o in options if o.caching and o.storage_path is not None}
+    cached = [n for n, o in zip(names, options) if o.caching]
+    if len(given) + len(paths) > 1:
+        raise ValueError(f"cached tables {cached} of one module name different backing stores; give them one "
+                         f"backing_store or one storage_path")
+    if given:
+        store = next(iter(given.values()))
+        if not isinstance(store, BackingStore):
+            raise TypeError(f"backing_store of tables {cached} must be a dynamicemb.tiers.BackingStore, got "
+                            f"{type(store).__name__}")
+        return store
+    if paths:
+        return FileStore(os.path.join(paths.pop(), f"rank{_rank():05d}"))
+    return HostStore()
+
+
+def make_storage(names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
+                 dtype: torch.dtype, device: torch.device, seed: int,
+                 streams: Optional[Sequence[int]] = None) -> EmbeddingStorage:
+    """The storage a module's options ask for: one tier (HashTableStorage),
+    or a cache in front of a backing store when a table has caching=True."""
+    if not any(o.caching for o in options):
+        return HashTableStorage(names, options, state_widths, dtype, device, seed, streams)
+    return CachedStorage(names, options, state_widths, dtype, device, seed, streams,
+                         _backing_store(names, options))

@@ -1,0 +1,354 @@
+"""CachedStorage: a cache of each table's hot rows (a HashTableStorage of
+fixed capacity, evicting by the table's score strategy) in front of a
+BackingStore that holds every other row (API.md §1: caching=True).
+
+A key is in exactly one place. A training step's keys that the cache lacks
+are taken out of the store (their rows and optimizer state come with them)
+or, when the store lacks them too, start from their initial value; the rows
+the cache evicts to make room go back to the store with their score. The
+keys of a batch between its forward and its backward, and of a prefetched
+batch until its forward, are pinned: they go first in every insert call
+(where the table never evicts a key it already placed or found in the same
+call) and their scores are restored afterwards. A table without caching in
+the same module keeps its usual behaviour (its evicted keys are gone).
+"""
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dynamicemb._ops import ops
+from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.storage import HashTableStorage, RowBatch
+from dynamicemb.table import EvictedKeys, InsertOutput
+from dynamicemb.tiers.store import BackingStore
+from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
+
+_S = DynamicEmbScoreStrategy
+TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows")
+_PENDING_FORWARDS = 2  # forwards whose backward may still come
+
+
+def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
+    """Rows of a cached table's cache on this rank: its share of
+    global_hbm_for_values, in whole buckets, at most max_capacity."""
+    rows = o.local_hbm_for_values // (width * itemsize)
+    rows = rows // o.bucket_capacity * o.bucket_capacity
+    return max(o.bucket_capacity, min(rows, o.max_capacity))
+
+
+class CachedStorage(HashTableStorage):
+    def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
+                 dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]],
+                 store: BackingStore):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.cached = [o.caching for o in options]
+        self.table_max_rows = [-(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity for o in options]
+        cache_opts = []
+        for n, o, w in zip(names, options, state_widths):
+            if o.caching:
+                if o.admit_strategy is not None:
+                    raise ValueError(f"table {n!r}: admission with caching=True is not supported (keys in the "
+                                     f"backing store would be refused again)")
+                rows = cache_rows(o, o.dim + w, itemsize)
+                # The cache never grows (its slots stay put while evicted rows are written back).
+                o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
+                                        num_embeddings=o.num_embeddings or o.max_capacity, global_hbm_for_values=0)
+            cache_opts.append(o)
+        super().__init__(names, cache_opts, state_widths, dtype, device, seed, streams)
+        for t, (n, o) in enumerate(zip(names, options)):
+            if o.caching and self.strategy(t) == TIMESTAMP_LFU:
+                raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
+                                 f"(the backing store keeps one score per key)")
+        self.store = store
+        self.widths = [d + w for d, w in zip(self.dims, state_widths)]
+        for t, n in enumerate(names):
+            if self.cached[t]:
+                store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
+        # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
+        self.tier_counters = torch.zeros(self.num_tables, 5, dtype=torch.int64)
+        self._forward_pins: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._prefetch_pins: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- pins ------------------------------------------------------------------------------
+
+    def _pinned(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
+        """This group's pinned (keys, local table ids) that are not among `keys`."""
+        pins = self._forward_pins + self._prefetch_pins
+        if not pins:
+            return None
+        pk = torch.cat([k for k, _ in pins])
+        pt = torch.cat([t for _, t in pins])
+        _, tables = self.groups[g]
+        out_k, out_t = [], []
+        for lt, t in enumerate(tables):
+            if not self.cached[t]:
+                continue
+            k = pk[pt == t].unique()
+            k = k[~torch.isin(k, keys[local_tids == lt])]
+            out_k.append(k)
+            out_t.append(torch.full_like(k, lt))
+        if not out_k:
+            return None
+        k, t = torch.cat(out_k), torch.cat(out_t)
+        return (k, t) if k.numel() else None
+
+    def _pin_first(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
+        """(keys, local tids) with the group's pinned keys in front, their
+        count, and their current scores (restored after the insert)."""
+        pins = self._pinned(g, keys, local_tids)
+        if pins is None:
+            return keys, local_tids, 0, None
+        ht, _ = self.groups[g]
+        pk, plt = pins
+        slots, found = ht.lookup(pk, plt)
+        pk, plt = pk[found], plt[found]
+        return torch.cat([pk, keys]), torch.cat([plt, local_tids]), pk.numel(), ht.slot_scores[slots[found]].clone()
+
+    def batch_done(self) -> None:
+        """A training batch's backward ran: its keys are no longer pinned."""
+        if self._forward_pins:
+            self._forward_pins.pop(0)
+
+    # ---- the two tiers -----------------------------------------------------------------------
+
+    def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor, remove: bool):
+        """Per table of the group: (positions in keys, rows, scores) of the
+        missing keys found in the store (taken out of it when `remove`)."""
+        _, tables = self.groups[g]
+        out = {}
+        for lt, t in enumerate(tables):
+            if not self.cached[t]:
+                continue
+            sel = (missing & (local_tids == lt)).nonzero().squeeze(1)
+            if not sel.numel():
+                continue
+            op = self.store.take if remove else self.store.read
+            found, rows, scores = op(self.names[t], keys[sel].cpu())
+            if bool(found.any()):
+                out[t] = (sel[found.to(sel.device)], rows[found].to(self.device), scores[found].to(self.device))
+        return out
+
+    def _write_back(self, g: int, evicted: EvictedKeys) -> None:
+        """Evicted cache rows (their slots not yet rewritten) go to the store."""
+        _, tables = self.groups[g]
+        for lt, t in enumerate(tables):
+            if not self.cached[t]:
+                continue
+            sel = evicted.table_ids == lt
+            if not bool(sel.any()):
+                continue
+            rows = self._weights[t][(evicted.indices[sel] - self._slot_begin[g][lt]).to(self._weights[t].device)]
+            lost = self.store.put(self.names[t], evicted.keys[sel].cpu(), rows.cpu(), evicted.scores[sel].cpu())
+            self.tier_counters[t, 2] += int(sel.sum())
+            self.tier_counters[t, 3] += lost
+
+    def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+        ht, tables = self.groups[g]
+        if not any(self.cached[t] for t in tables):
+            return super()._insert(g, keys, local_tids, scores)
+        _, cached = ht.lookup(keys, local_tids)
+        fetched = self._take(g, keys, local_tids, ~cached, remove=True)
+        # The call's order: pinned keys, then the batch's cached keys, then the
+        # missing ones; the table never evicts a key placed or found earlier
+        # in a call, so no key this step needs is evicted by it (the pins'
+        # scores are restored below).
+        order = torch.cat([cached.nonzero().squeeze(1), (~cached).nonzero().squeeze(1)])
+        batch_keys, batch_tids = keys, local_tids
+        keys, local_tids, n_pin, saved = self._pin_first(g, keys[order], local_tids[order])
+        if isinstance(scores, torch.Tensor):
+            scores = torch.cat([torch.zeros(n_pin, dtype=scores.dtype, device=scores.device), scores[order]])
+        out = super()._insert(g, keys, local_tids, scores)
+        if n_pin:
+            ht.slot_scores[out.indices[:n_pin]] = saved
+        keys, local_tids = batch_keys, batch_tids
+        self._write_back(g, out.evicted)
+        idx, res = torch.empty_like(out.indices[n_pin:]), torch.empty_like(out.results[n_pin:])
+        idx[order], res[order] = out.indices[n_pin:], out.results[n_pin:]
+        failed = res == InsertResult.FAILED
+        if bool(failed.any()):
+            self._give_back(fetched, failed, keys)
+            self._too_small(g, local_tids, failed, n_pin)
+        for t, (pos, rows, stored) in fetched.items():
+            lt = self.group_of[t][1]
+            slot = idx[pos]
+            self._weights[t][(slot - self._slot_begin[g][lt]).to(self._weights[t].device)] = \
+                rows.to(self._weights[t].dtype)
+            if ht.strategy == _S.LFU:  # counts accumulate across tiers
+                ht.slot_scores[slot] += stored
+            res[pos] = InsertResult.ASSIGNED  # not new: no initial value
+        new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
+        for lt, t in enumerate(tables):
+            mine = local_tids == lt
+            self.tier_counters[t, 0] += int((cached & mine).sum())
+            self.tier_counters[t, 1] += int((~cached & mine).sum())
+            self.tier_counters[t, 4] += int((new & mine).sum())
+        return InsertOutput(idx, res, out.evicted)
+
+    def _give_back(self, fetched, failed: torch.Tensor, keys: torch.Tensor) -> None:
+        """Rows taken from the store for keys the cache could not hold go back."""
+        for t, (pos, rows, scores) in fetched.items():
+            back = failed[pos]
+            if bool(back.any()):
+                self.store.put(self.names[t], keys[pos[back]].cpu(), rows[back].cpu(), scores[back].cpu())
+
+    def _too_small(self, g: int, local_tids: torch.Tensor, failed: torch.Tensor, n_pin: int) -> None:
+        _, tables = self.groups[g]
+        lt = int(local_tids[failed][0])
+        t = tables[lt]
+        need = int((local_tids == lt).sum()) + n_pin
+        raise RuntimeError(
+            f"dynamicemb: table {self.names[t]!r}: its cache ({self.capacity(t)} rows on this rank) cannot hold "
+            f"one step's rows: {int((failed & (local_tids == lt)).sum())} of the {need} keys this step needs at "
+            f"once (the batch's and those pinned for a pending backward or a prefetched batch) found no slot; "
+            f"give the cache at least {2 * need} rows (global_hbm_for_values >= "
+            f"{2 * need * self.widths[t] * self._weights[t].element_size()} bytes per rank) so that no bucket "
+            f"overflows")
+
+    # ---- the module's calls ------------------------------------------------------------------
+
+    def find_or_insert(self, keys, table_ids, counts, step, inverse=None):
+        res = super().find_or_insert(keys, table_ids, counts, step, inverse)
+        self._prefetch_pins.clear()  # this batch's keys are pinned from now on, as a forward's
+        stored = res.rows >= 0
+        self._forward_pins.append((res.keys[stored], res.table_ids[stored]))
+        del self._forward_pins[:-_PENDING_FORWARDS]
+        return res
+
+    def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
+        """Moves the rows of a coming batch's keys from the store into the
+        cache (no score changes: the batch's forward scores them) and pins
+        every key of the batch until that forward."""
+        self._prefetch_pins.append((keys, table_ids))  # its cached keys go first in the moves below
+        for g, mask, lt in self._split(table_ids):
+            ht, tables = self.groups[g]
+            k = keys if mask is None else keys[mask]
+            _, cached = ht.lookup(k, lt)
+            fetched = self._take(g, k, lt, ~cached, remove=True)
+            if not fetched:
+                continue
+            pos = torch.cat([p for p, _, _ in fetched.values()])
+            self._insert_fetched(g, k[pos], lt[pos], fetched)
+
+    def _insert_fetched(self, g, keys, local_tids, fetched) -> None:
+        """Places keys taken from the store (in `fetched`'s order) with their rows and scores."""
+        ht, _ = self.groups[g]
+        stored = torch.cat([s for _, _, s in fetched.values()])
+        keys_all, lt_all, n_pin, saved = self._pin_first(g, keys, local_tids)
+        scores_all = torch.cat([saved, stored]) if n_pin else stored
+        out = HashTableStorage._insert(self, g, keys_all, lt_all,
+                                       scores_all if ht.strategy in (_S.CUSTOMIZED, _S.LFU) else None)
+        idx = out.indices
+        placed = idx >= 0
+        ht.slot_scores[idx[placed]] = scores_all[placed]  # the pins' and the stored scores, exactly
+        self._write_back(g, out.evicted)
+        idx, res = idx[n_pin:], out.results[n_pin:]
+        failed = res == InsertResult.FAILED
+        offset = 0
+        for t, (pos, rows, scores) in fetched.items():
+            lt = self.group_of[t][1]
+            n = pos.numel()
+            mine = slice(offset, offset + n)
+            ok = ~failed[mine]
+            slot = idx[mine][ok]
+            self._weights[t][(slot - self._slot_begin[g][lt]).to(self._weights[t].device)] = \
+                rows[ok].to(self._weights[t].dtype)
+            if bool((~ok).any()):
+                self.store.put(self.names[t], keys[mine][~ok].cpu(), rows[~ok].cpu(), scores[~ok].cpu())
+            offset += n
+        if bool(failed.any()):
+            self._too_small(g, local_tids, failed, n_pin)
+
+    def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
+        """The eval forward over both tiers, nothing moved: each table's rows
+        of the batch's distinct keys (from the cache or read from the store)
+        gathered into a small block, then the forward over the blocks."""
+        ukeys, utids, inverse, _ = ops.emb_unique(indices, offsets, feature_table, self.num_tables)
+        slots = self.find(ukeys, utids)
+        local = torch.full_like(ukeys, -1)
+        blocks = []
+        for t in range(self.num_tables):
+            sel = (utids == t).nonzero().squeeze(1)
+            w = self._weights[t]
+            block = torch.zeros(sel.numel(), w.shape[1], dtype=w.dtype, device=w.device)
+            r = slots[sel]
+            have = r >= 0
+            block[have.to(w.device)] = w[r[have].to(w.device)]
+            if self.cached[t] and bool((~have).any()):
+                miss = (~have).nonzero().squeeze(1)
+                found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
+                block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
+                have[miss[found]] = True
+            local[sel] = torch.where(have, torch.arange(sel.numel(), device=ukeys.device), -1)
+            blocks.append(block)
+        return ops.emb_forward(blocks, local, ukeys, inverse, offsets, feature_table, self.dims, per_sample_weights,
+                               pooling, self.eval_init_params, self.seed, output_dtype)
+
+    # ---- checkpoints, export, accounting ------------------------------------------------------
+
+    def flush(self) -> None:
+        """Writes every cached row back to the store (the cache is then empty)
+        and makes the store durable."""
+        if self._forward_pins or self._prefetch_pins:
+            self._forward_pins.clear()
+            self._prefetch_pins.clear()
+        for t in range(self.num_tables):
+            if not self.cached[t]:
+                continue
+            g, lt = self.group_of[t]
+            ht = self.groups[g][0]
+            for b in ht.export(table_id=lt):
+                rows = self._weights[t][(b.indices - self._slot_begin[g][lt]).to(self._weights[t].device)]
+                self.tier_counters[t, 3] += self.store.put(self.names[t], b.keys.cpu(), rows.cpu(), b.scores.cpu())
+            HashTableStorage.clear_table(self, t)
+        self.store.flush()
+
+    def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
+        yield from super().export_rows(table_id, batch_size, lazy)
+        if self.cached[table_id]:
+            dim = self.dims[table_id]
+            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
+                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
+
+    def export(self, table_id, batch_size=1 << 16, threshold=None):
+        yield from super().export(table_id, batch_size, threshold)
+        if self.cached[table_id]:
+            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
+                keep = scores >= threshold if threshold is not None else torch.ones_like(keys, dtype=torch.bool)
+                if bool(keep.any()):
+                    yield keys[keep].to(self.device), rows[keep].to(self.device), scores[keep].to(self.device)
+
+    def load_rows(self, table_id, batch: RowBatch) -> None:
+        if not self.cached[table_id]:
+            return super().load_rows(table_id, batch)
+        dim = self.dims[table_id]
+        state = batch.optimizer_state
+        if state is None or state.shape[1] == 0:
+            state = torch.zeros(batch.keys.numel(), self.widths[table_id] - dim, dtype=batch.values.dtype)
+        rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
+        lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
+        if lost:
+            raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "
+                               f"(at most {self.table_max_rows[table_id]} rows on this rank)")
+
+    def clear_table(self, table_id: int) -> int:
+        removed = super().clear_table(table_id)
+        if self.cached[table_id]:
+            removed += self.store.size(self.names[table_id])
+            self.store.clear(self.names[table_id])
+        return removed
+
+    def max_rows(self, table_id: int) -> int:
+        return self.table_max_rows[table_id] if self.cached[table_id] else super().max_rows(table_id)
+
+    def stats(self, table_id):
+        s = super().stats(table_id)
+        if not self.cached[table_id]:
+            return s
+        hits, misses, write_backs, lost, new = self.tier_counters[table_id].tolist()
+        store_rows = self.store.size(self.names[table_id])
+        s.update(size=s["size"] + store_rows, capacity=self.table_max_rows[table_id],
+                 inserted=new, evicted=lost, hits=hits, misses=misses,
+                 write_backs=write_backs, cache_rows=self.size(table_id), store_rows=store_rows,
+                 cache_capacity=self.capacity(table_id))
+        return s

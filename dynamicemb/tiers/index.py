@@ -1,0 +1,90 @@
+"""KeyIndex: key -> (row position, score) of one table of a backing store,
+on a ScoredHashTable that grows (doubling) as keys arrive and, once at its
+maximum capacity, evicts the lowest-scored key of a full bucket. Positions
+address rows the store keeps elsewhere (a host tensor, a file)."""
+from typing import Iterator, Tuple
+
+import torch
+
+from dynamicemb.table import ScoredHashTable
+from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
+
+_MIN_SLOTS = 1024
+
+
+class KeyIndex:
+    def __init__(self, name: str, max_rows: int, bucket_capacity: int = 128):
+        self.name = name
+        self.bucket_capacity = bucket_capacity
+        self.max_slots = -(-max(max_rows, 1) // bucket_capacity) * bucket_capacity
+        self._reset(min(self.max_slots, _MIN_SLOTS))
+
+    def _reset(self, slots: int) -> None:
+        slots = -(-slots // self.bucket_capacity) * self.bucket_capacity
+        # CUSTOMIZED: the table keeps the scores it is given (clock readings,
+        # steps or counts of the caching table's own strategy).
+        self.ht = ScoredHashTable(slots, bucket_capacity=self.bucket_capacity,
+                                  score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED, table_names=[self.name])
+        self.pos = torch.full((slots,), -1, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.ht.size()
+
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(found, positions, scores) of the keys (-1 / 0 where missing)."""
+        slots, found = self.ht.lookup(keys)
+        safe = slots.clamp(min=0)
+        return found, torch.where(found, self.pos[safe], -1), torch.where(found, self.ht.slot_scores[safe], 0)
+
+    def remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Removes the keys; returns the positions they held (-1: absent)."""
+        found, pos, _ = self.find(keys)
+        self.ht.erase(keys[found])
+        return pos
+
+    def add(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor):
+        """Adds distinct keys not in the index. Returns (evicted keys, their
+        positions, their scores): keys displaced once the index is at its
+        maximum (the lowest-scored of a full bucket), to be freed by the store."""
+        failed = torch.ones(keys.numel(), dtype=torch.bool)
+        first = True
+        while bool(failed.any()):  # grow (doubling) while below the maximum; positions move with the slots
+            if not first:
+                if self.ht.capacity() >= self.max_slots:
+                    break
+                self._grow(min(self.max_slots, 2 * self.ht.capacity()))
+            sel = failed.nonzero().squeeze(1)
+            out = self.ht.insert(keys[sel], scores=scores[sel], evict=False, same_call=not first)
+            ok = out.results != InsertResult.FAILED
+            self.pos[out.indices[ok]] = positions[sel[ok]]
+            failed = failed.clone()
+            failed[sel[ok]] = False
+            first = False
+        evicted = []
+        while bool(failed.any()):  # at the maximum: evict (a new call, so this put's own keys may go too)
+            last = self.ht.insert(keys[failed], scores=scores[failed], evict=True)
+            ev = last.evicted
+            evicted.append((ev.keys, self.pos[ev.indices].clone(), ev.scores))
+            ok = last.results != InsertResult.FAILED
+            sel = failed.nonzero().squeeze(1)[ok]
+            self.pos[last.indices[ok]] = positions[sel]
+            failed = failed.clone()
+            failed[sel] = False
+        if not evicted:
+            empty = keys.new_empty(0)
+            return empty, empty, empty
+        return tuple(torch.cat(parts) for parts in zip(*evicted))
+
+    def _grow(self, slots: int) -> None:
+        old_idx, new_idx = self.ht.grow(slots)
+        pos = torch.full((slots,), -1, dtype=torch.int64)
+        pos[new_idx] = self.pos[old_idx]
+        self.pos = pos
+
+    def items(self, batch_size: int = 1 << 16, threshold=None) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """(keys, positions, scores) of every key (score >= threshold when given)."""
+        for b in self.ht.export(threshold=threshold, batch_size=batch_size):
+            yield b.keys, self.pos[b.indices], b.scores
+
+    def clear(self) -> None:
+        self._reset(min(self.max_slots, _MIN_SLOTS))

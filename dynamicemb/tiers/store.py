@@ -1,0 +1,131 @@
+"""Backing stores: where a cached table's rows live when they are not in its
+cache (API.md §1: caching). A store holds, per table, key -> (row, score),
+each key at most once; the cache takes a key's row out when it needs it and
+puts it back when it evicts it, so a key is in exactly one place.
+
+`BackingStore` is the interface (implement it for, e.g., a parameter-server
+client); `HostStore` keeps rows in host memory; `FileStore` (file_store.py)
+in a memory-mapped file on local disk, for tables larger than RAM.
+"""
+import abc
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+from dynamicemb.tiers.index import KeyIndex
+
+Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
+
+
+class BackingStore(abc.ABC):
+    """Per table (by name): distinct int64 keys -> a row [width] of the
+    table's dtype ([value | optimizer state]) and an int64 score."""
+
+    @abc.abstractmethod
+    def open_table(self, name: str, width: int, dtype: torch.dtype, max_rows: int) -> None:
+        """Declares a table (called once by the storage, before any use);
+        `max_rows`: the most keys it may hold (beyond, put evicts)."""
+
+    @abc.abstractmethod
+    def take(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(found [n] bool, rows [n, width], scores [n]) of distinct keys;
+        the found keys leave the store."""
+
+    @abc.abstractmethod
+    def read(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """take without removing (eval lookups)."""
+
+    @abc.abstractmethod
+    def put(self, name: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
+        """Stores distinct keys that are not in the store; returns how many
+        keys (these or others) it evicted to stay within max_rows."""
+
+    @abc.abstractmethod
+    def items(self, name: str, batch_size: int = 1 << 16) -> Iterator[Rows]:
+        """Every (keys, rows, scores) of a table, in batches."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int:
+        """Keys of a table in the store."""
+
+    @abc.abstractmethod
+    def clear(self, name: str) -> None:
+        """Removes every key of a table."""
+
+    def flush(self) -> None:
+        """Makes what was put durable (a store on disk); nothing by default."""
+
+
+class HostStore(BackingStore):
+    """Rows in host memory (a tensor per table, grown by doubling, with a
+    free list), keys in a KeyIndex."""
+
+    def __init__(self, bucket_capacity: int = 128):
+        self.bucket_capacity = bucket_capacity
+        self._index: Dict[str, KeyIndex] = {}
+        self._rows: Dict[str, torch.Tensor] = {}
+        self._free: Dict[str, torch.Tensor] = {}  # free positions, a stack
+        self._used: Dict[str, int] = {}  # positions ever handed out
+
+    def open_table(self, name, width, dtype, max_rows):
+        self._index[name] = KeyIndex(name, max_rows, self.bucket_capacity)
+        self._rows[name] = torch.zeros(0, width, dtype=dtype)
+        self._free[name] = torch.zeros(0, dtype=torch.int64)
+        self._used[name] = 0
+
+    def _table(self, name) -> KeyIndex:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"table {name!r} is not open in this backing store") from None
+
+    def _alloc(self, name: str, n: int) -> torch.Tensor:
+        free = self._free[name]
+        reuse = free[free.numel() - min(n, free.numel()):]
+        self._free[name] = free[:free.numel() - reuse.numel()]
+        fresh = n - reuse.numel()
+        start = self._used[name]
+        rows = self._rows[name]
+        if start + fresh > rows.shape[0]:
+            grown = torch.zeros(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], dtype=rows.dtype)
+            grown[:start] = rows[:start]
+            self._rows[name] = grown
+        self._used[name] = start + fresh
+        return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
+
+    def read(self, name, keys):
+        found, pos, scores = self._table(name).find(keys)
+        rows = self._rows[name]
+        out = torch.zeros(keys.numel(), rows.shape[1], dtype=rows.dtype)
+        out[found] = rows[pos[found]]
+        return found, out, scores
+
+    def take(self, name, keys):
+        found, out, scores = self.read(name, keys)
+        if bool(found.any()):
+            pos = self._index[name].remove(keys[found])
+            self._free[name] = torch.cat([self._free[name], pos])
+        return found, out, scores
+
+    def put(self, name, keys, rows, scores):
+        if not keys.numel():
+            return 0
+        pos = self._alloc(name, keys.numel())
+        self._rows[name][pos] = rows.to(self._rows[name].dtype)
+        ev_keys, ev_pos, _ = self._table(name).add(keys, pos, scores)
+        if ev_keys.numel():
+            self._free[name] = torch.cat([self._free[name], ev_pos])
+        return int(ev_keys.numel())
+
+    def items(self, name, batch_size=1 << 16):
+        rows = self._rows[name]
+        for keys, pos, scores in self._table(name).items(batch_size):
+            yield keys, rows[pos], scores
+
+    def size(self, name):
+        return len(self._table(name))
+
+    def clear(self, name):
+        self._table(name).clear()
+        self._free[name] = torch.zeros(0, dtype=torch.int64)
+        self._used[name] = 0
