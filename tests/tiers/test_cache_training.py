@@ -1,0 +1,61 @@
+"""A cache holding about 10% of the keys in front of a backing store (host,
+file, or a user's dict) trains exactly as one all-in-memory table: the same
+outputs at every step and the same rows and optimizer state at the end
+(SGD, Adam, row-wise Adagrad; prefetch on and off; several score
+strategies), and evaluates the same over both tiers."""
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbScoreStrategy as S
+from dynamicemb import EmbOptimType
+from tier_helpers import all_rows, batches, make_store, module, step
+
+OPTIMIZERS = [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+
+
+@pytest.mark.parametrize("store_kind", ["host", "file", "dict"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cached_training_equals_all_in_memory(tmp_path, store_kind, optimizer, prefetch):
+    ref = module(optimizer)
+    cached = module(optimizer, make_store(store_kind, tmp_path))
+    data = batches(60)
+    for i, b in enumerate(data):
+        if prefetch:
+            cached.prefetch(*b)
+        assert torch.equal(step(cached, b), step(ref, b)), f"step {i}"
+    stats = cached.table_stats()["t0"]
+    assert stats["write_backs"] > 0 and stats["cache_rows"] <= 0.12 * stats["size"]  # about 10% cached
+    assert stats["size"] == ref.table_stats()["t0"]["size"] == stats["inserted"]
+    for t in range(2):
+        want, got = all_rows(ref, t), all_rows(cached, t)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    # Eval over both tiers (nothing moves), unseen keys included.
+    ref.eval()
+    cached.eval()
+    ids = torch.cat([data[0][0][:40], torch.arange(5000, 5008)])
+    offsets = torch.arange(0, 49, 6)
+    before = cached.table_stats()["t0"]["cache_rows"]
+    assert torch.equal(cached(ids, offsets), ref(ids, offsets))
+    assert cached.table_stats()["t0"]["cache_rows"] == before
+    # A flush leaves every row in the store, the same rows.
+    cached.flush()
+    assert cached.table_stats()["t0"]["cache_rows"] == 0
+    assert all_rows(cached, 0).keys() == all_rows(ref, 0).keys()
+
+
+@pytest.mark.parametrize("strategy", [S.LFU, S.STEP, S.CUSTOMIZED])
+def test_scores_follow_keys_across_tiers(strategy):
+    """A key's score is the same whichever tier it went through (LFU counts
+    add up across trips to the store)."""
+    ref, cached = module(strategy=strategy), module(store=make_store("host"), strategy=strategy)
+    if strategy == S.CUSTOMIZED:
+        for m in (ref, cached):
+            m.set_score(7)
+    for b in batches(10, seed=1):
+        assert torch.equal(step(cached, b), step(ref, b))
+    for t in range(2):
+        want = {int(k): int(s) for b in ref.storage.export_rows(t) for k, s in zip(b.keys, b.scores)}
+        got = {int(k): int(s) for b in cached.storage.export_rows(t) for k, s in zip(b.keys, b.scores)}
+        assert got == want
