@@ -27,6 +27,7 @@ from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResul
 _S = DynamicEmbScoreStrategy
 TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows")
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
+_PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come
 
 
 def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
@@ -220,6 +221,7 @@ class CachedStorage(HashTableStorage):
         cache (no score changes: the batch's forward scores them) and pins
         every key of the batch until that forward."""
         self._prefetch_pins.append((keys, table_ids))  # its cached keys go first in the moves below
+        del self._prefetch_pins[:-_PENDING_PREFETCHES]
         for g, mask, lt in self._split(table_ids):
             ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
