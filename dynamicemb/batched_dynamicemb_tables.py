@@ -137,8 +137,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
         self.storage = storage or make_storage(self.table_names, self.table_options, widths, self.embedding_dtype,
                                                self.device, seed, init_streams)
-        self.step = 0  # training forwards so far (the STEP score)
-        self.optimizer_step = 0  # optimizer updates so far (Adam's bias correction)
+        # A reopened persistent store (storage_path) resumes the counters of its last flush.
+        saved = self.storage.saved_state() or {}
+        self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
+        self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
@@ -262,8 +264,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.storage.prefetch(ukeys, utids)
 
     def flush(self) -> None:
-        """Writes every cached row back to its backing store (between steps)."""
-        self.storage.flush()
+        """Writes every cached row back to its backing store (between steps);
+        a persistent one (storage_path) also keeps this module's step
+        counters, which a module reopening it resumes from."""
+        self.storage.flush({"step": self.step, "optimizer_step": self.optimizer_step})
 
     # ---- accounting ----------------------------------------------------------------------------
 

@@ -132,8 +132,15 @@ class EmbeddingStorage(abc.ABC):
     def batch_done(self) -> None:
         """A training batch's backward has run (its rows may move again)."""
 
-    def flush(self) -> None:
-        """Writes every row to its last tier (a tiered storage); nothing by default."""
+    def flush(self, state: Optional[dict] = None) -> None:
+        """Writes every row to its last tier (a tiered storage); a persistent
+        tier also keeps `state` (the module's counters, JSON-able) for
+        saved_state(). Nothing by default."""
+
+    def saved_state(self) -> Optional[dict]:
+        """The state given to the last flush of a persistent tier that this
+        storage reopened (None: none)."""
+        return None
 
     def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
                     optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:

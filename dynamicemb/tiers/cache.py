@@ -66,6 +66,7 @@ class CachedStorage(HashTableStorage):
         for t, n in enumerate(names):
             if self.cached[t]:
                 store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
+                self._resume(t)
         # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
         self.tier_counters = torch.zeros(self.num_tables, 5, dtype=torch.int64)
         self._forward_pins: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -288,9 +289,28 @@ class CachedStorage(HashTableStorage):
 
     # ---- checkpoints, export, accounting ------------------------------------------------------
 
-    def flush(self) -> None:
+    def _resume(self, t: int) -> None:
+        """A reopened persistent store: the table's CUSTOMIZED score as at its
+        last flush, and its clock scores carried to this table's clock (ages
+        as at the flush, as a checkpoint load does)."""
+        state = self.store.load_state(self.names[t])
+        if not state:
+            return
+        self.custom_scores[t] = int(state.get("custom_score", 0))
+        if self.strategy(t) in (int(_S.TIMESTAMP), int(_S.NO_EVICTION)) and "clock" in state:
+            self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
+
+    def saved_state(self) -> Optional[dict]:
+        for t in range(self.num_tables):
+            state = self.store.load_state(self.names[t]) if self.cached[t] else None
+            if state:
+                return state.get("module")
+        return None
+
+    def flush(self, state: Optional[dict] = None) -> None:
         """Writes every cached row back to the store (the cache is then empty)
-        and makes the store durable."""
+        and makes the store durable, with `state` (the module's counters) and
+        each table's CUSTOMIZED score and clock."""
         if self._forward_pins or self._prefetch_pins:
             self._forward_pins.clear()
             self._prefetch_pins.clear()
@@ -303,6 +323,8 @@ class CachedStorage(HashTableStorage):
                 rows = self._weights[t][(b.indices - self._slot_begin[g][lt]).to(self._weights[t].device)]
                 self.tier_counters[t, 3] += self.store.put(self.names[t], b.keys.cpu(), rows.cpu(), b.scores.cpu())
             HashTableStorage.clear_table(self, t)
+            self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
+                                                  "clock": self.now(t)})
         self.store.flush()
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):

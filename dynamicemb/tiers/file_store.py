@@ -1,26 +1,49 @@
 """FileStore: a backing store on local disk, for tables larger than RAM.
 
-Per table, in the store's directory:
+A store's directory (make_storage gives each rank its own,
+<storage_path>/rank<NNNNN>) holds, per table <t>:
 
-    <table>.rows.<generation>    the rows, appended one after another
-    <table>.index.safetensors    keys, row positions and scores as of the
-                                 last flush, and how many rows the rows
-                                 file held then
+    <t>.rows.<g>                 the rows of generation g: records of
+                                 width x dtype bytes (native byte order) at
+                                 positions 0, 1, ...; appended, never
+                                 overwritten; read and written through a
+                                 memory map (the file grows sparse, by doubling)
+    <t>.index.<s>.safetensors    snapshot s of the table's key index: keys,
+                                 row positions and scores (int64), and in its
+                                 metadata the generation, the rows it covers,
+                                 width, dtype, a CRC-32 of the tensors and the
+                                 state its owner saved (save_state)
+    <t>.rows.lock                locked (flock) while a FileStore has the table
+                                 open: a second opener gets an error
 
-Rows are only ever appended, never overwritten: a row taken out or evicted
-becomes garbage, and a flush that finds more garbage than live rows writes
-the live ones to a new generation. The index is written to a temporary file,
-fsynced and renamed over the old one after the rows it names are fsynced, so
-a process killed at any point leaves the table as of its last flush; rows
-appended after it are cut off when the table is opened again. The keys'
-index lives in memory (about 25 bytes a slot); rows are read through a
-memory map of the rows file.
+and for the whole directory `manifest.json` ({"tables": {<t>: {"index": s}}}),
+the committed snapshot of every table, replaced atomically.
+
+Durability: flush() makes everything put so far durable, for all of the
+store's tables at once: it syncs each rows file (msync, fsync), writes and
+fsyncs a new index snapshot beside the committed one, fsyncs the directory,
+then commits by replacing manifest.json (write, fsync, rename, fsync the
+directory), and only then removes the superseded snapshots and generations.
+A process killed at any point (or a machine losing power, on a file system
+that honours fsync) leaves the directory as of the last completed flush: the
+manifest names complete files only, and no row a committed snapshot addresses
+is ever overwritten. Opening a table removes what a crash left behind
+(uncommitted snapshots and generations); rows appended after the last flush
+are overwritten by the next appends.
+
+Rows taken out or evicted become garbage; a flush that finds more garbage
+than live rows in a table first copies its live rows into a new generation
+(compaction). The key index lives in memory (about 25 bytes a slot); each
+flush writes it whole (24 bytes a key).
 """
+import fcntl
 import json
+import mmap
 import os
+import re
+import zlib
 from typing import Dict, Optional
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -28,145 +51,255 @@ from safetensors.torch import save_file
 from dynamicemb.tiers.index import KeyIndex
 from dynamicemb.tiers.store import BackingStore
 
-_GARBAGE_SHARE = 0.5  # a flush compacts a file more than this share garbage
+FORMAT = "dynamicemb.FileStore"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_MANIFEST_LOCK = "manifest.lock"  # no table's file has this name (theirs end in .rows.*, .index.*)
+_GARBAGE_SHARE = 0.5  # a flush compacts a table whose rows file is more than this share garbage
+_MIN_MAP_BYTES = 1 << 20  # a rows file's first mapping
+_COPY_BYTES = 64 << 20  # compaction copies rows in blocks of about this size
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc(tensors: Dict[str, torch.Tensor]) -> int:
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(tensors[name].contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def read_manifest(root: str) -> Dict[str, dict]:
+    """{table: {"index": snapshot}} committed in the store at root ({} when none)."""
+    path = os.path.join(root, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the file store's manifest {path} cannot be read ({e}): it is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+            manifest.get("tables"), dict):
+        raise ValueError(f"{path} is not a dynamicemb file store manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has file store format version {manifest.get('version')}; this dynamicemb "
+                         f"reads version {FORMAT_VERSION}")
+    return manifest["tables"]
+
+
+class _RowsFile:
+    """One generation's rows file, mapped read-write; grows (sparse) by doubling."""
+
+    def __init__(self, path: str, width: int, dtype: torch.dtype, min_rows: int, fresh: bool):
+        self.path, self.width, self.dtype = path, width, dtype
+        self.row_bytes = width * dtype.itemsize
+        self._file = open(path, "w+b" if fresh else "r+b" if os.path.exists(path) else "w+b")
+        size = os.fstat(self._file.fileno()).st_size
+        self._map_rows(max(size // self.row_bytes, min_rows, _MIN_MAP_BYTES // self.row_bytes, 1))
+
+    def _map_rows(self, capacity: int) -> None:
+        nbytes = capacity * self.row_bytes
+        if os.fstat(self._file.fileno()).st_size < nbytes:
+            self._file.truncate(nbytes)
+        self._mmap = mmap.mmap(self._file.fileno(), nbytes)
+        self.capacity = capacity
+        # The old mapping goes with the last tensor over it (rows handed out are copies).
+        self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.dtype).view(capacity, self.width)
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if end > self.capacity:
+            self._map_rows(max(2 * self.capacity, end))
+        self.rows[start:end] = rows
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.rows.index_select(0, positions)
+
+    def sync(self) -> None:
+        self._mmap.flush()  # msync: the rows written through the map
+        os.fsync(self._file.fileno())  # and the file's size
+
+    def close(self) -> None:
+        self.rows = None
+        try:
+            self._mmap.close()
+        except BufferError:  # a view still held somewhere: unmapped when it goes
+            pass
+        self._file.close()
 
 
 class _TableFile:
     def __init__(self, root: str, name: str, width: int, dtype: torch.dtype, max_rows: int, bucket_capacity: int):
         self.root, self.name, self.width, self.dtype = root, name, width, dtype
-        self.row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = width * dtype.itemsize
         self.index = KeyIndex(name, max_rows, bucket_capacity)
-        self.generation, self.rows, self.garbage = 0, 0, 0
-        self._map: Optional[np.memmap] = None
-        self._open_existing()
-        self._file = open(self._rows_path(), "r+b" if os.path.exists(self._rows_path()) else "w+b")
-        self._file.truncate(self.rows * self.row_bytes)  # rows appended after the last flush are gone
-        self._file.seek(0, os.SEEK_END)
+        self.seq, self.generation, self.rows = -1, 0, 0  # committed snapshot (-1: none), current generation
+        self.state: Optional[dict] = None  # to be written by the next flush
+        self.committed_state: Optional[dict] = None
+        self._lock = open(self._path("rows.lock"), "a+b")
+        try:
+            try:
+                fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"table {name!r} of the file store at {root} is open in another FileStore "
+                                   f"(this process or another); close that one first") from None
+            entry = read_manifest(root).get(name)
+            if entry is not None:
+                self._load(int(entry["index"]))
+            self.garbage = self.rows - len(self.index)
+            self._remove_stale()
+            self.file = _RowsFile(self._rows_path(self.generation), width, dtype, self.rows, fresh=False)
+        except BaseException:
+            self._lock.close()
+            raise
 
     # ---- files ---------------------------------------------------------------------------------
 
-    def _rows_path(self, generation: Optional[int] = None) -> str:
-        return os.path.join(self.root, f"{self.name}.rows.{self.generation if generation is None else generation}")
+    def _path(self, suffix: str) -> str:
+        return os.path.join(self.root, f"{self.name}.{suffix}")
 
-    def _index_path(self) -> str:
-        return os.path.join(self.root, f"{self.name}.index.safetensors")
+    def _rows_path(self, generation: int) -> str:
+        return self._path(f"rows.{generation}")
 
-    def _open_existing(self) -> None:
-        path = self._index_path()
+    def _index_path(self, seq: int) -> str:
+        return self._path(f"index.{seq}.safetensors")
+
+    def _load(self, seq: int) -> None:
+        path = self._index_path(seq)
+        where = f"table {self.name!r}: the file store's index {path}"
         if not os.path.exists(path):
-            return
-        with safe_open(path, framework="pt") as f:
-            meta = json.loads(f.metadata()["dynamicemb"])
-            keys, pos, scores = f.get_tensor("keys"), f.get_tensor("positions"), f.get_tensor("scores")
-        if meta["width"] != self.width or meta["dtype"] != str(self.dtype):
-            raise ValueError(f"table {self.name!r}: the file store at {self.root} holds rows of width "
-                             f"{meta['width']} ({meta['dtype']}), the table's are {self.width} ({self.dtype})")
-        self.generation, self.rows = meta["generation"], meta["rows"]
-        if os.path.getsize(self._rows_path()) < self.rows * self.row_bytes:
-            raise ValueError(f"table {self.name!r}: {self._rows_path()} is shorter than its index says "
-                             f"({self.rows} rows of {self.row_bytes} bytes)")
-        lost = self.index.add(keys, pos, scores)[0].numel()
-        if lost:
-            raise ValueError(f"table {self.name!r}: the file store holds more keys than the table's maximum")
-        self.garbage = self.rows - keys.numel()
-
-    def _write_index(self) -> None:
-        keys, pos, scores = [], [], []
-        for k, p, s in self.index.items():
-            keys.append(k)
-            pos.append(p)
-            scores.append(s)
-        empty = torch.zeros(0, dtype=torch.int64)
-        tensors = {"keys": torch.cat(keys) if keys else empty, "positions": torch.cat(pos) if pos else empty,
-                   "scores": torch.cat(scores) if scores else empty}
-        meta = {"generation": self.generation, "rows": self.rows, "width": self.width, "dtype": str(self.dtype)}
-        tmp = self._index_path() + ".tmp"
-        save_file(tensors, tmp, metadata={"dynamicemb": json.dumps(meta)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self._index_path())
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            raise ValueError(f"{where}, named by {os.path.join(self.root, MANIFEST)}, is missing")
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            with safe_open(path, framework="pt") as f:
+                meta = json.loads((f.metadata() or {})["dynamicemb"])
+                tensors = {k: f.get_tensor(k) for k in ("keys", "positions", "scores")}
+        except Exception as e:  # noqa: BLE001 - safetensors' errors vary; all mean a damaged file
+            raise ValueError(f"{where} cannot be read ({type(e).__name__}: {e}): it is damaged") from None
+        if meta.get("crc32") != _crc(tensors):
+            raise ValueError(f"{where} fails its checksum: it is damaged")
+        if meta["width"] != self.width or meta["dtype"] != str(self.dtype):
+            raise ValueError(f"table {self.name!r}: the file store at {self.root} holds its rows with width "
+                             f"{meta['width']} ({meta['dtype']}), the table's rows are {self.width} wide "
+                             f"({self.dtype}) (dim + optimizer state); open it with the same dim, dtype and "
+                             f"optimizer, or use another storage_path")
+        gen, rows = int(meta["generation"]), int(meta["rows"])
+        rows_path = self._rows_path(gen)
+        size = os.path.getsize(rows_path) if os.path.exists(rows_path) else -1
+        if size < rows * self.row_bytes:
+            raise ValueError(f"table {self.name!r}: the file store's rows file {rows_path} is "
+                             f"{'missing' if size < 0 else f'{size} bytes'}; its index {path} needs {rows} rows "
+                             f"of {self.row_bytes} bytes")
+        pos = tensors["positions"]
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= rows):
+            raise ValueError(f"{where} addresses rows outside [0, {rows}): it is damaged")
+        lost = self.index.add(tensors["keys"], pos, tensors["scores"])[0].numel()
+        if lost:
+            raise ValueError(f"table {self.name!r}: the file store at {self.root} holds {pos.numel()} keys, "
+                             f"more than the table may hold (at most {self.index.max_slots})")
+        self.seq, self.generation, self.rows = seq, gen, rows
+        self.committed_state = meta.get("state")
+
+    def _remove_stale(self) -> None:
+        """Removes the table's snapshots and generations that are not current
+        (superseded, or left by a crash before their commit)."""
+        pattern = re.compile(re.escape(self.name) + r"\.(rows|index)\.(\d+)(\.safetensors)?")
+        for f in os.listdir(self.root):
+            m = pattern.fullmatch(f)
+            if m is None or (m.group(1) == "rows") == bool(m.group(3)):
+                continue
+            keep = self.generation if m.group(1) == "rows" else self.seq
+            if int(m.group(2)) != keep:
+                os.remove(os.path.join(self.root, f))
 
     # ---- rows ----------------------------------------------------------------------------------
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Appends rows; returns their positions."""
         start = self.rows
-        data = rows.to(self.dtype).contiguous().view(torch.uint8).numpy()
-        self._file.write(memoryview(data).cast("B"))
+        self.file.write(start, rows)
         self.rows += rows.shape[0]
         return torch.arange(start, self.rows, dtype=torch.int64)
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Rows at positions ([n, width] of the table's dtype)."""
-        if not positions.numel():
-            return torch.zeros(0, self.width, dtype=self.dtype)
-        if self._map is None or self._map.shape[0] < self.rows:
-            self._file.flush()
-            self._map = np.memmap(self._rows_path(), dtype=np.uint8, mode="r", shape=(self.rows, self.row_bytes))
-        raw = torch.from_numpy(np.ascontiguousarray(self._map[positions.numpy()]))
-        return raw.view(self.dtype).reshape(positions.numel(), self.width)
+        return self.file.gather(positions)
 
-    def flush(self) -> None:
-        live = len(self.index)
+    # ---- flush ---------------------------------------------------------------------------------
+
+    def write_snapshot(self) -> int:
+        """Compacts when due, makes the rows durable and writes the index
+        snapshot (not yet committed); returns its number."""
         if self.garbage > _GARBAGE_SHARE * max(1, self.rows):
             self._compact()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._write_index()
-        self.garbage = self.rows - live
+        self.file.sync()
+        batches = list(self.index.items(1 << 20))
+        tensors = {name: torch.cat([b[i] for b in batches]) if batches else torch.zeros(0, dtype=torch.int64)
+                   for i, name in enumerate(("keys", "positions", "scores"))}
+        state = self.state if self.state is not None else self.committed_state
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, "table": self.name, "generation": self.generation,
+                "rows": self.rows, "width": self.width, "dtype": str(self.dtype), "crc32": _crc(tensors),
+                "state": state}
+        seq = self.seq + 1
+        path = self._index_path(seq)
+        save_file(tensors, path, metadata={"dynamicemb": json.dumps(meta)})
+        _fsync_file(path)
+        self._pending = (seq, state)
+        return seq
+
+    def committed(self) -> None:
+        """The snapshot written last is committed: the ones before go."""
+        self.seq, self.committed_state = self._pending
+        self.state = None
+        self._remove_stale()
 
     def _compact(self) -> None:
-        """The live rows into a new generation's file (the old one is removed
-        once the index naming the new one is durable: see flush)."""
-        old_gen, old_map_rows = self.generation, self.rows
-        keys, pos, scores = [], [], []
-        for k, p, s in self.index.items():
-            keys.append(k)
-            pos.append(p)
-            scores.append(s)
-        self._file.flush()
-        self.generation += 1
-        new = open(self._rows_path(), "w+b")
-        self.rows = 0
-        index = KeyIndex(self.name, self.index.max_slots, self.index.bucket_capacity)
-        old_file, self._file = self._file, new
-        for k, p, s in zip(keys, pos, scores):
-            rows = self._gather_from(old_gen, old_map_rows, p)
-            index.add(k, self.append(rows), s)
-        self.index = index
-        old_file.close()
-        self._map = None
-        self._stale = self._rows_path(old_gen)
-
-    def _gather_from(self, generation: int, rows: int, positions: torch.Tensor) -> torch.Tensor:
-        mm = np.memmap(self._rows_path(generation), dtype=np.uint8, mode="r", shape=(rows, self.row_bytes))
-        raw = torch.from_numpy(np.ascontiguousarray(mm[positions.numpy()]))
-        return raw.view(self.dtype).reshape(positions.numel(), self.width)
-
-    def remove_stale(self) -> None:
-        stale = getattr(self, "_stale", None)
-        if stale and os.path.exists(stale):
-            os.remove(stale)
-        self._stale = None
+        """The live rows into a new generation's file, in the order of their
+        old positions (the old file goes once a snapshot naming the new one
+        is committed)."""
+        slots, old = self.index.live_slots()
+        n, gen = old.numel(), self.generation + 1
+        path = self._rows_path(gen)
+        new = _RowsFile(path, self.width, self.dtype, n, fresh=True)
+        try:
+            step = max(1, _COPY_BYTES // self.row_bytes)
+            for i in range(0, n, step):
+                new.write(i, self.file.gather(old[i:i + step]))
+        except BaseException:
+            new.close()
+            os.remove(path)
+            raise
+        self.file.close()
+        self.file, self.generation, self.rows, self.garbage = new, gen, n, 0
+        self.index.move(slots, torch.arange(n, dtype=torch.int64))
 
     def clear(self) -> None:
         self.index.clear()
         self.garbage = self.rows  # every row written so far
 
     def close(self) -> None:
-        self._file.close()
-        self._map = None
+        self.file.close()
+        self._lock.close()  # releases the flock
 
 
 class FileStore(BackingStore):
     """Rows on local disk under `root` (a directory, created when missing);
     a store reopened on the same directory (in this process or another)
-    holds what the last flush() wrote."""
+    holds what the last flush() committed (see the module's doc)."""
 
     def __init__(self, root: str, bucket_capacity: int = 128):
         self.root = os.path.abspath(root)
@@ -175,11 +308,13 @@ class FileStore(BackingStore):
         self._tables: Dict[str, _TableFile] = {}
 
     def open_table(self, name, width, dtype, max_rows):
-        if os.sep in name or name.startswith("."):
+        if not name or os.sep in name or name.startswith("."):
             raise ValueError(f"table name {name!r} cannot name a file")
+        if name in self._tables:
+            raise ValueError(f"table {name!r} is already open in the file store at {self.root}")
         self._tables[name] = _TableFile(self.root, name, width, dtype, max_rows, self.bucket_capacity)
 
-    def _table(self, name) -> _TableFile:
+    def _table(self, name) -> "_TableFile":
         try:
             return self._tables[name]
         except KeyError:
@@ -219,11 +354,45 @@ class FileStore(BackingStore):
     def clear(self, name):
         self._table(name).clear()
 
+    def shift_scores(self, name, delta):
+        self._table(name).index.shift_scores(delta)
+
+    def save_state(self, name, state):
+        try:
+            self._table(name).state = json.loads(json.dumps(state))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"table {name!r}: the state to save in the file store is not JSON: {e}") from None
+
+    def load_state(self, name):
+        return self._table(name).committed_state
+
     def flush(self):
-        for t in self._tables.values():
-            t.flush()
-            t.remove_stale()
+        """Commits every table's rows and index (all tables at once, see the module's doc)."""
+        tables = list(self._tables.values())
+        seqs = {t.name: t.write_snapshot() for t in tables}
+        fsync_dir(self.root)  # the new files' entries before the manifest names them
+        self._commit(seqs)
+        for t in tables:
+            t.committed()
+
+    def _commit(self, seqs: Dict[str, int]) -> None:
+        """Names the new snapshots in the manifest (other stores' tables in
+        the directory keep theirs; the lock orders concurrent commits)."""
+        path = os.path.join(self.root, MANIFEST)
+        with open(os.path.join(self.root, _MANIFEST_LOCK), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            tables = read_manifest(self.root)
+            tables.update({name: {"index": seq} for name, seq in seqs.items()})
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": FORMAT, "version": FORMAT_VERSION, "tables": tables}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(self.root)
 
     def close(self) -> None:
+        """Releases the files; what was put since the last flush is not kept."""
         for t in self._tables.values():
             t.close()
+        self._tables = {}

@@ -86,5 +86,23 @@ class KeyIndex:
         for b in self.ht.export(threshold=threshold, batch_size=batch_size):
             yield b.keys, self.pos[b.indices], b.scores
 
+    def live_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots, positions) of every key, in the order of their positions
+        (a store compacting its rows copies them in that order)."""
+        slots = [b.indices for b in self.ht.export(batch_size=1 << 20)]
+        slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        pos = self.pos[slots]
+        order = pos.argsort()
+        return slots[order], pos[order]
+
+    def move(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """New positions of the keys at `slots` (from live_slots, no insert since)."""
+        self.pos[slots] = positions
+
+    def shift_scores(self, delta: int) -> None:
+        """Adds delta to every key's score (clock readings carried to another clock)."""
+        for b in self.ht.export(batch_size=1 << 20):
+            self.ht.slot_scores[b.indices] += delta
+
     def clear(self) -> None:
         self._reset(min(self.max_slots, _MIN_SLOTS))

@@ -55,6 +55,24 @@ class BackingStore(abc.ABC):
     def flush(self) -> None:
         """Makes what was put durable (a store on disk); nothing by default."""
 
+    # A persistent store (FileStore) also keeps, per table, a small state
+    # that its owner saves with each flush and reads back when the store is
+    # reopened (the module's step counters, the clock its scores were read
+    # on). A store that keeps nothing across processes needs none of these.
+
+    def save_state(self, name: str, state: dict) -> None:
+        """A JSON-able state of a table, made durable by the next flush;
+        nothing by default."""
+
+    def load_state(self, name: str) -> Optional[dict]:
+        """The state of a table as of the last flush (None: none kept)."""
+        return None
+
+    def shift_scores(self, name: str, delta: int) -> None:
+        """Adds delta to every score of a table (a reopened store's clock
+        readings carried to the new clock); needed with load_state only."""
+        raise NotImplementedError(f"{type(self).__name__} does not shift scores")
+
 
 class HostStore(BackingStore):
     """Rows in host memory (a tensor per table, grown by doubling, with a
