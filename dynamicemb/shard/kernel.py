@@ -138,6 +138,8 @@ class _DynamicKernel(BaseEmbedding):
             table_poolings=[_user_pooling(t, pooling) for t in tables],
             **extra,
         )
+        # Whether TorchRec's prefetch pipelines must prefetch this group (see prefetch()).
+        self.needs_prefetch = any(o.caching for o in options)
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -153,7 +155,19 @@ class _DynamicKernel(BaseEmbedding):
             weights = None
         return self._emb_module(features.values(), features.offsets(), weights)
 
-    # TorchRec calls these on every kernel; dynamic tables need no cache flush.
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream=None) -> None:
+        """Moves the rows of a coming batch's keys (this rank's, after the
+        input distribution) from the backing store into the cache of the
+        group's cached tables; our lookups call it from TorchRec's prefetch."""
+        self._emb_module.prefetch(features.values(), features.offsets(), forward_stream)
+
+    # TorchRec calls flush() before every state_dict() (its pre-hook) and
+    # purge() before load_state_dict(); neither concerns dynamic tables, which
+    # are not in the state_dict. In particular flush() does not write the
+    # caches back: a row lives in exactly one tier, so that would empty every
+    # cache at each state_dict() (and could run between a forward and its
+    # backward). Dumps read both tiers; BatchedDynamicEmbeddingTables.flush()
+    # writes a cache back explicitly.
     def flush(self) -> None:
         pass
 

@@ -9,13 +9,24 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.routing import ROUTE_BLOCK, route_param, route_rule
 from dynamicemb.shard.input_dist import DynamicRwSparseFeaturesDist
-from dynamicemb.shard.kernel import BatchedDynamicEmbedding, BatchedDynamicEmbeddingBag
+from dynamicemb.shard.kernel import BatchedDynamicEmbedding, BatchedDynamicEmbeddingBag, _DynamicKernel
 from dynamicemb.shard.parameter_sharding import table_options
 
 _CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
+
+
+def _prefetch_cached_groups(lookup, sparse_features: KeyedJaggedTensor, forward_stream) -> None:
+    """Our kernel's prefetch for the lookup's groups with cached dynamic
+    tables (TorchRec's lookups prefetch only the compute kernels they know)."""
+    groups = [i for i, m in enumerate(lookup._emb_modules) if isinstance(m, _DynamicKernel) and m.needs_prefetch]
+    if groups:
+        features = sparse_features.split(lookup._feature_splits)
+        for i in groups:
+            lookup._emb_modules[i].prefetch(features[i], forward_stream)
 
 
 class DynamicGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -24,12 +35,22 @@ class DynamicGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             return BatchedDynamicEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
+    def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream=None) -> None:
+        _prefetch_cached_groups(self, sparse_features, forward_stream)
+        super().prefetch(sparse_features, forward_stream)  # native groups (it passes over ours)
+
 
 class DynamicGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
     def _create_embedding_kernel(self, config, pg, device, env=None):
         if config.compute_kernel == _CUSTOM:
             return BatchedDynamicEmbedding(config=config, pg=pg, device=device)
         return super()._create_embedding_kernel(config, pg, device, env)
+
+    def prefetch(self, sparse_features: KeyedJaggedTensor, forward_stream=None) -> None:
+        if self._need_prefetch:  # a native table needs it: TorchRec prefetches every group, ours included
+            super().prefetch(sparse_features, forward_stream)
+        else:
+            _prefetch_cached_groups(self, sparse_features, forward_stream)
 
 
 class _DynamicRoutingMixin:
