@@ -199,12 +199,15 @@ class CachedStorage(HashTableStorage):
         lt = int(local_tids[failed][0])
         t = tables[lt]
         need = int((local_tids == lt).sum()) + n_pin
+        o = self.options[t]
+        rows = -(-2 * need // o.bucket_capacity) * o.bucket_capacity  # whole buckets, as the cache is sized
+        per_rank = rows * self.widths[t] * self._weights[t].element_size()
         raise RuntimeError(
             f"dynamicemb: table {self.names[t]!r}: its cache ({self.capacity(t)} rows on this rank) cannot hold "
             f"one step's rows: {int((failed & (local_tids == lt)).sum())} of the {need} keys this step needs at "
             f"once (the batch's and those pinned for a pending backward or a prefetched batch) found no slot; "
-            f"give the cache at least {2 * need} rows (global_hbm_for_values >= "
-            f"{2 * need * self.widths[t] * self._weights[t].element_size()} bytes per rank) so that no bucket "
+            f"give the cache at least {rows} rows on each rank (global_hbm_for_values >= "
+            f"{per_rank * o.num_shards} bytes: {per_rank} on each of its {o.num_shards} ranks) so that no bucket "
             f"overflows")
 
     # ---- the module's calls ------------------------------------------------------------------

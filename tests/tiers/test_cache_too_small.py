@@ -1,0 +1,70 @@
+"""A step whose keys do not fit a table's cache fails with a RuntimeError
+that names the table and the size it needs, loses no row, and the size it
+names is enough: a module (and a 2-rank DMP model) given that
+global_hbm_for_values trains the step as all-in-memory tables do."""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiered_dmp as td
+from dynamicemb.tiers import HostStore
+from tier_helpers import BUCKET, DIM, all_rows, module, step
+from tiered_dmp import models, run_ranks
+
+_NEEDED = re.compile(r"global_hbm_for_values >= (\d+) bytes: (\d+) on each of its (\d+) ranks")
+
+
+def _needed_bytes(message: str, tables, ranks: int) -> int:
+    """The global_hbm_for_values the error asks for; checks that it names one
+    of `tables` and splits the bytes over `ranks` ranks."""
+    assert "cannot hold one step's rows" in message and any(f"table {t!r}" in message for t in tables), message
+    m = _NEEDED.search(message)
+    assert m is not None, message
+    total, per_rank, shards = map(int, m.groups())
+    assert shards == ranks and total == per_rank * ranks, message
+    return total
+
+
+def test_module_error_names_the_table_and_a_size_that_works():
+    # 16 bags per feature: 64 keys for t0 (bags of 4), 16 for t1 (bags of 1).
+    ids = torch.cat([torch.arange(64) * 7 + 3, torch.arange(16)])
+    lengths = torch.tensor([4] * 16 + [1] * 16)
+    batch = (ids, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    small = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET)
+    with pytest.raises(RuntimeError, match="cannot hold") as err:
+        step(small, batch)
+    needed = _needed_bytes(str(err.value), ["t0"], ranks=1)
+    # Nothing is lost or doubled: the keys that found a slot are in one tier, once.
+    assert set(all_rows(small, 0)) <= set(ids[:64].tolist())
+
+    rows = needed // (DIM * 4)  # EXACT_SGD: a row is its float32 value
+    big = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=rows)
+    assert big.table_stats()["t0"]["cache_capacity"] == rows < 64 * 4
+    ref = module()
+    assert torch.equal(step(big, batch), step(ref, batch))
+    assert torch.equal(step(big, batch), step(ref, batch))  # and again, now that the keys are cached
+
+
+def _dmp_too_small(rank, world):
+    pg = models.rank_groups()[0]
+    # 200 distinct keys per table: ~100 per rank, far more than one bucket.
+    batch = {f: [[k * 13 + 1, k * 13 + 2] for k in range(100)] for f in td.FEATURES}
+    small = td.build("ebc", pg, models.SGD, cache_rows=2 * td.BUCKET)  # one bucket per rank
+    with pytest.raises(RuntimeError, match="cannot hold") as err:
+        small(td.local_kjt(batch, pg))
+    needed = torch.tensor(_needed_bytes(str(err.value), td.TABLES, ranks=world))
+    dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=pg)  # the largest any rank asked for
+
+    fitted = td.build("ebc", pg, models.SGD, caching=True, global_hbm_for_values=int(needed))
+    ref = td.build("ebc", pg, models.SGD)
+    for _ in range(2):
+        assert torch.equal(*td.train(fitted, [batch], pg), *td.train(ref, [batch], pg))
+    td.assert_same_rows(fitted, ref, pg, "fitted cache")
+    return int(needed)
+
+
+def test_dmp_error_names_the_table_and_a_size_that_works():
+    needed = run_ranks(_dmp_too_small, 2)
+    assert needed[0] == needed[1] > 0
