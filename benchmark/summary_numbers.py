@@ -1,0 +1,181 @@
+"""The key numbers of each benchmark's JSON (as its script writes it), for
+the summary (run_all.py), its picture (plot_summary.py) and Markdown tables
+that the README's performance section can show.
+
+Each `key_<name>(data)` takes one script's JSON and returns a small dict of
+numbers in the units their names say (ms, Mkeys/s = 2^20 keys/s, GB/s =
+1e9 bytes/s, ratios as plain floats).
+"""
+from typing import Any, Callable, Dict, List, Optional
+
+MKEYS = float(2**20)
+
+
+def _mkeys(m: Optional[dict]) -> Optional[float]:
+    return None if m is None else m["keys_per_s"] / MKEYS
+
+
+def key_table(d: dict) -> Dict[str, Any]:
+    """Per load factor: the table's rates and lookup+gather vs index_select."""
+    per_lf = []
+    for st in d["stages"]:
+        m = st["measurements"]
+        row = {"load_factor": st["load_factor"],
+               "lookup_hit": _mkeys(m.get("lookup_hit")),
+               "lookup_miss": _mkeys(m.get("lookup_miss")),
+               # LF < 1: new keys into free slots; LF 1: every new key evicts one
+               "insert": _mkeys(m.get("insert_new") or m.get("insert_evict")),
+               "insert_evicts": "insert_evict" in m,
+               "lookup_gather": _mkeys(m.get("lookup_gather")),
+               "index_select": _mkeys(m.get("index_select")),
+               "index_select_same_pages": _mkeys(m.get("index_select_same_pages"))}
+        if row["lookup_gather"] and row["index_select"]:
+            row["gather_ratio"] = row["lookup_gather"] / row["index_select"]
+        per_lf.append(row)
+    s = d.get("summary", {})
+    c = d["config"]
+    return {"slots": c["slots"], "batch": c["batch"], "dim": c.get("dim"), "strategy": c.get("strategy"),
+            "per_load_factor": per_lf,
+            "gather_ratio_min": s.get("gather_ratio_min"), "gather_ratio_target": s.get("gather_ratio_target"),
+            "evict_vs_lookup": s.get("evict_vs_lookup"), "evict_vs_lookup_target": s.get("evict_vs_lookup_target")}
+
+
+def key_embedding(d: dict) -> Dict[str, Any]:
+    """Per optimizer: training step and eval forward, ours vs FBGEMM's TBE."""
+    out = {}
+    for opt, r in d["results"].items():
+        row = {k[:-2] + "_ms": v * 1e3 for k, v in r.items() if k.endswith("_s")}
+        row.update({k: r[k] for k in ("train_ratio", "eval_ratio") if k in r})
+        if "tbe" in r:
+            row["no_tbe"] = r["tbe"]
+        out[opt] = row
+    c = d["config"]
+    return {"layout": c.get("layout"), "batch": c.get("batch"), "pooling": c.get("pooling"),
+            "dim": c.get("dim"), "optimizers": out}
+
+
+def key_torchrec(d: dict) -> Dict[str, Any]:
+    """Per model (dynamic, native, mc): the median step time; the ratios."""
+    models = {}
+    for name, r in d["results"].items():
+        if r.get("status") == "ok":
+            models[name] = {"step_ms": r["median_step_s"] * 1e3, "cpu_ms": r["median_step_cpu_s"] * 1e3,
+                            "samples_per_s": r["samples_per_s"]}
+        else:
+            models[name] = {"status": r.get("status", "n/a"), "reason": r.get("reason")}
+    c = d["config"]
+    return {"models": models, "ratios": d.get("ratios", {}), "targets": d.get("targets", {}),
+            "tables": c.get("tables"), "dim": c.get("dim"), "rows_per_table": c.get("rows_per_table"),
+            "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world")}
+
+
+def key_tiers(d: dict) -> Dict[str, Any]:
+    """Per (backing, prefetch) series: step time relative to the all-in-memory
+    table and hit rate by cache fraction; the file store's gather rate."""
+    series: Dict[str, List[dict]] = {}
+    for s in d["steps"]:
+        name = f"{s['backing']}, prefetch {'on' if s['prefetch'] else 'off'}"
+        series.setdefault(name, []).append({k: s[k] for k in ("cache_fraction", "step_ms", "vs_in_memory",
+                                                              "hit_rate")})
+    for pts in series.values():
+        pts.sort(key=lambda p: -p["cache_fraction"])
+    return {"in_memory_step_ms": d.get("in_memory_step_ms"), "series": series,
+            "file_gather": d.get("file_gather"), "targets": d.get("targets", {})}
+
+
+def key_checkpoint(d: dict) -> Dict[str, Any]:
+    r = d["results"]
+    return {"rows": r["rows"], "dim": d["config"].get("dim"), "world": d["config"].get("world"),
+            "dump_gb_s": r["dump_gb_s"], "save_gb_s": r["save_gb_s"], "load_gb_s": r["load_gb_s"],
+            "dump_s": r["dump_s"], "save_s": r["save_s"], "load_s": r["load_s"],
+            "dump_vs_save": r["dump_vs_save"], "loaded_all": r["loaded_all"]}
+
+
+def key_inference(d: dict) -> Dict[str, Any]:
+    cases = {name: {k: r[k] for k in ("mkeys_per_s", "p50_ms", "p99_ms", "vs_torchrec_int8")}
+             for name, r in d["results"].items()}
+    return {"rows": d["config"].get("rows"), "dim": d["config"].get("dim"), "cases": cases,
+            "memory_mib": {k: v / 2**20 for k, v in d.get("memory_bytes", {}).items()}}
+
+
+KEY_NUMBERS: Dict[str, Callable[[dict], Dict[str, Any]]] = {
+    "table": key_table, "embedding": key_embedding, "torchrec": key_torchrec, "tiers": key_tiers,
+    "checkpoint": key_checkpoint, "inference": key_inference,
+}
+
+
+# ---- Markdown ---------------------------------------------------------------------------------
+
+
+def _f(x: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _md(headers: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "--:" for i in
+                                                              range(len(headers))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def markdown(key: Dict[str, Dict[str, Any]]) -> str:
+    """Markdown tables of the key numbers of the benchmarks present in `key`."""
+    parts = []
+    if "table" in key:
+        k = key["table"]
+        parts.append(f"**Hash table** ({k['slots'] / 2**20:g}M slots, {k['batch'] / 2**20:g}M-key batches, "
+                     f"dim-{k['dim']} float32 rows; Mkeys/s = 2^20 keys/s)\n\n" + _md(
+                         ["load factor", "lookup hit", "lookup miss", "insert", "lookup+gather", "index_select",
+                          "gather / index_select"],
+                         [[f"{r['load_factor']:g}", _f(r["lookup_hit"]), _f(r["lookup_miss"]),
+                           _f(r["insert"]) + (" (evicting)" if r["insert_evicts"] else ""),
+                           _f(r["lookup_gather"]), _f(r["index_select"]),
+                           _f(r.get("gather_ratio"), "{:.2f}")] for r in k["per_load_factor"]]))
+    if "torchrec" in key:
+        k = key["torchrec"]
+        label = {"dynamic": "dynamicemb", "native": "TorchRec FUSED (FBGEMM TBE)",
+                 "mc": "TorchRec managed collision (MCH)"}
+        rows = []
+        for name, m in k["models"].items():
+            rel = (k["models"]["dynamic"]["step_ms"] / m["step_ms"]
+                   if "step_ms" in m and "step_ms" in k["models"].get("dynamic", {}) else None)
+            rows.append([label.get(name, name), _f(m.get("step_ms")), _f(m.get("samples_per_s"), "{:.0f}"),
+                         _f(rel, "{:.2f}") if "step_ms" in m else f"n/a: {m.get('reason')}"])
+        parts.append(f"**Training step, DMP on {k['world']} CPU ranks** ({k['tables']} tables x dim {k['dim']}, "
+                     f"{k['rows_per_table']} rows per table, batch {k['batch']} per rank x {k['pooling']} ids)\n\n"
+                     + _md(["tables", "ms / step", "samples/s", "dynamicemb time / this"], rows))
+    if "embedding" in key:
+        k = key["embedding"]
+        rows = [[opt, _f(r.get("ours_train_ms")), _f(r.get("tbe_train_ms")), _f(r.get("train_ratio"), "{:.2f}"),
+                 _f(r.get("ours_eval_ms")), _f(r.get("tbe_eval_ms")), _f(r.get("eval_ratio"), "{:.2f}")]
+                for opt, r in k["optimizers"].items()]
+        parts.append(f"**Embedding module vs FBGEMM's CPU TBE** ({k['layout']}, batch {k['batch']} x pooling "
+                     f"{k['pooling']}, dim {k['dim']})\n\n" + _md(
+                         ["optimizer", "ours train ms", "TBE train ms", "ratio", "ours eval ms", "TBE eval ms",
+                          "ratio"], rows))
+    if "tiers" in key:
+        k = key["tiers"]
+        rows = [[name, f"{p['cache_fraction']:g}", _f(p["step_ms"]), _f(p["vs_in_memory"], "{:.2f}"),
+                 _f(100 * p["hit_rate"], "{:.1f}%")] for name, pts in k["series"].items() for p in pts]
+        fg = k.get("file_gather") or {}
+        parts.append(f"**Storage tiers** (all in memory: {_f(k['in_memory_step_ms'])} ms / step)\n\n" + _md(
+            ["backing store", "cache fraction", "ms / step", "vs all in memory", "hit rate"], rows)
+            + (f"\n\nFile store gather: {_f(fg.get('rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s, "
+               f"numpy memmap {_f(fg.get('memmap_rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s "
+               f"(ratio {_f(fg.get('ratio'), '{:.2f}')})" if fg else ""))
+    if "inference" in key:
+        k = key["inference"]
+        rows = [[name, _f(c["mkeys_per_s"]), _f(c["p50_ms"], "{:.2f}"), _f(c["p99_ms"], "{:.2f}"),
+                 _f(c["vs_torchrec_int8"], "{:.2f}")] for name, c in k["cases"].items()]
+        parts.append(f"**Inference** (26 tables x {k['rows']} rows x dim {k['dim']}, batch 512 x 10 ids per "
+                     f"feature; Mids/s = 2^20 ids/s)\n\n" + _md(
+                         ["program", "Mids/s", "p50 ms", "p99 ms", "vs TorchRec int8"], rows))
+    if "checkpoint" in key:
+        k = key["checkpoint"]
+        parts.append(f"**Checkpoint** ({k['rows'] / 1e6:g}M rows x dim {k['dim']} with Adam state, "
+                     f"{k['world']} ranks writing in parallel)\n\n" + _md(
+                         ["operation", "seconds", "GB/s"],
+                         [["DynamicEmbDump", _f(k["dump_s"], "{:.2f}"), _f(k["dump_gb_s"], "{:.2f}")],
+                          ["torch.save + fsync, same bytes", _f(k["save_s"], "{:.2f}"),
+                           _f(k["save_gb_s"], "{:.2f}")],
+                          ["DynamicEmbLoad", _f(k["load_s"], "{:.2f}"), _f(k["load_gb_s"], "{:.2f}")]]))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,84 @@
+"""Small JSON payloads shaped as each benchmark script writes them (the
+fields run_all.py and summary_numbers.py read), with chosen numbers, for
+tests of the summary without running a benchmark."""
+
+MKEYS = 2.0**20
+ENV = {"torch": "2.13.0+cpu", "threads": 2, "cpu": "Test CPU", "cpu_count": 2, "git_commit": "abc1234",
+       "date": "2026-01-02T03:04:05+00:00", "loadavg_start": [0.1, 0.1, 0.1]}
+
+
+def _m(mkeys_per_s):
+    return {"n": 1024, "median_s": 1024 / (mkeys_per_s * MKEYS), "keys_per_s": mkeys_per_s * MKEYS,
+            "mkeys_per_s": mkeys_per_s}
+
+
+def table(rates):
+    """rates: {load factor: {measurement name: Mkeys/s}}"""
+    stages = [{"load_factor": lf, "fill": {"load_factor": lf}, "measurements": {k: _m(v) for k, v in ms.items()}}
+              for lf, ms in rates.items()]
+    ratios = {f"{lf:g}": ms["lookup_gather"] / ms["index_select"] for lf, ms in rates.items()}
+    return {"benchmark": "bench_table",
+            "config": {"slots": 1 << 20, "batch": 1 << 16, "dim": 64, "strategy": "TIMESTAMP", **ENV},
+            "stages": stages,
+            "summary": {"gather_ratio": ratios, "gather_ratio_min": min(ratios.values()),
+                        "gather_ratio_target": 0.8, "evict_vs_lookup": 0.5, "evict_vs_lookup_target": 0.5}}
+
+
+def embedding(times_s):
+    """times_s: {optimizer: (ours train, TBE train or None, ours eval, TBE eval or None)}"""
+    results = {}
+    for opt, (ot, tt, oe, te) in times_s.items():
+        r = {"ours_train_s": ot, "ours_eval_s": oe}
+        if tt is None:
+            r["tbe"] = "the CPU TBE has no Adam"
+        else:
+            r.update(tbe_train_s=tt, tbe_eval_s=te, train_ratio=ot / tt, eval_ratio=oe / te)
+        results[opt] = r
+    return {"benchmark": "bench_embedding",
+            "config": {"batch": 4096, "pooling": 10, "dim": 64, "layout": "8 tables x 1000 rows", **ENV},
+            "results": results}
+
+
+def torchrec(step_s, failed=()):
+    """step_s: {model: median step seconds}; models in `failed` are n/a."""
+    results = {}
+    for name, s in step_s.items():
+        if name in failed:
+            results[name] = {"config": None, "status": "n/a", "reason": "rank 0: RuntimeError: boom"}
+        else:
+            results[name] = {"status": "ok", "median_step_s": s, "median_step_cpu_s": s / 2,
+                             "samples_per_s": 2 * 1024 / s, "steps_per_s": 1 / s}
+    ratios = {}
+    if "dynamic" in results and "native" not in failed:
+        ratios["dynamic_over_native_time"] = step_s["dynamic"] / step_s["native"]
+    return {"benchmark": "bench_torchrec",
+            "config": {"tables": 8, "dim": 64, "rows_per_table": 1 << 20, "batch": 1024, "pooling": 10,
+                       "world": 2, **ENV},
+            "results": results, "ratios": ratios, "targets": {"dynamic_over_native_time": "<= 1.3"}}
+
+
+def tiers(points, in_memory_ms=20.0):
+    """points: [(backing, cache fraction, prefetch, step ms, hit rate)]"""
+    steps = [{"backing": b, "cache_fraction": f, "prefetch": p, "step_ms": ms, "vs_in_memory": ms / in_memory_ms,
+              "hit_rate": h} for b, f, p, ms, h in points]
+    return {"steps": steps, "in_memory_step_ms": in_memory_ms,
+            "file_gather": {"rows_per_s": 2.0e6, "memmap_rows_per_s": 1.6e6, "ratio": 1.25}, "targets": {}}
+
+
+def checkpoint(rows, dump_s, save_s, load_s, dump_bytes, plain_bytes):
+    return {"benchmark": "bench_checkpoint", "config": {"rows": rows, "dim": 64, "world": 2, **ENV},
+            "results": {"rows": rows, "dump_bytes": dump_bytes, "plain_bytes": plain_bytes,
+                        "dump_s": dump_s, "save_s": save_s, "load_s": load_s,
+                        "dump_gb_s": dump_bytes / dump_s / 1e9, "save_gb_s": plain_bytes / save_s / 1e9,
+                        "load_gb_s": dump_bytes / load_s / 1e9,
+                        "dump_vs_save": (dump_bytes / dump_s) / (plain_bytes / save_s), "loaded_all": True}}
+
+
+def inference(median_s):
+    """median_s: {case: median batch seconds}; the reference is TorchRec's int8 case."""
+    n_ids = 26 * 512 * 10
+    ref = median_s["torchrec quantized EBC int8 (static)"]
+    results = {k: {"median_s": s, "p50_ms": s * 1e3, "p99_ms": s * 1.5e3, "mkeys_per_s": n_ids / s / MKEYS,
+                   "vs_torchrec_int8": ref / s, "times": [s]} for k, s in median_s.items()}
+    return {"env": ENV, "config": {"rows": 1000, "dim": 64, "repeats": 3}, "results": results,
+            "memory_bytes": {"float32": 2**20, "int8": 2**18}}

@@ -1,0 +1,209 @@
+"""benchmark/run_all.py: merging the benchmarks' JSON into the summary, its
+key numbers and picture (from JSON the tests write; no benchmark runs), and
+the runner's handling of scripts that succeed, fail or do not exist (tiny
+stand-in scripts)."""
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import bench_json_samples as samples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmark")
+sys.path.insert(0, BENCH)
+import run_all  # noqa: E402
+
+MKEYS = 2.0**20
+INF_CASES = {"dynamicemb program float32": 0.010, "dynamicemb program int8": 0.008,
+             "torchrec quantized EBC int8 (static)": 0.0064, "training module eval (float32)": 0.011}
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def write(results, name, payload):
+    with open(os.path.join(results, name), "w") as f:
+        json.dump(payload, f)
+    return payload
+
+
+def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=()):
+    p = {
+        "table": write(results, "bench_table.json", samples.table({
+            0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
+                  "index_select": 25.0, "index_select_same_pages": 32.0},
+            1.0: {"lookup_hit": 40.0, "lookup_miss": 50.0, "insert_evict": 20.0, "lookup_gather": 16.0,
+                  "index_select": 24.0, "index_select_same_pages": 30.0}})),
+        "embedding": write(results, "bench_embedding.json", samples.embedding({
+            "EXACT_SGD": (0.100, 0.125, 0.010, 0.008), "ADAM": (0.150, None, 0.012, None)})),
+        "torchrec": write(results, "bench_torchrec.json", samples.torchrec(
+            {"dynamic": 0.060, "native": 0.050, "mc": 0.240}, failed=failed_models)),
+        "inference": write(results, "inference.json", samples.inference(INF_CASES)),
+    }
+    if with_tiers:
+        p["tiers"] = write(results, "bench_tiers.json", samples.tiers(
+            [(b, f, pf, 20.0 * (1 + (1 - f) * (2 if b == "file" else 1) * (0.5 if pf else 1)), f ** 0.2)
+             for b in ("host", "file") for pf in (False, True) for f in (1.0, 0.5, 0.1)]))
+    if with_checkpoint:
+        p["checkpoint"] = write(results, "bench_checkpoint.json",
+                                samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
+    return p
+
+
+def run_cli(*args):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "run_all.py"), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_from_json_merges_all_benchmarks_and_draws_six_panels(tmp_path):
+    res = str(tmp_path)
+    payloads = all_payloads(res)
+    rc, out = run_cli("--from-json", "--results-dir", res)
+    assert rc == 0, out
+    with open(tmp_path / "summary.json") as f:
+        s = json.load(f)
+
+    # The scripts' JSON, unchanged, and where and when each was measured.
+    assert s["benchmarks"] == payloads
+    assert set(s["runs"]) == set(run_all.NAMES)
+    for name, rec in s["runs"].items():
+        assert rec["status"] == "previous", name
+    assert s["runs"]["table"]["measured"]["git_commit"] == "abc1234"
+    assert s["runs"]["inference"]["measured"]["date"] == samples.ENV["date"]
+    # The machine, versions, commit and command.
+    assert s["env"]["torch"] == torch.__version__
+    assert s["env"]["threads"] == torch.get_num_threads()
+    assert s["env"]["cpu_count"] == os.cpu_count()
+    assert s["env"]["torchrec"] and s["env"]["matplotlib"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert s["commit"] == head.stdout.strip()
+    assert "--from-json" in s["command"] and "run_all.py" in s["command"]
+    assert s["date"][:2] == "20"
+
+    k = s["key_numbers"]
+    t = k["table"]["per_load_factor"]
+    assert [r["load_factor"] for r in t] == [0.5, 1.0]
+    assert t[0]["lookup_hit"] == pytest.approx(60.0) and t[1]["lookup_miss"] == pytest.approx(50.0)
+    assert t[0]["insert"] == pytest.approx(30.0) and not t[0]["insert_evicts"]
+    assert t[1]["insert"] == pytest.approx(20.0) and t[1]["insert_evicts"]
+    assert t[0]["gather_ratio"] == pytest.approx(20 / 25) and t[1]["gather_ratio"] == pytest.approx(16 / 24)
+    assert k["table"]["gather_ratio_min"] == pytest.approx(16 / 24)
+
+    e = k["embedding"]["optimizers"]
+    assert e["EXACT_SGD"]["ours_train_ms"] == pytest.approx(100.0)
+    assert e["EXACT_SGD"]["tbe_eval_ms"] == pytest.approx(8.0)
+    assert e["EXACT_SGD"]["train_ratio"] == pytest.approx(0.8) and e["EXACT_SGD"]["eval_ratio"] == pytest.approx(1.25)
+    assert "train_ratio" not in e["ADAM"] and "no Adam" in e["ADAM"]["no_tbe"]
+
+    m = k["torchrec"]["models"]
+    assert {n: m[n]["step_ms"] for n in m} == pytest.approx({"dynamic": 60.0, "native": 50.0, "mc": 240.0})
+    assert k["torchrec"]["ratios"]["dynamic_over_native_time"] == pytest.approx(1.2)
+
+    series = k["tiers"]["series"]
+    assert set(series) == {"host, prefetch off", "host, prefetch on", "file, prefetch off", "file, prefetch on"}
+    file_off = series["file, prefetch off"]
+    assert [p["cache_fraction"] for p in file_off] == [1.0, 0.5, 0.1]
+    assert [p["vs_in_memory"] for p in file_off] == pytest.approx([1.0, 2.0, 2.8])
+    assert file_off[2]["hit_rate"] == pytest.approx(0.1 ** 0.2)
+    assert k["tiers"]["file_gather"]["ratio"] == 1.25
+
+    c = k["checkpoint"]
+    assert (c["dump_gb_s"], c["save_gb_s"], c["load_gb_s"]) == pytest.approx((0.2, 0.3, 0.8))
+    assert c["dump_vs_save"] == pytest.approx(0.2 / 0.3)
+
+    i = k["inference"]["cases"]
+    assert i["dynamicemb program int8"]["mkeys_per_s"] == pytest.approx(26 * 512 * 10 / 0.008 / MKEYS)
+    assert i["dynamicemb program int8"]["vs_torchrec_int8"] == pytest.approx(0.8)
+
+    # Markdown tables with the same numbers.
+    md = (tmp_path / "summary.md").read_text()
+    assert "| 1 | 40.0 | 50.0 | 20.0 (evicting) | 16.0 | 24.0 | 0.67 |" in md
+    assert "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md
+    assert "| DynamicEmbDump | 2.00 | 0.20 |" in md
+
+    # Six panels, two a row: 16 x (1.2 + 3 x 4.8) inches at 100 dpi.
+    assert png_size(tmp_path / "summary.png") == (1600, 1560)
+    assert "6 panels" in out
+
+
+def test_missing_benchmarks_are_left_out_of_the_picture(tmp_path):
+    res = str(tmp_path)
+    payloads = all_payloads(res, with_tiers=False, with_checkpoint=False, failed_models=("mc",))
+    rc, out = run_cli("--from-json", "--results-dir", res)
+    assert rc == 0, out
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["benchmarks"] == payloads
+    for name in ("tiers", "checkpoint"):
+        assert s["runs"][name]["status"] == "missing" and name not in s["key_numbers"]
+    assert s["key_numbers"]["torchrec"]["models"]["mc"] == {"status": "n/a", "reason": "rank 0: RuntimeError: boom"}
+    assert "n/a: rank 0: RuntimeError: boom" in (tmp_path / "summary.md").read_text()
+    # Four panels: two rows.
+    assert png_size(tmp_path / "summary.png") == (1600, 1080)
+
+
+GOOD = """
+import argparse, json, sys
+sys.path.insert(0, {tests!r})
+import bench_json_samples as samples
+ap = argparse.ArgumentParser(); ap.add_argument("--repeats"); ap.add_argument("--out")
+a = ap.parse_args()
+print("good bench running")
+json.dump(samples.inference({cases!r}), open(a.out, "w"))
+"""
+FAILING = """
+import sys
+print("bad bench: something broke")
+open(sys.argv[sys.argv.index("--out") + 1], "w").write("{{")  # a partial file, then a failure
+sys.exit(3)
+"""
+
+
+def test_runner_reports_failed_and_missing_scripts_and_keeps_running(tmp_path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    res = tmp_path / "results"
+    res.mkdir()
+    (scripts / "good.py").write_text(textwrap.dedent(GOOD.format(tests=os.path.dirname(__file__), cases=INF_CASES)))
+    (scripts / "bad.py").write_text(FAILING.format())
+    stale = write(str(res), "bench_table.json", {"stale": True})  # an earlier run's: not this run's result
+    earlier = write(str(res), "bench_checkpoint.json",
+                    samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
+    benches = [run_all.Bench("table", str(scripts / "bad.py"), [], "bench_table.json"),
+               run_all.Bench("tiers", str(scripts / "not_written_yet.py"), ["--short"], "bench_tiers.json"),
+               run_all.Bench("inference", str(scripts / "good.py"), ["--repeats", "2"], "inference.json"),
+               run_all.Bench("checkpoint", str(scripts / "bad.py"), [], "bench_checkpoint.json")]
+    rc = run_all.main(["--results-dir", str(res), "--only", "table,tiers,inference", "--quiet"], benchmarks=benches)
+    assert rc == 1  # one failed
+
+    s = json.loads((res / "summary.json").read_text())
+    runs = s["runs"]
+    assert runs["table"]["status"] == "failed" and runs["table"]["exit_code"] == 3
+    assert "table" not in s["benchmarks"]  # neither the partial file nor the stale one
+    assert json.loads((res / "bench_table.json").read_text()) == stale
+    assert not (res / "bench_table.json.tmp").exists()
+    assert "something broke" in (res / "logs" / "table.log").read_text()
+    assert runs["tiers"]["status"] == "skipped" and "does not exist" in runs["tiers"]["note"]
+    assert runs["inference"]["status"] == "ok" and runs["inference"]["exit_code"] == 0
+    assert runs["inference"]["wall_s"] >= 0 and runs["inference"]["args"] == ["--repeats", "2"]
+    assert s["benchmarks"]["inference"] == samples.inference(INF_CASES)
+    assert "good bench running" in (res / "logs" / "inference.log").read_text()
+    # Not selected: an earlier run's JSON, merged and marked as such.
+    assert runs["checkpoint"]["status"] == "previous" and s["benchmarks"]["checkpoint"] == earlier
+    assert png_size(res / "summary.png") == (1600, 600)  # inference and checkpoint: one row
+
+    dest = tmp_path / "docs"
+    published = run_all.publish(str(res), str(dest))
+    assert sorted(os.path.basename(p) for p in published) == [
+        "benchmark_summary.json", "benchmark_summary.md", "benchmark_summary.png"]
+    assert (dest / "benchmark_summary.png").read_bytes() == (res / "summary.png").read_bytes()
