@@ -36,13 +36,14 @@ than live rows in a table first copies its live rows into a new generation
 (compaction). The key index lives in memory (about 25 bytes a slot); each
 flush writes it whole (24 bytes a key).
 """
+import contextlib
 import fcntl
 import json
 import mmap
 import os
 import re
 import zlib
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -306,6 +307,16 @@ class FileStore(BackingStore):
         os.makedirs(self.root, exist_ok=True)
         self.bucket_capacity = bucket_capacity
         self._tables: Dict[str, _TableFile] = {}
+        with self._manifest_lock():  # no commit is under way: a crashed one's temporary file goes
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.root, MANIFEST + ".tmp"))
+
+    @contextlib.contextmanager
+    def _manifest_lock(self) -> Iterator[None]:
+        """Orders the commits of the stores sharing the directory (their tables differ)."""
+        with open(os.path.join(self.root, _MANIFEST_LOCK), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            yield
 
     def open_table(self, name, width, dtype, max_rows):
         if not name or os.sep in name or name.startswith("."):
@@ -379,8 +390,7 @@ class FileStore(BackingStore):
         """Names the new snapshots in the manifest (other stores' tables in
         the directory keep theirs; the lock orders concurrent commits)."""
         path = os.path.join(self.root, MANIFEST)
-        with open(os.path.join(self.root, _MANIFEST_LOCK), "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with self._manifest_lock():
             tables = read_manifest(self.root)
             tables.update({name: {"index": seq} for name, seq in seqs.items()})
             tmp = path + ".tmp"

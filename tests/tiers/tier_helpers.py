@@ -71,14 +71,17 @@ def make_store(kind: str, tmp_path=None):
     return DictStore()
 
 
-def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, strategy=None, tables=2):
-    """Two tables; with `store`, each keeps cache_rows rows in its cache."""
+def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, strategy=None, tables=2,
+           storage_path=None):
+    """Two tables; with `store` (or a FileStore in `storage_path`), each
+    keeps cache_rows rows in its cache."""
     width = DIM * (3 if optimizer == EmbOptimType.ADAM else 1) + (1 if optimizer ==
                                                                    EmbOptimType.EXACT_ROWWISE_ADAGRAD else 0)
     extra = {} if strategy is None else {"score_strategy": strategy}
-    opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 15, bucket_capacity=BUCKET, caching=store is not None,
-                                   global_hbm_for_values=cache_rows * width * 4 if store is not None else 0,
-                                   backing_store=store, **extra) for _ in range(tables)]
+    cached = store is not None or storage_path is not None
+    opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 15, bucket_capacity=BUCKET, caching=cached,
+                                   global_hbm_for_values=cache_rows * width * 4 if cached else 0,
+                                   backing_store=store, storage_path=storage_path, **extra) for _ in range(tables)]
     return BatchedDynamicEmbeddingTables(opts, table_names=[f"t{i}" for i in range(tables)], optimizer=optimizer,
                                          learning_rate=0.1, seed=3)
 
