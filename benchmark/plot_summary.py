@@ -101,35 +101,47 @@ def panel_tiers(ax, k: Dict[str, Any]) -> None:
         top = max(top, *y)
         ax.plot(x, y, "-" if name.endswith("on") else "--", marker="o", color=colors.get(backing, OTHER),
                 label=f"step time, {name}")
-    # Hit rates: one line when every series has the same ones (the same cache policy and keys).
+    # Hit rates: one line per group of series with the same ones (e.g. both backings: same cache policy and keys).
     hit = ax.twinx()
-    rates = {name: tuple(round(p["hit_rate"], 3) for p in pts) for name, pts in series.items()}
-    shown = ({"all": next(iter(series.values()))} if len(set(rates.values())) == 1 else series)
-    for name, pts in shown.items():
-        backing = name.split(",")[0]
-        hit.plot([p["cache_fraction"] for p in pts], [100 * p["hit_rate"] for p in pts], ":", marker="x",
-                 color="black" if name == "all" else colors.get(backing, OTHER),
-                 label="hit rate" + ("" if name == "all" else f", {name}"))
+    groups: Dict[tuple, List[str]] = {}
+    for name, pts in series.items():
+        groups.setdefault(tuple(round(p["hit_rate"], 3) for p in pts), []).append(name)
+    for names in groups.values():
+        pts = series[names[0]]
+        backings = {n.split(",")[0] for n in names}
+        prefetch = {n.endswith("on") for n in names}
+        label = "hit rate" + (f", {next(iter(backings))}" if len(backings) == 1 else "") + (
+            f", prefetch {'on' if next(iter(prefetch)) else 'off'}" if len(prefetch) == 1 else "")
+        hit.plot([p["cache_fraction"] for p in pts], [100 * p["hit_rate"] for p in pts],
+                 linestyle=":" if prefetch == {True} else (0, (1, 4)), marker="x" if prefetch == {True} else "+",
+                 color=colors.get(next(iter(backings)), OTHER) if len(backings) == 1 else "black", label=label)
     ax.axhline(1.0, color=OTHER, lw=0.8)
     ax.set_xscale("log")
     fr = sorted({p["cache_fraction"] for pts in series.values() for p in pts})
     ax.set_xticks(fr)
     ax.set_xticklabels([f"{x:g}" for x in fr])
     ax.minorticks_off()
-    ax.set_xlabel("cache size / table size (log scale)")
+    ax.set_xlabel("cache size / rows the run touches per table (log scale)")
     ax.set_ylabel("step time / all-in-memory step time\n(lower is better)")
     ax.set_ylim(0, 1.5 * top)  # room for the legend at the top
     hit.set_ylabel("cache hit rate, % (dotted)")
     hit.set_ylim(0, 150)
     hit.set_yticks(range(0, 101, 20))
-    notes = []
+    lines = ["Storage tiers: a cache in memory over a host or file store"]
+    setup = []
+    if k.get("tables"):
+        setup.append(f"{k['tables']} tables x dim {k['dim']}, batch {k['batch']} x {k['pooling']} ids")
     if k.get("in_memory_step_ms"):
-        notes.append(f"all in memory: {k['in_memory_step_ms']:.1f} ms/step")
+        setup.append(f"all in memory: {k['in_memory_step_ms']:.1f} ms/step")
+    notes = []
+    if k.get("new_share") is not None:
+        notes.append(f"new keys ({100 * k['new_share']:.0f}% of lookups) count as misses")
     fg = k.get("file_gather")
     if fg and fg.get("rows_per_s"):
-        notes.append(f"file store gather {fg['rows_per_s'] / 1e6:.2f} M rows/s, {fg['ratio']:.2f}x numpy memmap")
-    ax.set_title("Storage tiers: a cache in memory in front of a host or file store"
-                 + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=10)
+        notes.append(f"file store gather {fg['rows_per_s'] / 1e6:.1f} M rows/s, numpy.memmap "
+                     f"{fg['memmap_rows_per_s'] / 1e6:.1f}")
+    lines += ["; ".join(x) for x in (setup, notes) if x]
+    ax.set_title("\n".join(lines), fontsize=10)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = hit.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper center", ncol=2)

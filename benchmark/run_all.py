@@ -60,7 +60,7 @@ BENCHMARKS: List[Bench] = [
                                               "--steps", "8", "--warmup", "3"], "bench_embedding.json"),
     Bench("torchrec", "bench_torchrec.py", ["--rows-per-table", str(1 << 20), "--batch", "2048", "--steps", "8",
                                             "--warmup", "3", "--rounds", "2"], "bench_torchrec.json"),
-    Bench("tiers", "bench_tiers.py", ["--short"], "bench_tiers.json"),
+    Bench("tiers", "bench_tiers.py", ["--quick"], "bench_tiers.json"),
     Bench("checkpoint", "bench_checkpoint.py", ["--rows", "2000000"], "bench_checkpoint.json"),
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),
 ]

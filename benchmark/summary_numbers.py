@@ -71,7 +71,8 @@ def key_torchrec(d: dict) -> Dict[str, Any]:
 
 def key_tiers(d: dict) -> Dict[str, Any]:
     """Per (backing, prefetch) series: step time relative to the all-in-memory
-    table and hit rate by cache fraction; the file store's gather rate."""
+    table and hit rate by cache fraction; the file store's gather rate
+    (file_gather["ratio"]: its time over numpy.memmap's)."""
     series: Dict[str, List[dict]] = {}
     for s in d["steps"]:
         name = f"{s['backing']}, prefetch {'on' if s['prefetch'] else 'off'}"
@@ -79,8 +80,15 @@ def key_tiers(d: dict) -> Dict[str, Any]:
                                                               "hit_rate")})
     for pts in series.values():
         pts.sort(key=lambda p: -p["cache_fraction"])
+    c = d.get("config", {})
+    ws = c.get("working_set_rows")
+    new = [s["new_share"] for s in d["steps"] if "new_share" in s]
     return {"in_memory_step_ms": d.get("in_memory_step_ms"), "series": series,
-            "file_gather": d.get("file_gather"), "targets": d.get("targets", {})}
+            "file_gather": d.get("file_gather"), "targets": d.get("targets", {}),
+            "tables": c.get("tables"), "dim": c.get("dim"), "batch": c.get("batch"), "pooling": c.get("pooling"),
+            "optimizer": c.get("optimizer"),
+            "working_set_rows": sum(ws) / len(ws) if isinstance(ws, list) and ws else ws,
+            "new_share": max(new) if new else None}
 
 
 def key_checkpoint(d: dict) -> Dict[str, Any]:
@@ -157,11 +165,17 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
         rows = [[name, f"{p['cache_fraction']:g}", _f(p["step_ms"]), _f(p["vs_in_memory"], "{:.2f}"),
                  _f(100 * p["hit_rate"], "{:.1f}%")] for name, pts in k["series"].items() for p in pts]
         fg = k.get("file_gather") or {}
-        parts.append(f"**Storage tiers** (all in memory: {_f(k['in_memory_step_ms'])} ms / step)\n\n" + _md(
+        setup = (f"{k['tables']} tables x dim {k['dim']}, batch {k['batch']} x {k['pooling']} ids, {k['optimizer']}, "
+                 f"cache fraction of a working set of {k['working_set_rows']:.0f} rows per table; "
+                 if k.get("working_set_rows") else "")
+        new = (f"; new keys, {100 * k['new_share']:.0f}% of the lookups, count as misses"
+               if k.get("new_share") is not None else "")
+        parts.append(f"**Storage tiers** ({setup}all in memory: {_f(k['in_memory_step_ms'])} ms / step{new})\n\n"
+                     + _md(
             ["backing store", "cache fraction", "ms / step", "vs all in memory", "hit rate"], rows)
-            + (f"\n\nFile store gather: {_f(fg.get('rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s, "
-               f"numpy memmap {_f(fg.get('memmap_rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s "
-               f"(ratio {_f(fg.get('ratio'), '{:.2f}')})" if fg else ""))
+            + (f"\n\nFile store gather of rows by position: {_f(fg.get('rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s; "
+               f"numpy.memmap of the same rows: {_f(fg.get('memmap_rows_per_s', 0) / 1e6, '{:.2f}')} M rows/s "
+               f"(time ratio {_f(fg.get('ratio'), '{:.2f}')})" if fg else ""))
     if "inference" in key:
         k = key["inference"]
         rows = [[name, _f(c["mkeys_per_s"]), _f(c["p50_ms"], "{:.2f}"), _f(c["p99_ms"], "{:.2f}"),

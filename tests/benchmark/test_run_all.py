@@ -180,7 +180,7 @@ def test_runner_reports_failed_and_missing_scripts_and_keeps_running(tmp_path):
     earlier = write(str(res), "bench_checkpoint.json",
                     samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
     benches = [run_all.Bench("table", str(scripts / "bad.py"), [], "bench_table.json"),
-               run_all.Bench("tiers", str(scripts / "not_written_yet.py"), ["--short"], "bench_tiers.json"),
+               run_all.Bench("tiers", str(scripts / "not_written_yet.py"), ["--quick"], "bench_tiers.json"),
                run_all.Bench("inference", str(scripts / "good.py"), ["--repeats", "2"], "inference.json"),
                run_all.Bench("checkpoint", str(scripts / "bad.py"), [], "bench_checkpoint.json")]
     rc = run_all.main(["--results-dir", str(res), "--only", "table,tiers,inference", "--quiet"], benchmarks=benches)
