@@ -1,0 +1,119 @@
+"""Checkpoints, incremental dumps and the inference export see every row of a
+cached table, in its cache and in its backing store (a FileStore), against
+an all-in-memory reference trained on the same batches: a cached module's
+dump loads into an all-in-memory one (and back into a cached one) with
+identical rows, optimizer state, scores and counters, and training then goes
+on identically; incremental dumps return the same keys and values; the
+frozen tables give the reference's eval outputs bit for bit."""
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbDump, DynamicEmbLoad
+from dynamicemb import DynamicEmbScoreStrategy as S
+from dynamicemb import EmbOptimType
+from dynamicemb.incremental_dump import incremental_dump
+from dynamicemb.inference import InferenceEmbeddingTable
+from dynamicemb.inference.convert import to_inference
+from dynamicemb.tiers import FileStore
+from tier_helpers import BUCKET, all_rows, batches, module, step
+
+ADAM = EmbOptimType.ADAM
+
+
+def _file_module(root, strategy=S.STEP):
+    return module(ADAM, FileStore(str(root), bucket_capacity=BUCKET), strategy=strategy)
+
+
+def _trained_pair(tmp_path, steps=30, strategy=S.STEP):
+    """(reference, cached) trained alike; the cached one's rows in both tiers."""
+    ref, cached = module(ADAM, strategy=strategy), _file_module(tmp_path / "store", strategy)
+    for i, b in enumerate(batches(steps, seed=7)):
+        if i == steps // 2:
+            cached.flush()  # some rows in the file's committed snapshot, some appended since
+        assert torch.equal(step(cached, b), step(ref, b))
+    stats = cached.table_stats()["t0"]
+    assert stats["cache_rows"] > 0 and stats["store_rows"] > 4 * stats["cache_rows"]
+    return ref, cached
+
+
+def _scores(m, t):
+    return {k: s for b in m.storage.export_rows(t) for k, s in zip(b.keys.tolist(), b.scores.tolist())}
+
+
+def _assert_same_tables(got, want):
+    assert (got.step, got.optimizer_step) == (want.step, want.optimizer_step)
+    for t in range(2):
+        g, w = all_rows(got, t), all_rows(want, t)
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w), f"t{t}"
+        assert _scores(got, t) == _scores(want, t), f"t{t}"
+
+
+def _go_on(a, b, steps=8):
+    for i, batch in enumerate(batches(steps, seed=8)):
+        assert torch.equal(step(a, batch), step(b, batch)), f"step {i}"
+
+
+def test_a_cached_modules_dump_loads_into_an_all_in_memory_one(tmp_path):
+    ref, cached = _trained_pair(tmp_path)
+    DynamicEmbDump(str(tmp_path / "dump"), cached)
+    plain = module(ADAM, strategy=S.STEP)
+    DynamicEmbLoad(str(tmp_path / "dump"), plain)
+    _assert_same_tables(plain, ref)
+    _go_on(plain, ref)
+    _assert_same_tables(plain, ref)
+
+
+def test_dump_and_load_round_trip_through_cached_modules(tmp_path):
+    """reference -> dump -> cached (a fresh FileStore) and cached -> dump ->
+    cached: every row lands in the store, and training goes on as the reference."""
+    ref, cached = _trained_pair(tmp_path)
+    DynamicEmbDump(str(tmp_path / "from_ref"), ref)
+    DynamicEmbDump(str(tmp_path / "from_cached"), cached)
+    for dump in ("from_ref", "from_cached"):
+        fresh = _file_module(tmp_path / f"fresh_{dump}")
+        DynamicEmbLoad(str(tmp_path / dump), fresh)
+        _assert_same_tables(fresh, ref)
+        stats = fresh.table_stats()["t0"]
+        assert stats["cache_rows"] == 0 and stats["store_rows"] == stats["size"] == len(all_rows(ref, 0))
+    _go_on(fresh, ref)  # the last one, and the reference, go on alike
+    _assert_same_tables(fresh, ref)
+    # A load replaces everything a cached module held, in both tiers.
+    DynamicEmbLoad(str(tmp_path / "from_cached"), fresh)
+    plain = module(ADAM, strategy=S.STEP)
+    DynamicEmbLoad(str(tmp_path / "from_cached"), plain)
+    _assert_same_tables(fresh, plain)
+
+
+@pytest.mark.parametrize("strategy", [S.STEP, S.TIMESTAMP])
+def test_incremental_dump_sees_both_tiers(tmp_path, strategy):
+    ref, cached = _trained_pair(tmp_path, strategy=strategy)
+    # The threshold: the next step (STEP), or the clock now (TIMESTAMP: one clock for both modules here).
+    threshold = ref.step + 1 if strategy == S.STEP else ref.storage.now(0)
+    for b in batches(6, seed=9):
+        assert torch.equal(step(cached, b), step(ref, b))
+    got, got_next = incremental_dump(cached, threshold)
+    want, want_next = incremental_dump(ref, threshold)
+    store_keys = {k for keys, _, _ in cached.storage.store.items("t0") for k in keys.tolist()}
+    for name in ("t0", "t1"):
+        g = dict(zip(got[name][0].tolist(), got[name][1]))
+        w = dict(zip(want[name][0].tolist(), want[name][1]))
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w), name
+        assert 0 < len(w) < len(all_rows(ref, 0))
+    cache_keys = set(got["t0"][0].tolist()) - store_keys
+    assert cache_keys and set(got["t0"][0].tolist()) & store_keys  # keys from both tiers
+    if strategy == S.STEP:
+        assert got_next == want_next == {"t0": ref.step + 1, "t1": ref.step + 1}
+
+
+def test_inference_export_reads_both_tiers(tmp_path):
+    ref, cached = _trained_pair(tmp_path)
+    ids = torch.cat([batches(1, seed=7)[0][0][:96], torch.arange(30000, 30032)])  # unseen keys too
+    offsets = torch.arange(0, ids.numel() + 1, 8)
+    ref.eval()
+    want = ref(ids, offsets)
+    assert torch.equal(to_inference(cached)(ids, offsets), want)
+    DynamicEmbDump(str(tmp_path / "dump"), cached)
+    frozen = InferenceEmbeddingTable.from_dump(str(tmp_path / "dump"), mean_divisor="length")
+    assert torch.equal(frozen(ids, offsets), want)
+    cached.eval()
+    assert torch.equal(cached(ids, offsets), want)
