@@ -16,6 +16,8 @@ import torch.distributed as dist
 from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
 
+__all__ = ["get_score", "incremental_dump", "set_score"]
+
 _S = DynamicEmbScoreStrategy
 _CLOCKED = (int(_S.TIMESTAMP), int(_S.NO_EVICTION), TIMESTAMP_LFU)
 

@@ -24,6 +24,8 @@ from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacit
 from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
 
+__all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
+
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # Hash table bytes per slot: key (8), score (8), digest (1), epoch (1).
 _TABLE_BYTES_PER_SLOT = 18

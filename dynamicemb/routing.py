@@ -11,6 +11,8 @@ import torch
 
 from dynamicemb._ops import ops
 
+__all__ = ["owners"]
+
 # Rule codes of route_rules.h.
 ROUTE_BLOCK = 0  # TorchRec's native row-wise rule (for native tables routed alongside)
 DIST_TYPES = {"hash_roundrobin": 1, "roundrobin": 2, "continuous": 3}

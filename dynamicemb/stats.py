@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 
+__all__ = ["dynamic_modules", "table_stats"]
+
 STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected")
 # Tables with caching=True also report their tiers: forward lookups found in
 # the cache (hits) or not (misses), cache rows written back to the backing
