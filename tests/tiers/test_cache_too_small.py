@@ -48,7 +48,7 @@ def test_module_error_names_the_table_and_a_size_that_works():
 
 
 def _dmp_too_small(rank, world):
-    pg = models.rank_groups()[0]
+    pg = dist.group.WORLD
     # 200 distinct keys per table: ~100 per rank, far more than one bucket.
     batch = {f: [[k * 13 + 1, k * 13 + 2] for k in range(100)] for f in td.FEATURES}
     small = td.build("ebc", pg, models.SGD, cache_rows=2 * td.BUCKET)  # one bucket per rank

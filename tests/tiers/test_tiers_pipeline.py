@@ -4,8 +4,8 @@ prefetch stage that also runs on CPU). The pipeline prefetches batch i+1
 between the forward and the backward of batch i; our lookups pass that to
 the kernel, which moves the batch's rows from the backing store into the
 cache. Step by step the pipeline gives what a plain loop over all-in-memory
-tables gives (logits, dense parameters, rows and optimizer state), on 1 and 2
-ranks, EBC and EC, SGD and Adam; and every forward lookup of a key stored
+tables gives (logits, dense parameters, rows and optimizer state), EBC on 1
+and 2 ranks, EC on 2, SGD and Adam; and every forward lookup of a key stored
 before was a cache hit: the only misses are new keys."""
 import pytest
 import torch
@@ -45,9 +45,9 @@ def _pipeline_equals_plain_loop(rank, world, optimizer):
     fused = td.OPTIMIZERS[optimizer]
     lookups = _lookups()
     checked = []
-    for pg in models.rank_groups():
+    for pg in td.process_groups():
         batches = _batches(pg)
-        for kind in ("ebc", "ec"):
+        for kind in ("ebc", "ec") if pg.size() > 1 else ("ebc",):  # EC: the same kernel path
             what = f"{kind}/{optimizer}/{pg.size()} ranks"
             ref, opt = _build(kind, pg, fused)
             ref_logits = []
@@ -84,4 +84,4 @@ def _pipeline_equals_plain_loop(rank, world, optimizer):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_prefetch_pipeline_trains_as_all_in_memory(optimizer):
     checked = run_ranks(_pipeline_equals_plain_loop, 2, optimizer)
-    assert checked[0] == checked[1] and len(checked[0]) == 4
+    assert len(checked[0]) == 3 and checked[1] == checked[0][:2]  # rank 0 also ran the 1-rank models

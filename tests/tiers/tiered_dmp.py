@@ -50,6 +50,14 @@ def local_cache_rows(fused_params, rows: int, world: int) -> int:
     return per_rank // BUCKET * BUCKET
 
 
+def process_groups() -> List[dist.ProcessGroup]:
+    """The groups a 2-rank run trains its models on: the world, then, on
+    rank 0 only, a 1-rank group (rank 1 has finished its collectives by
+    then, so the 1-rank models are trained once, not on both ranks)."""
+    world, own = models.rank_groups()
+    return [world] + ([own] if dist.get_rank() == 0 else [])
+
+
 def configs(kind: str):
     if kind == "ec":
         return models.ec_configs(TABLES, dim=DIM, num_embeddings=KEYS)
