@@ -111,3 +111,27 @@ def dotted_references(text: str) -> List[str]:
         for span in re.findall(r"`([^`]+)`", line):
             found += re.findall(r"(?<![\w/.])dynamicemb(?:\.[A-Za-z_]\w*)+", span)
     return found
+
+
+def heading_anchors(text: str) -> set:
+    """The anchors GitHub gives the headings: lower case, punctuation but
+    '-' and '_' dropped, spaces to '-', repeats numbered (-1, -2, ...)."""
+    seen, anchors = {}, set()
+    for _, line, in_code in _lines_outside_code(text):
+        h = None if in_code else _HEADING.match(line)
+        if h is None:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", h.group(2).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def local_links(text: str) -> list:
+    """(anchor) of every [text](#anchor) link outside code blocks."""
+    found = []
+    for _, line, in_code in _lines_outside_code(text):
+        if not in_code:
+            found += re.findall(r"\]\(#([^)\s]+)\)", line)
+    return found

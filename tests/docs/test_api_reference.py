@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dynamicemb
-from markdown_doc import dotted_references, reference_entries
+from markdown_doc import dotted_references, heading_anchors, local_links, reference_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "DynamicEmb_APIs.md"
@@ -232,3 +232,10 @@ def test_dotted_references_resolve(doc):
     refs = dotted_references(doc.read_text())
     bad = sorted({r for r in refs if not _resolves(r)})
     assert not bad, f"{doc.name} names what does not exist: {bad}"
+
+
+@pytest.mark.parametrize("doc", [API, README], ids=lambda p: p.name)
+def test_links_within_the_doc_resolve(doc):
+    text = doc.read_text()
+    bad = sorted(set(local_links(text)) - heading_anchors(text))
+    assert not bad, f"{doc.name} links to headings it does not have: {bad}"
