@@ -299,9 +299,21 @@ class CachedStorage(HashTableStorage):
         state = self.store.load_state(self.names[t])
         if not state:
             return
+        saved, layout = state.get("layout"), self._layout(t)
+        if saved is not None and saved != layout:
+            raise ValueError(
+                f"table {self.names[t]!r}: its backing store holds this rank's rows of the table sharded over "
+                f"{saved['num_shards']} ranks by {saved['dist_type']!r}; the table is now sharded over "
+                f"{layout['num_shards']} by {layout['dist_type']!r}, so keys would be looked up on ranks that do "
+                f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
+                f"DynamicEmbLoad (any world size)")
         self.custom_scores[t] = int(state.get("custom_score", 0))
         if self.strategy(t) in (int(_S.TIMESTAMP), int(_S.NO_EVICTION)) and "clock" in state:
             self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
+
+    def _layout(self, t: int) -> dict:
+        """Which of a table's keys this rank's store holds."""
+        return {"num_shards": self.options[t].num_shards, "dist_type": self.options[t].dist_type}
 
     def saved_state(self) -> Optional[dict]:
         for t in range(self.num_tables):
@@ -327,7 +339,7 @@ class CachedStorage(HashTableStorage):
                 self.tier_counters[t, 3] += self.store.put(self.names[t], b.keys.cpu(), rows.cpu(), b.scores.cpu())
             HashTableStorage.clear_table(self, t)
             self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
-                                                  "clock": self.now(t)})
+                                                  "clock": self.now(t), "layout": self._layout(t)})
         self.store.flush()
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dynamicemb import DynamicEmbScoreStrategy as S
-from dynamicemb import EmbOptimType
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
 from dynamicemb.tiers import FileStore
 from dynamicemb.tiers import file_store as fs
 from tier_helpers import BUCKET, batches, module, step
@@ -328,3 +328,19 @@ def test_a_reopened_module_resumes_its_counters(tmp_path, strategy):
     m.storage.store.close()
     m2 = module(EmbOptimType.ADAM, FileStore(str(tmp_path), bucket_capacity=BUCKET), strategy=strategy)
     assert (m2.step, m2.optimizer_step, m2.storage.custom_scores) == (3, 3, [41, 41])
+
+
+def test_a_store_reopened_by_another_sharding_is_refused(tmp_path):
+    """A rank's store holds the keys routed to it: reopening it with another
+    number of shards (or routing) would look keys up on the wrong ranks."""
+    opts = dict(dim=4, max_capacity=4096, bucket_capacity=BUCKET, caching=True, global_hbm_for_values=512 * 4 * 4)
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
+    step(m, (torch.arange(100), torch.tensor([0, 100])))
+    m.flush()
+    m.storage.store.close()
+    for other in (dict(num_shards=2), dict(dist_type="roundrobin")):
+        with pytest.raises(ValueError, match=r"table 't'.*sharded over 1 ranks by 'hash_roundrobin'.*DynamicEmbDump"):
+            BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts, **other)],
+                                          ["t"])
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
+    assert m.table_stats()["t"]["size"] == 100
