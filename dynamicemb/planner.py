@@ -23,6 +23,7 @@ from dynamicemb.optimizer import EmbOptimType, optimizer_code
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
 from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
+from dynamicemb.tiers.cache import cache_rows
 
 __all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
 
@@ -108,9 +109,11 @@ class DynamicEmbeddingShardingPlanner:
 
     def dynamic_bytes_per_rank(self) -> Dict[str, int]:
         """Our storage estimate of each dynamic table on one rank: values and
-        optimizer state at max_capacity plus the hash table. Needs the tables'
+        optimizer state at max_capacity plus the hash table (a cached table:
+        its cache and backing store, see _tier_bytes). Needs the tables'
         optimizers: call after plan() (or give the planner `optimizer=`)."""
-        return {n: self._value_bytes(n) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+        return {n: sum(self._tier_bytes(n)) if o.caching else
+                self._value_bytes(n) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
 
     def _value_bytes(self, name: str) -> int:
         o = self.options[name]
@@ -120,16 +123,35 @@ class DynamicEmbeddingShardingPlanner:
                                f"plan() or collective_plan() ran; pass optimizer= to estimate before that")
         return get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, optimizer, o.training)
 
+    def _tier_bytes(self, name: str) -> Tuple[int, int]:
+        """(device, host) bytes per rank of a caching=True table: its cache
+        (rows of values and optimizer state, and their hash table) on the
+        device; its backing store's key index (a hash table plus a row
+        position per slot) and, for the host store, its rows in host memory.
+        A file store's rows are on disk and a user's store is its own."""
+        o = self.options[name]
+        row = self._value_bytes(name) // o.max_capacity
+        cached = cache_rows(o, row, 1)
+        device = cached * (row + _TABLE_BYTES_PER_SLOT)
+        if o.backing_store is not None:
+            return device, 0
+        index = o.max_capacity * (_TABLE_BYTES_PER_SLOT + 8)
+        return device, index + (0 if o.storage_path is not None else self._value_bytes(name))
+
     def _reserve_dynamic_storage(self) -> None:
         """Takes our tables' bytes out of every rank's budget (as it was
         before any reservation): on a CUDA topology the hash tables and the
         values that fit global_hbm_for_values from HBM, the other values (the
-        host tier) from DDR."""
+        host tier) from DDR; a cached table's cache from HBM and its backing
+        store from DDR (see _tier_bytes)."""
         on_device = self._topology.compute_device == "cuda"
         hbm = ddr = 0
         for n, o in self.options.items():
             values, table = self._value_bytes(n), o.max_capacity * _TABLE_BYTES_PER_SLOT
-            if not on_device:
+            if o.caching:
+                cache, store = self._tier_bytes(n)
+                hbm, ddr = (hbm + cache, ddr + store) if on_device else (hbm, ddr + cache + store)
+            elif not on_device:
                 ddr += values + table
             elif o.values_on_device(values):
                 hbm += values + table

@@ -23,6 +23,7 @@ from dynamicemb.planner import (
     get_table_value_bytes,
 )
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
+from dynamicemb.tiers import HostStore
 
 HUGE = 2**40
 WORLD = 4
@@ -262,6 +263,35 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
     for d in planner._topology.devices:
         assert hbm - d.storage.hbm == 3 * table + 2 * values
         assert ddr - d.storage.ddr == values
+
+
+def test_cached_tables_charge_their_cache_to_hbm_and_their_store_to_ddr(tmp_path):
+    """caching=True: the device holds the cache (its rows of values and
+    optimizer state, in whole buckets, and their hash table); host memory the
+    backing store's key index (18 bytes of hash table and an 8-byte row
+    position per slot at max_capacity) plus, for the host store, every row.
+    A file store's rows are on disk; a user's store object is not ours."""
+    names = ["host_table", "file_table", "user_table"]
+    configs = models.ebc_configs(names, dim=16, num_embeddings=4096)
+    world, rows = 2, get_sharded_table_capacity(4096, 2)
+    row_bytes = get_table_value_bytes(1, 16)
+    cache = 256  # rows per rank: two buckets
+    common = dict(caching=True, global_hbm_for_values=world * cache * row_bytes + world * 7)  # rounds down
+    constraints = {**models.dynamic_constraints(["host_table"], **common),
+                   **models.dynamic_constraints(["file_table"], storage_path=str(tmp_path), **common),
+                   **models.dynamic_constraints(["user_table"], backing_store=HostStore(), **common)}
+    hbm, ddr = 2**40, 2**41
+    planner = DynamicEmbeddingShardingPlanner(configs, constraints=constraints,
+                                              topology=Topology(world_size=world, compute_device="cuda",
+                                                                hbm_cap=hbm, ddr_cap=ddr))
+    planner.plan(_ebc(configs), _sharders())
+    device = cache * (row_bytes + 18)
+    index = rows * (18 + 8)
+    for d in planner._topology.devices:
+        assert hbm - d.storage.hbm == 3 * device
+        assert ddr - d.storage.ddr == (index + rows * row_bytes) + index
+    assert planner.dynamic_bytes_per_rank() == {"host_table": device + index + rows * row_bytes,
+                                                "file_table": device + index, "user_table": device}
 
 
 def test_host_tier_refusals_name_the_table():
