@@ -43,7 +43,7 @@ import mmap
 import os
 import re
 import zlib
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from safetensors import safe_open
@@ -215,17 +215,19 @@ class _TableFile:
         self.seq, self.generation, self.rows = seq, gen, rows
         self.committed_state = meta.get("state")
 
-    def _remove_stale(self) -> None:
+    def _remove_stale(self, listing: Optional[List[str]] = None) -> None:
         """Removes the table's snapshots and generations that are not current
-        (superseded, or left by a crash before their commit)."""
+        (superseded, or left by a crash before their commit); `listing`: the
+        directory's files, when known."""
         pattern = re.compile(re.escape(self.name) + r"\.(rows|index)\.(\d+)(\.safetensors)?")
-        for f in os.listdir(self.root):
+        for f in os.listdir(self.root) if listing is None else listing:
             m = pattern.fullmatch(f)
             if m is None or (m.group(1) == "rows") == bool(m.group(3)):
                 continue
             keep = self.generation if m.group(1) == "rows" else self.seq
             if int(m.group(2)) != keep:
-                os.remove(os.path.join(self.root, f))
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.root, f))
 
     # ---- rows ----------------------------------------------------------------------------------
 
@@ -262,11 +264,11 @@ class _TableFile:
         self._pending = (seq, state)
         return seq
 
-    def committed(self) -> None:
+    def committed(self, listing: List[str]) -> None:
         """The snapshot written last is committed: the ones before go."""
         self.seq, self.committed_state = self._pending
         self.state = None
-        self._remove_stale()
+        self._remove_stale(listing)
 
     def _compact(self) -> None:
         """The live rows into a new generation's file, in the order of their
@@ -383,8 +385,9 @@ class FileStore(BackingStore):
         seqs = {t.name: t.write_snapshot() for t in tables}
         fsync_dir(self.root)  # the new files' entries before the manifest names them
         self._commit(seqs)
+        listing = os.listdir(self.root)
         for t in tables:
-            t.committed()
+            t.committed(listing)
 
     def _commit(self, seqs: Dict[str, int]) -> None:
         """Names the new snapshots in the manifest (other stores' tables in
