@@ -147,34 +147,24 @@ def tbe_inputs(rows: ClickRows, feature_names):
     return rows.dense, ids[present], torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
 
 
-# Runs in a fresh process: loads the exported program and serves the saved batch.
+# Runs in a fresh process: loads the exported program, serves the saved requests.
 SERVE = r"""
 import sys, time, torch
 import dynamicemb  # registers the lookup op
 program = torch.export.load(sys.argv[1]).module()
-inputs = torch.load(sys.argv[2])
+requests = torch.load(sys.argv[2])
 start = time.perf_counter()
 with torch.no_grad():
-    logits = program(*inputs)
+    answers = [program(*r) for r in requests]
 ms = (time.perf_counter() - start) * 1e3
-torch.save(logits, sys.argv[3])
+torch.save(answers, sys.argv[3])
 assert "torchrec" not in sys.modules, "serving imported torchrec"
-print(f"served {logits.numel()} samples in {ms:.1f} ms (imports: torch, dynamicemb)")
+sizes = " + ".join(str(a.numel()) for a in answers)
+print(f"served {sizes} samples in {ms:.1f} ms in a fresh process (imports: torch, dynamicemb)")
 """
 
 
-# ---- one rank's job ------------------------------------------------------------------------------
-
-
-def check_close(what: str, err: float, device, tol: float = 1e-4) -> float:
-    """Rank 0's largest prediction difference `err`, checked on every rank
-    (so that a failure ends every rank, not one)."""
-    t = torch.tensor([err], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    err = t.item()
-    if not err <= tol:
-        raise SystemExit(f"[check failed] {what}: predictions differ by up to {err:.3g} (tolerance {tol})")
-    return err
+# ---- helpers of one rank's job --------------------------------------------------------------------
 
 
 def quiet():
@@ -185,25 +175,26 @@ def quiet():
     logging.disable(logging.WARNING)
 
 
+def fail(message: str):
+    """Ends this rank; rank 0 says why."""
+    raise SystemExit(f"[check failed] {message}" if dist.get_rank() == 0 else 1)
+
+
+def check_close(what: str, err: float, device, tol: float = 1e-4) -> float:
+    """Rank 0's largest prediction difference `err`, checked on every rank
+    (so that a failure ends every rank, not one)."""
+    t = torch.tensor([err], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    err = t.item()
+    if not err <= tol:
+        fail(f"{what}: predictions differ by up to {err:.3g} (tolerance {tol})")
+    return err
+
+
 def all_gather(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
     out = [torch.empty_like(t) for _ in range(pg.size())]
     dist.all_gather(out, t.contiguous(), group=pg)
     return torch.stack(out)
-
-
-def evaluate(model, rows: ClickRows, batches: int, pg: dist.ProcessGroup, device) -> torch.Tensor:
-    """Logits of the first `batches` global batches of `rows` (in their
-    order), the ranks of `pg` each predicting their share of every batch."""
-    per_rank = len(rows) // batches // pg.size()
-    me = dist.get_rank(pg)
-    logits = []
-    model.eval()
-    with torch.no_grad():
-        for b in range(batches):
-            start = (b * pg.size() + me) * per_rank
-            _, (_, out, _) = model(rows.take(torch.arange(start, start + per_rank)).batch().to(device))
-            logits.append(out)
-    return all_gather(torch.stack(logits), pg).transpose(0, 1).reshape(-1).cpu()  # [batch, rank, sample]
 
 
 def binary_auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -212,170 +203,259 @@ def binary_auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def table_totals(stats: dict) -> dict:
+    """Sums over table_stats' tables, and the largest table."""
     total = {k: sum(s[k] for s in stats.values()) for k in ("size", "capacity", "evicted", "failed")}
-    total["largest"] = max(stats, key=lambda t: stats[t]["size"])
+    largest = max(stats, key=lambda t: stats[t]["size"])
+    total["largest"] = f"{largest}: {stats[largest]['size']:,}"
     return total
 
 
-def run(args) -> None:
+def table_grid(stats: dict, columns: int = 4) -> str:
+    """Rows / evicted rows of every table that got ids, a few tables per line."""
+    by_slot = sorted(stats.items(), key=lambda x: SPARSE_FEATURES.index(x[0][2:]))
+    cells = [f"{t:<6}{s['size']:>8,} /{s['evicted']:>8,}" for t, s in by_slot if s["inserted"]]
+    lines = ["  " + "   ".join(cells[i:i + columns]) for i in range(0, len(cells), columns)]
+    empty = [t for t, s in by_slot if not s["inserted"]]
+    return "\n".join(lines + ([f"  no ids: {', '.join(empty)}"] if empty else []))
+
+
+class Job:
+    """One rank's view of the run: process group, device, data, printing."""
+
+    def __init__(self, args):
+        from tqdm import tqdm
+        self.args = args
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda: no CUDA device")
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))  # the ranks share the machine's cores
+        # On GPUs, gloo beside nccl carries the collectives on CPU tensors (gathering rows for export).
+        dist.init_process_group("cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo")
+        self.pg = dist.GroupMember.WORLD
+        self.say = tqdm.write if self.rank == 0 else (lambda *_: None)
+
+        self.B = args.batch_size
+        self.G = self.B * self.world  # samples per step, over all ranks
+        train_samples, eval_samples = args.steps * self.G, args.eval_batches * self.G
+        max_rows = args.max_rows or -(-train_samples * 10 // 9) + eval_samples  # one epoch + the held-out share
+        self.data = open_log(args.kind, args.path, train_samples, eval_samples, args.seed, max_rows, EVAL_FRACTION)
+        self.eval_batches = min(args.eval_batches, len(self.data.eval) // self.G)
+        if self.eval_batches < 1:
+            raise SystemExit(f"{self.data.name}: {len(self.data.eval)} held-out samples, fewer than one global "
+                             f"batch ({self.G})")
+        self.eval_rows = self.data.eval.take(torch.arange(self.eval_batches * self.G))
+
+    def evaluate(self, model, pg: dist.ProcessGroup) -> torch.Tensor:
+        """Logits of the held-out samples (in their order), each global batch
+        split over the ranks of `pg`."""
+        per_rank, rest = divmod(self.G, pg.size())
+        assert rest == 0, f"a batch of {self.G} does not split over {pg.size()} ranks"
+        me = dist.get_rank(pg)
+        logits = []
+        model.eval()
+        with torch.no_grad():
+            for b in range(self.eval_batches):
+                start = b * self.G + me * per_rank
+                rows = self.eval_rows.take(torch.arange(start, start + per_rank))
+                _, (_, out, _) = model(rows.batch().to(self.device))
+                logits.append(out)
+        return all_gather(torch.stack(logits), pg).transpose(0, 1).reshape(-1).cpu()  # [batch, rank, sample]
+
+
+# ---- the stages ------------------------------------------------------------------------------------
+
+
+def train(job: Job, model):
+    """--steps steps with TrainPipelineSparseDist. Returns the model (its own
+    forward back), the AUC of the last metrics window, the seconds taken and
+    the tables' scores before the last --delta-steps steps."""
     from torchmetrics.classification import BinaryAUROC
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from tqdm import tqdm
 
-    from dynamicemb import DynamicEmbDump, DynamicEmbLoad, table_stats
-    from dynamicemb.incremental_dump import get_score, incremental_dump
-    from dynamicemb.inference import to_inference
+    from dynamicemb import table_stats
+    from dynamicemb.incremental_dump import get_score
 
-    quiet()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))  # the ranks share the machine's cores
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    pg = dist.GroupMember.WORLD
-    say = tqdm.write if rank == 0 else (lambda *_: None)
-    t0 = time.perf_counter()
-
-    B, G = args.batch_size, args.batch_size * world
-    train_samples, eval_samples = args.steps * G, args.eval_batches * G
-    max_rows = args.max_rows or -(-train_samples * 10 // 9) + eval_samples
-    data = open_log(args.kind, args.path, train_samples, eval_samples, args.seed, max_rows, EVAL_FRACTION)
-    eval_batches = min(args.eval_batches, len(data.eval) // G)
-    if eval_batches < 1:
-        raise SystemExit(f"{data.name}: {len(data.eval)} held-out samples, fewer than one batch ({G})")
-    eval_rows = data.eval.take(torch.arange(eval_batches * G))
-    feature_labels = "".join(f", {f} = {what}" for f, what in data.labels.items())
-    size = f"{data.train_size:,} training samples" if data.train_size else "unbounded"
-    say(f"[data] {data.name}: {size}, {len(eval_rows):,} held out{feature_labels}")
-
-    torch.manual_seed(args.seed)  # the same dense initial weights on every rank
-    model = shard(dlrm(args.dim, device), pg, device, -(-args.capacity // world))
+    args, G, B = job.args, job.G, job.B
     dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     optimizer = torch.optim.Adam(dense_params, lr=1e-3)  # the dense layers; the tables update themselves
-    pipeline = TrainPipelineSparseDist(model, optimizer, device)
-    say(f"[model] DLRM, {len(SPARSE_FEATURES) - len(NATIVE_FEATURES)} dynamic tables (up to {args.capacity:,} rows "
-        f"each), {len(NATIVE_FEATURES)} native tables ({NATIVE_ROWS} rows), dim {args.dim}; {world} rank(s) on "
-        f"{device.type} ({dist.get_backend()}), {B} samples per rank and step")
-
-    # ---- 2. train -------------------------------------------------------------------------------
-    batches = (data.train(step * G + rank * B, B).batch() for step in range(args.steps))
-    auc = BinaryAUROC().to(device)  # over the steps since the last metrics line, all ranks (synced on compute)
-    loss_sum, since, window_auc = torch.zeros((), device=device), None, float("nan")
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
-    t_train = time.perf_counter()
+    pipeline = TrainPipelineSparseDist(model, optimizer, job.device)
+    batches = (job.data.train(step * G + job.rank * B, B).batch() for step in range(args.steps))
+    auc = BinaryAUROC().to(job.device)  # since the last metrics line, all ranks (synced by compute())
+    loss_sum, since, window_auc = torch.zeros((), device=job.device), None, float("nan")
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=job.rank != 0, dynamic_ncols=True,
+               mininterval=0.5)
+    start = time.perf_counter()
     for step in range(args.steps):
-        if step == args.steps - args.delta_steps:  # rows trained from the next step on have a higher score
+        if step == args.steps - args.delta_steps:  # rows trained from here on get a higher score
             since = {t: s + 1 for t, s in get_score(model).items()}
         loss, logits, labels = pipeline.progress(batches)
         auc.update(logits, labels.long())
         loss_sum += loss
         bar.update()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            n = (step % args.log_every) + 1
             dist.all_reduce(loss_sum)
             window_auc = auc.compute().item()
-            s = table_totals(table_stats(model, pg))
-            say(f"step {step + 1:>6}/{args.steps} | loss {loss_sum.item() / world / n:.4f} | auc {window_auc:.4f} "
-                f"| rows {s['size']:,} (largest {s['largest']}) | evicted {s['evicted']:,} | failed {s['failed']:,}")
+            s = table_totals(table_stats(model, job.pg))
+            loss = loss_sum.item() / job.world / (step % args.log_every + 1)
+            job.say(f"step {step + 1:>6}/{args.steps} | loss {loss:.4f} | auc {window_auc:.4f} "
+                    f"| rows {s['size']:,} (largest {s['largest']}) "
+                    f"| evicted {s['evicted']:,} | failed {s['failed']:,}")
             auc.reset()
             loss_sum.zero_()
     bar.close()
-    train_s = time.perf_counter() - t_train
-    model = pipeline.detach()  # the model's own forward back, for eval
+    seconds = time.perf_counter() - start
+    job.say(f"[tables] rows / evicted rows per dynamic table, over all ranks:\n"
+            f"{table_grid(table_stats(model, job.pg))}")
+    return pipeline.detach(), window_auc, seconds, since
 
-    # ---- 3. evaluate ----------------------------------------------------------------------------
-    before = table_totals(table_stats(model, pg))
-    logits = evaluate(model, eval_rows, eval_batches, pg, device)
-    eval_auc = binary_auc(logits, eval_rows.labels)
-    after = table_totals(table_stats(model, pg))
-    say(f"[eval] AUC {eval_auc:.4f} on {len(eval_rows):,} held-out samples "
-        f"(rows inserted by eval: {after['size'] - before['size']})")
 
-    # ---- 4. checkpoint: dynamic tables (DynamicEmbDump) + dense part and native tables (DCP) -----
-    ckpt = os.path.join(args.out, "checkpoint")
-    if rank == 0:
-        shutil.rmtree(os.path.join(ckpt, "dense"), ignore_errors=True)
+def checkpoint(job: Job, model) -> str:
+    """Dynamic tables with DynamicEmbDump, the rest (dense layers, native
+    tables) with torch.distributed.checkpoint; every rank writes its part."""
+    from dynamicemb import DynamicEmbDump
+    path = os.path.join(job.args.out, "checkpoint")
+    if job.rank == 0:
+        shutil.rmtree(os.path.join(path, "dense"), ignore_errors=True)  # DCP writes into a folder as it is
     dist.barrier()
-    DynamicEmbDump(os.path.join(ckpt, "dynamic"), model, allow_overwrite=True)
-    dcp.save(model.state_dict(), checkpoint_id=os.path.join(ckpt, "dense"))
-    say(f"[checkpoint] {ckpt}: dynamic/ (DynamicEmbDump, {world} shards), dense/ (torch.distributed.checkpoint)")
+    DynamicEmbDump(os.path.join(path, "dynamic"), model, allow_overwrite=True)  # atomic: all or nothing
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(path, "dense"))
+    job.say(f"[checkpoint] {path}: dynamic/ (DynamicEmbDump), dense/ (torch.distributed.checkpoint), written by "
+            f"{job.world} rank(s) in parallel")
+    return path
 
-    # ---- 5. load it on another number of ranks, evaluate again ----------------------------------
-    new_world = max(1, world // 2)
-    sub = dist.new_group(list(range(new_world)))
-    reload_err = 0.0
-    if rank < new_world:
-        # Every row now lives on fewer ranks; a load never drops a key (it fails loudly), so give
-        # the tables room for all of them and headroom for buckets filling unevenly.
-        rows = 2 * -(-args.capacity // new_world)
-        torch.manual_seed(args.seed + 1)  # different initial weights: the checkpoint must overwrite them all
-        reloaded = shard(dlrm(args.dim, device), sub, device, rows)
-        DynamicEmbLoad(os.path.join(ckpt, "dynamic"), reloaded, pg=sub)
-        state = reloaded.state_dict()
-        dcp.load(state, checkpoint_id=os.path.join(ckpt, "dense"), process_group=sub)
-        reloaded.load_state_dict(state)
-        again = evaluate(reloaded, eval_rows, eval_batches, sub, device)
-        reload_err = (again - logits).abs().max().item()
-        del reloaded
-    err = check_close(f"the checkpoint loaded on {new_world} rank(s)", reload_err, device)
-    say(f"[reload] on {new_world} rank(s): same predictions (max |logit difference| {err:.1e})")
 
-    # ---- 6. incremental dump: the rows trained in the last --delta-steps steps ---------------------
-    delta, _ = incremental_dump(model, since, pg=pg)  # every rank gets every rank's rows
-    fed = {f"t_{f}": [] for f in SPARSE_FEATURES}
-    for step in range(args.steps - args.delta_steps, args.steps):
-        rows_ = data.train(step * G, G)
-        for j, f in enumerate(SPARSE_FEATURES):
-            fed[f"t_{f}"].append(rows_.ids[:, j][rows_.present[:, j]])
+def reload(job: Job, path: str, logits: torch.Tensor):
+    """Loads the checkpoint into the model sharded over fewer ranks (half,
+    or 1), evaluates it and checks it predicts `logits`. Returns (ranks, the
+    largest logit difference)."""
+    from dynamicemb import DynamicEmbLoad, get_sharded_table_capacity
+    args = job.args
+    ranks = job.world // 2 if job.world % 2 == 0 else 1  # divides the global batch
+    sub = dist.new_group(list(range(ranks)))  # collective: every rank takes part
+    err = 0.0
+    if job.rank < ranks:
+        # Every row now lives on fewer ranks; a load never drops a key (it fails loudly), so the
+        # tables get room for all of them and headroom for buckets that fill unevenly.
+        rows_per_rank = 2 * get_sharded_table_capacity(args.capacity, ranks)
+        torch.manual_seed(args.seed + 1)  # other initial weights: the checkpoint must overwrite them all
+        model = shard(dlrm(args.dim, job.device), sub, job.device, rows_per_rank)
+        DynamicEmbLoad(os.path.join(path, "dynamic"), model, pg=sub)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=os.path.join(path, "dense"), process_group=sub)  # reshards
+        model.load_state_dict(state)
+        err = (job.evaluate(model, sub) - logits).abs().max().item()
+    err = check_close(f"the checkpoint loaded on {ranks} rank(s)", err, job.device)
+    job.say(f"[reload] on {ranks} rank(s): same predictions (max |logit difference| {err:.1e})")
+    return ranks, err
+
+
+def delta_dump(job: Job, model, since: dict):
+    """incremental_dump: the rows trained since `since` (the last
+    --delta-steps steps), checked against the ids those steps fed."""
+    from dynamicemb.incremental_dump import incremental_dump
+    args = job.args
+    delta, _ = incremental_dump(model, since, pg=job.pg)  # every rank gets every rank's rows
+    first = args.steps - args.delta_steps
+    fed = ClickRows.concat([job.data.train(step * job.G, job.G) for step in range(first, args.steps)])
     for t, (keys, _) in delta.items():
-        if not torch.isin(keys, torch.cat(fed[t])).all():
-            raise SystemExit(f"[check failed] incremental dump of {t}: holds keys not trained in the last "
-                             f"{args.delta_steps} steps")
-    delta_rows = sum(k.numel() for k, _ in delta.values())
-    if rank == 0:
-        torch.save({t: (k, v) for t, (k, v) in delta.items()}, os.path.join(args.out, "delta.pt"))
-    say(f"[delta] {delta_rows:,} rows trained in the last {args.delta_steps} steps "
-        f"({delta_rows / max(1, after['size']):.0%} of all rows): {os.path.join(args.out, 'delta.pt')}")
+        j = SPARSE_FEATURES.index(t[2:])
+        if not torch.isin(keys, fed.ids[:, j][fed.present[:, j]]).all():
+            fail(f"the incremental dump of {t} holds keys not trained in the last {args.delta_steps} steps")
+    rows = sum(k.numel() for k, _ in delta.values())
+    path = os.path.join(args.out, "delta.pt")
+    if job.rank == 0:
+        torch.save(delta, path)
+    job.say(f"[delta] {path}: {rows:,} rows trained in the last {args.delta_steps} steps")
+    return path, rows
 
-    # ---- 7. export for serving, serve a batch in a fresh process -----------------------------
-    served = to_inference(model)  # collective: every rank gets the whole model, its tables frozen
-    program_path = os.path.join(args.out, "model.pt2")
-    serve_err = 0.0
-    if rank == 0:
+
+def export_and_serve(job: Job, model, logits: torch.Tensor):
+    """Freezes the model for serving (to_inference: collective), exports it
+    (rank 0), serves two requests (a batch, a single sample) in a fresh
+    process and checks the answers equal eval's. Returns (path, largest
+    logit difference)."""
+    from dynamicemb.inference import to_inference
+    served = to_inference(model)  # every rank gets the whole model, its tables frozen
+    path = os.path.join(job.args.out, "model.pt2")
+    err = 0.0
+    if job.rank == 0:
         served = ServedDLRM(served.model).cpu().eval()
-        batch = tbe_inputs(eval_rows.take(torch.arange(G)), served.feature_names)
-        D = torch.export.Dim("batch", min=1)
-        shapes = ({0: D}, {0: torch.export.Dim("ids", min=0)}, {0: served.F * D + 1})
-        torch.export.save(torch.export.export(served, batch, dynamic_shapes=shapes), program_path)
-        inputs, outputs = os.path.join(args.out, "serve_input.pt"), os.path.join(args.out, "serve_output.pt")
-        torch.save(batch, inputs)
-        res = subprocess.run([sys.executable, "-c", SERVE, program_path, inputs, outputs], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+        n = len(job.eval_rows)
+        requests = [tbe_inputs(job.eval_rows.take(torch.arange(job.G)), served.feature_names),
+                    tbe_inputs(job.eval_rows.take(torch.tensor([n - 1])), served.feature_names)]
+        batch = torch.export.Dim("batch", min=1)
+        shapes = ({0: batch}, {0: torch.export.Dim("ids", min=0)}, {0: served.F * batch + 1})
+        # Size-oblivious shapes, as dynamicemb.inference's own export: else export guards the batch size
+        # away from 1, and a single-sample request would not run.
+        from torch.fx.experimental import _config as fx_config
+        with fx_config.patch(backed_size_oblivious=True):
+            program = torch.export.export(served, requests[0], dynamic_shapes=shapes)
+        torch.export.save(program, path)
+        inputs, outputs = os.path.join(job.args.out, "requests.pt"), os.path.join(job.args.out, "answers.pt")
+        torch.save(requests, inputs)
+        res = subprocess.run([sys.executable, "-c", SERVE, path, inputs, outputs], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
         if res.returncode != 0:
-            raise SystemExit(f"[check failed] serving in a fresh process:\n{res.stderr}")
-        serve_err = (torch.load(outputs) - logits[:G]).abs().max().item()
-        say(f"[serve] {program_path}: {res.stdout.strip()}")
-    err_served = check_close("the exported program served in a fresh process", serve_err, device)
+            fail(f"serving in a fresh process:\n{res.stderr}")
+        answers = torch.load(outputs)
+        err = max((answers[0] - logits[:job.G]).abs().max().item(), (answers[1] - logits[-1:]).abs().max().item())
+        job.say(f"[serve] {path}: {res.stdout.strip()}")
+    err = check_close("the exported program served in a fresh process", err, job.device)
+    return path, err
 
-    # ---- summary --------------------------------------------------------------------------------
-    stats = table_totals(table_stats(model, pg))
-    say(f"\n[summary] {args.steps} steps x {G} samples on {world} rank(s) in {train_s:.0f} s "
-        f"(whole run {time.perf_counter() - t0:.0f} s)\n"
-        f"  eval AUC      {eval_auc:.4f} ({len(eval_rows):,} held-out samples; training, last window: "
-        f"{window_auc:.4f})\n"
+
+def run(args) -> None:
+    """One rank's job (see the module's doc)."""
+    from dynamicemb import get_sharded_table_capacity, table_stats
+    quiet()
+    job = Job(args)
+    start = time.perf_counter()
+    data, say = job.data, job.say
+    trained = args.steps * job.G
+    if data.train_size is None:
+        size = f"{trained:,} training samples, then {len(job.eval_rows):,} held out"
+    else:
+        size = (f"{data.train_size:,} training samples ({trained / data.train_size:.1f} epochs), the latest "
+                f"{len(job.eval_rows):,} held out")
+    say(f"[data] {data.name}: {size}" + "".join(f"; {f} = {what}" for f, what in data.labels.items()))
+
+    torch.manual_seed(args.seed)  # the same dense initial weights on every rank
+    model = shard(dlrm(args.dim, job.device), job.pg, job.device, get_sharded_table_capacity(args.capacity, job.world))
+    say(f"[model] DLRM, {len(SPARSE_FEATURES) - len(NATIVE_FEATURES)} dynamic tables (up to {args.capacity:,} rows "
+        f"each), {len(NATIVE_FEATURES)} native tables ({NATIVE_ROWS} rows), dim {args.dim}; {job.world} rank(s) on "
+        f"{job.device.type} ({dist.get_backend()}), {job.B} samples per rank and step")
+
+    model, train_auc, train_s, since = train(job, model)
+
+    before = table_totals(table_stats(model, job.pg))["size"]
+    logits = job.evaluate(model, job.pg)
+    eval_auc = binary_auc(logits, job.eval_rows.labels)
+    stats = table_totals(table_stats(model, job.pg))
+    if stats["size"] != before:
+        fail(f"evaluation inserted {stats['size'] - before} rows")
+    say(f"[eval] AUC {eval_auc:.4f} on {len(logits):,} held-out samples (no row inserted)")
+
+    ckpt = checkpoint(job, model)
+    reload_ranks, reload_err = reload(job, ckpt, logits)
+    delta_path, delta_rows = delta_dump(job, model, since)
+    program, serve_err = export_and_serve(job, model, logits)
+
+    say(f"\n[summary] {args.steps} steps x {job.G} samples on {job.world} rank(s): training {train_s:.0f} s, "
+        f"whole run {time.perf_counter() - start:.0f} s\n"
+        f"  eval AUC      {eval_auc:.4f} ({len(logits):,} held-out samples; training, last window: {train_auc:.4f})\n"
         f"  rows          {stats['size']:,} in {len(SPARSE_FEATURES) - len(NATIVE_FEATURES)} dynamic tables "
         f"(capacity {stats['capacity']:,}), {stats['evicted']:,} evicted, {stats['failed']:,} failed inserts\n"
-        f"  checkpoint    {ckpt} (reloaded on {new_world} rank(s): max |logit difference| {err:.1e})\n"
-        f"  delta         {os.path.join(args.out, 'delta.pt')} ({delta_rows:,} rows)\n"
-        f"  program       {program_path} (served in a fresh process: max |logit difference| {err_served:.1e})")
+        f"  checkpoint    {ckpt} (reloaded on {reload_ranks} rank(s): max |logit difference| {reload_err:.1e})\n"
+        f"  delta         {delta_path} ({delta_rows:,} rows)\n"
+        f"  program       {program} (served in a fresh process: max |logit difference| {serve_err:.1e})")
     dist.destroy_process_group()
 
 
@@ -397,7 +477,10 @@ def main(argv=None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, start_method="spawn")
+    try:
+        mp.start_processes(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, start_method="spawn")
+    except mp.ProcessExitedException as e:  # a failed check: the rank said why
+        raise SystemExit(f"[example] {e}") from None
 
 
 if __name__ == "__main__":
