@@ -33,8 +33,10 @@ class KeyIndex:
     def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(found, positions, scores) of the keys (-1 / 0 where missing)."""
         slots, found = self.ht.lookup(keys)
-        safe = slots.clamp(min=0)
-        return found, torch.where(found, self.pos[safe], -1), torch.where(found, self.ht.slot_scores[safe], 0)
+        safe, missing = slots.clamp(min=0), ~found
+        # index_select: several times faster than advanced indexing on the CPU
+        pos = self.pos.index_select(0, safe).masked_fill_(missing, -1)
+        return found, pos, self.ht.slot_scores.index_select(0, safe).masked_fill_(missing, 0)
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Removes the keys; returns the positions they held (-1: absent)."""
