@@ -117,13 +117,17 @@ def run_one(b: Bench, results_dir: str, timeout: float, echo: bool = True) -> Di
                              start_new_session=True)
         pump = threading.Thread(target=_pump, args=(p.stdout, log, echo), daemon=True)
         pump.start()
+        timed_out = False
         try:
             rc = p.wait(timeout=timeout)
-            timed_out = False
         except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:  # Ctrl-C: the script's session does not get the terminal's signal
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+        if timed_out:
             os.killpg(p.pid, signal.SIGKILL)
             rc = p.wait()
-            timed_out = True
         pump.join(timeout=10)
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
     rec["exit_code"] = rc

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -207,3 +208,37 @@ def test_runner_reports_failed_and_missing_scripts_and_keeps_running(tmp_path):
     assert sorted(os.path.basename(p) for p in published) == [
         "benchmark_summary.json", "benchmark_summary.md", "benchmark_summary.png"]
     assert (dest / "benchmark_summary.png").read_bytes() == (res / "summary.png").read_bytes()
+
+
+HANGING = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # like a spawned rank
+open({pid_file!r}, "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_script_past_the_timeout_is_ended_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING.format(pid_file=str(pid_file)))
+    rec = run_all.run_one(run_all.Bench("table", str(script), [], "bench_table.json"), str(tmp_path), timeout=3.0,
+                          echo=False)
+    assert rec["status"] == "failed" and "timed out after 3 s" in rec["note"]
+    assert 3.0 <= rec["wall_s"] < 30
+    assert pid_file.exists(), "the script did not start its child within the timeout"
+    child = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is asynchronous
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+    assert not (tmp_path / "bench_table.json").exists()
