@@ -336,8 +336,9 @@ class FileStore(BackingStore):
     def read(self, name, keys):
         t = self._table(name)
         found, pos, scores = t.index.find(keys)
+        at = found.nonzero().squeeze(1)
         out = torch.zeros(keys.numel(), t.width, dtype=t.dtype)
-        out[found] = t.gather(pos[found])
+        out.index_copy_(0, at, t.gather(pos.index_select(0, at)))
         return found, out, scores
 
     def take(self, name, keys):
