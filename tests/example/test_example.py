@@ -58,7 +58,7 @@ def test_example_runs_end_to_end(tmp_path, kind):
 
     assert _number(r"\[reload\] on 1 rank\(s\): same predictions \(max \|logit difference\| (\S+)\)", text) <= 1e-4
     assert _number(r"served in a fresh process: max \|logit difference\| (\S+)\)", text) <= 1e-4
-    assert re.search(r"\[serve\] .*model\.pt2: served \d+ samples", text)
+    assert re.search(r"\[serve\] .*model\.pt2: served \d+ \+ 1 samples .* in a fresh process", text)
     auc = _number(r"eval AUC\s+(\S+)", text)
     if kind == "generated":
         assert auc > 0.6, text  # the hidden model's signal was learnt
