@@ -7,7 +7,7 @@ machine and the commit.
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import matplotlib
 
@@ -27,7 +27,8 @@ def figure_size_px(n_panels: int) -> Tuple[int, int]:
     return round(WIDTH_IN * DPI), round((HEAD_IN + ROW_IN * rows) * DPI)
 
 
-def _label_bars(ax, bars, texts, inside=False):
+def _label_bars(ax, bars, texts):
+    """Each text above its bar (bars of zero height get none)."""
     for b, t in zip(bars, texts):
         if b.get_width() > 0 and b.get_height() > 0 and t:
             ax.annotate(t, (b.get_x() + b.get_width() / 2, b.get_height()), xytext=(0, 3),
@@ -68,7 +69,8 @@ def panel_table(ax, k: Dict[str, Any]) -> None:
 
 
 def panel_torchrec(ax, k: Dict[str, Any]) -> None:
-    labels = {"dynamic": "dynamicemb", "native": "TorchRec FUSED\n(FBGEMM TBE)", "mc": "TorchRec managed\ncollision (MCH)"}
+    labels = {"dynamic": "dynamicemb", "native": "TorchRec FUSED\n(FBGEMM TBE)",
+              "mc": "TorchRec managed\ncollision (MCH)"}
     names = list(k["models"])
     ms = [k["models"][n].get("step_ms", 0.0) for n in names]
     bars = ax.bar([labels.get(n, n) for n in names], ms, color=[OURS if n == "dynamic" else THEIRS for n in names])
@@ -223,12 +225,14 @@ def _title(summary: Dict[str, Any]) -> str:
     dirty = " (with uncommitted changes)" if summary.get("git_dirty") and ran_now else ""
     line1 = (f"dynamicemb benchmarks (short settings): {e.get('cpu', '?')}, {e.get('cpu_count', '?')} CPUs, "
              f"{e.get('threads', '?')} threads")
-    line2 = (f"torch {e.get('torch', '?')}, torchrec {e.get('torchrec', '?')}, "
-             f"fbgemm-gpu-cpu {e.get('fbgemm-gpu-cpu', e.get('fbgemm-gpu', '?'))}; commit {', '.join(map(str, commits))}"
-             f"{dirty}; {' to '.join([dates[0], dates[-1]] if len(dates) > 1 else dates)}")
+    fbgemm = e.get("fbgemm-gpu-cpu", e.get("fbgemm-gpu", "?"))
+    when = " to ".join([dates[0], dates[-1]] if len(dates) > 1 else dates)
+    line2 = (f"torch {e.get('torch', '?')}, torchrec {e.get('torchrec', '?')}, fbgemm-gpu-cpu {fbgemm}; "
+             f"commit {', '.join(map(str, commits))}{dirty}; {when}")
     loads = [m["loadavg_start"][0] for m in measured if m.get("loadavg_start")]
     if loads and max(loads) > 0.5:
-        line2 += f"\nload average before the runs up to {max(loads):.1f}: other processes were running, timings are noisy"
+        line2 += (f"\nload average before the runs up to {max(loads):.1f}: other processes were running, "
+                  "timings are noisy")
     return line1 + "\n" + line2
 
 
@@ -251,8 +255,9 @@ def draw(summary: Dict[str, Any], path: str) -> List[str]:
     title = _title(summary)
     missing = [n for n, r in summary.get("runs", {}).items() if n not in key]
     if missing:
+        bad = summary.get("key_number_errors", {})
         title += "\nnot shown (no results): " + ", ".join(
-            f"{n} ({summary['runs'][n].get('status', '?')})" for n in missing)
+            f"{n} ({'unexpected JSON' if n in bad else summary['runs'][n].get('status', '?')})" for n in missing)
     title += ("\nblue: dynamicemb;  orange: the baseline it is compared with "
               "(torch.index_select, TorchRec, FBGEMM, torch.save)")
     fig.suptitle(title, fontsize=11)

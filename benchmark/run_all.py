@@ -13,7 +13,9 @@ results/logs/<name>.log (and to the terminal). A script that fails or runs
 past --timeout is reported and the others still run; the exit status is
 nonzero if any failed. A script that does not exist (yet) is skipped with a
 note. The summary merges the JSON of this run's benchmarks and, for the ones
-not selected by --only, the JSON left by earlier runs (marked "previous").
+not selected by --only, the JSON left by earlier runs (marked "previous",
+with the record of the run that wrote it when the summary being replaced has
+it: --from-json keeps wall times and exit statuses).
 
 summary.json: {"command", "date", "commit", "git_dirty", "env" (CPU,
 threads, versions), "runs" ({name: status, exit code, wall seconds, args}),
@@ -181,12 +183,27 @@ def measured(data: dict) -> Dict[str, Any]:
     return {k: e[k] for k in ("git_commit", "date", "loadavg_start", "threads") if e.get(k) is not None}
 
 
+def _earlier_runs(results_dir: str) -> Dict[str, Dict[str, Any]]:
+    """The run records of the summary already in results_dir (none if there is none or it is unreadable)."""
+    try:
+        with open(os.path.join(results_dir, "summary.json")) as f:
+            prev = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    runs = prev.get("runs", {})
+    for rec in runs.values():
+        if rec.get("status") == "ok":
+            rec.setdefault("command", prev.get("command"))
+    return runs
+
+
 def merge(results_dir: str, benchmarks: Sequence[Bench], runs: Dict[str, Dict[str, Any]],
           command: str) -> Dict[str, Any]:
     """The summary: this run's records, every benchmark's JSON that is valid
     for it (this run's, or an earlier run's for benchmarks not run now) and
     their key numbers."""
     merged, key, errors = {}, {}, {}
+    earlier = _earlier_runs(results_dir)
     for b in benchmarks:
         rec = runs.setdefault(b.name, {"status": "not run"})
         path = os.path.join(results_dir, b.json_name)
@@ -197,10 +214,16 @@ def merge(results_dir: str, benchmarks: Sequence[Bench], runs: Dict[str, Dict[st
             continue
         with open(path) as f:
             data = json.load(f)
-        if rec["status"] == "not run":
-            rec["status"] = "previous"  # an earlier run's JSON
         rec["json"] = _show(path)
         rec["measured"] = measured(data)
+        if rec["status"] == "not run":
+            rec["status"] = "previous"  # an earlier run's JSON
+            # The record of the run that wrote it (wall time, exit status, arguments), from the last summary.
+            prev = earlier.get(b.name, {})
+            prev_run = prev.get("previous_run") if prev.get("status") == "previous" else prev
+            if prev.get("measured") == rec["measured"] and prev_run:
+                rec["previous_run"] = {k: prev_run[k] for k in ("args", "wall_s", "exit_code", "log", "command")
+                                       if k in prev_run}
         merged[b.name] = data
         try:
             key[b.name] = KEY_NUMBERS[b.name](data)
@@ -284,7 +307,8 @@ def main(argv: Optional[Sequence[str]] = None, benchmarks: Sequence[Bench] = BEN
 
     print()
     for name, rec in summary["runs"].items():
-        wall = f"{rec['wall_s']:6.0f} s" if "wall_s" in rec else " " * 8
+        wall_s = rec.get("wall_s", rec.get("previous_run", {}).get("wall_s"))
+        wall = f"{wall_s:6.0f} s" if wall_s is not None else " " * 8
         print(f"  {name:<11} {rec['status']:<9} {wall}  {rec.get('note', '')}")
     print(f"wrote {_show(os.path.join(results_dir, 'summary.json'))}, summary.md and "
           f"summary.png ({len(panels)} panels: {', '.join(panels)})")

@@ -177,7 +177,9 @@ def test_runner_reports_failed_and_missing_scripts_and_keeps_running(tmp_path):
     res.mkdir()
     (scripts / "good.py").write_text(textwrap.dedent(GOOD.format(tests=os.path.dirname(__file__), cases=INF_CASES)))
     (scripts / "bad.py").write_text(FAILING.format())
-    stale = write(str(res), "bench_table.json", {"stale": True})  # an earlier run's: not this run's result
+    stale = write(str(res), "bench_table.json", samples.table({  # an earlier run's: not this run's result
+        1.0: {"lookup_hit": 1.0, "lookup_miss": 1.0, "insert_evict": 1.0, "lookup_gather": 1.0, "index_select": 1.0,
+              "index_select_same_pages": 1.0}}))
     earlier = write(str(res), "bench_checkpoint.json",
                     samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
     benches = [run_all.Bench("table", str(scripts / "bad.py"), [], "bench_table.json"),
@@ -202,6 +204,17 @@ def test_runner_reports_failed_and_missing_scripts_and_keeps_running(tmp_path):
     # Not selected: an earlier run's JSON, merged and marked as such.
     assert runs["checkpoint"]["status"] == "previous" and s["benchmarks"]["checkpoint"] == earlier
     assert png_size(res / "summary.png") == (1600, 600)  # inference and checkpoint: one row
+
+    # A redraw keeps the record of the run that wrote each JSON, also over several redraws.
+    for _ in range(2):
+        assert run_all.main(["--results-dir", str(res), "--from-json"], benchmarks=benches) == 0
+        again = json.loads((res / "summary.json").read_text())
+        inf = again["runs"]["inference"]
+        assert inf["status"] == "previous" and inf["previous_run"]["wall_s"] == runs["inference"]["wall_s"]
+        assert inf["previous_run"]["exit_code"] == 0 and inf["previous_run"]["args"] == ["--repeats", "2"]
+        assert "--only" in inf["previous_run"]["command"]
+        assert "previous_run" not in again["runs"]["checkpoint"]  # no record of the run that wrote it
+        assert again["runs"]["table"]["status"] == "previous" and again["benchmarks"]["table"] == stale
 
     dest = tmp_path / "docs"
     published = run_all.publish(str(res), str(dest))
@@ -242,3 +255,13 @@ def test_a_script_past_the_timeout_is_ended_with_the_processes_it_started(tmp_pa
         time.sleep(0.1)
     assert not _alive(child)
     assert not (tmp_path / "bench_table.json").exists()
+
+
+def test_a_json_without_the_expected_fields_is_reported_and_left_out(tmp_path):
+    all_payloads(str(tmp_path), with_tiers=False)
+    write(str(tmp_path), "bench_checkpoint.json", {"benchmark": "bench_checkpoint", "config": {}})
+    assert run_all.main(["--results-dir", str(tmp_path), "--from-json"]) == 1
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["key_number_errors"] == {"checkpoint": "KeyError: 'results'"}
+    assert "checkpoint" not in s["key_numbers"] and "table" in s["key_numbers"]
+    assert png_size(tmp_path / "summary.png") == (1600, 1080)  # the four others
