@@ -38,9 +38,13 @@ import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from _common import env_info, write_json  # noqa: E402
+from plot_summary import draw  # noqa: E402
 from summary_numbers import KEY_NUMBERS, markdown  # noqa: E402
 
 
@@ -163,9 +167,6 @@ def _git(*args: str) -> Optional[str]:
 
 def env() -> Dict[str, Any]:
     """The machine and versions (benchmark/_common.env_info plus the libraries compared against)."""
-    import torch
-    from _common import env_info
-
     info = env_info(torch.device("cpu"))
     for k in ("git_commit", "date", "loadavg_start"):  # per benchmark in its own JSON; the summary has its own
         info.pop(k, None)
@@ -297,9 +298,6 @@ def main(argv: Optional[Sequence[str]] = None, benchmarks: Sequence[Bench] = BEN
         print(f"[run_all] all ran in {time.perf_counter() - t_all:.0f} s", flush=True)
 
     summary = merge(results_dir, benchmarks, runs, command)
-    from _common import write_json
-    from plot_summary import draw
-
     write_json(os.path.join(results_dir, "summary.json"), summary)
     with open(os.path.join(results_dir, "summary.md"), "w") as f:
         f.write(markdown(summary["key_numbers"]))
