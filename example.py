@@ -5,7 +5,7 @@ dynamic embedding tables, trained, checkpointed, resharded and served.
     bash scripts/dev.sh example --data criteo PATH       # Criteo TSV (Kaggle train.txt, Terabyte day_N[.gz])
     bash scripts/dev.sh example --data movielens PATH    # MovieLens ratings.dat (1m, 10m) / ratings.csv (20m, 25m)
     torchrun --nproc-per-node 2 example.py               # the same job under torchrun (any env:// launcher)
-    python example.py --device cuda --nproc 8            # GPUs, nccl
+    python example.py --device cuda --nproc 8            # GPUs (nccl; gloo for CPU tensors)
 
 Every rank:
   1. builds TorchRec's DLRM (13 dense, 26 sparse features): 22 sparse features
@@ -18,13 +18,14 @@ Every rank:
   3. evaluates on held-out samples (AUC);
   4. checkpoints: DynamicEmbDump (dynamic tables, every rank its shard) and
      torch.distributed.checkpoint (dense layers, native tables);
-  5. loads the checkpoint into the model sharded over half as many ranks and
-     checks that it predicts the same;
+  5. loads the checkpoint into the model sharded over half as many ranks (1
+     from an odd number) and checks that it predicts the same;
   6. takes an incremental dump: the rows trained in the last --delta-steps steps;
   7. exports the model for serving (dynamicemb.inference + torch.export),
      serves a batch in a fresh process that imports only torch and
      dynamicemb, and checks that it predicts what eval did.
-A failed check ends the run with an error.
+A failed check ends the run with an error. On several hosts, --out must be
+a folder every rank can read and write.
 """
 import argparse
 import logging
@@ -53,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--data", nargs="+", default=["generated"], metavar=("KIND", "PATH"),
                    help="generated (default), criteo PATH or movielens PATH")
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (a GPU per rank)")
     p.add_argument("--steps", type=int, default=600, help="training steps")
     p.add_argument("--batch-size", type=int, default=512, help="samples per rank and step")
     p.add_argument("--eval-batches", type=int, default=10, help="held-out batches (of batch-size x ranks)")
@@ -122,7 +123,7 @@ def shard(module: nn.Module, pg: dist.ProcessGroup, device: torch.device, rows_p
 
 class ServedDLRM(nn.Module):
     """DLRM's forward over frozen tables, on plain tensors (so that serving
-    needs neither torchrec nor fbgemm): dense [B, 13] and ids in TBE layout
+    needs no torchrec): dense [B, 13] and ids in TBE layout
     (values, offsets [26 B + 1], features in `feature_names` order) -> logits [B]."""
 
     def __init__(self, model: nn.Module):  # DLRM, its EBC replaced by to_inference
@@ -227,9 +228,11 @@ class Job:
         self.args = args
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if args.device == "cuda":
-            if not torch.cuda.is_available():
-                raise SystemExit("--device cuda: no CUDA device")
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if local_rank >= torch.cuda.device_count():
+                raise SystemExit(f"--device cuda: local rank {local_rank} has no GPU "
+                                 f"({torch.cuda.device_count()} on this host)")
+            self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")

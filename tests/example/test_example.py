@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
 from example_data import NUM_DENSE, SPARSE_FEATURES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHORT = ["--steps", "40", "--batch-size", "256", "--log-every", "20", "--delta-steps", "10", "--eval-batches", "4"]
 
