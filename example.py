@@ -72,6 +72,9 @@ def parse_args(argv=None):
     if kind not in ("generated", "criteo", "movielens") or len(args.data) != (1 if kind == "generated" else 2):
         p.error("--data takes 'generated', 'criteo PATH' or 'movielens PATH'")
     args.kind, args.path = kind, (args.data[1] if len(args.data) > 1 else None)
+    for flag in ("nproc", "steps", "batch_size", "eval_batches", "log_every", "delta_steps", "capacity", "dim"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.delta_steps >= args.steps:
         p.error(f"--delta-steps ({args.delta_steps}) must be below --steps ({args.steps})")
     return args
