@@ -197,6 +197,13 @@ class ScoredHashTable:
 
     # ---- operations ----------------------------------------------------------------
 
+    def hold(self, indices: torch.Tensor) -> None:
+        """Begins an insert call that holds the slots at ``indices`` as if it
+        had placed them (it never evicts them; their scores are untouched).
+        Continue the call with ``insert(..., same_call=True)``."""
+        epoch = self._next_epoch()
+        self.slot_epochs[indices] = epoch
+
     def lookup(self, keys: torch.Tensor, table_ids=None, update_score: bool = False,
                scores: Scores = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """(indices, found): the slot of each key, -1 where missing. With

@@ -13,7 +13,7 @@ call) and their scores are restored afterwards. A table without caching in
 the same module keeps its usual behaviour (its evicted keys are gone).
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,8 @@ _S = DynamicEmbScoreStrategy
 TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows")
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
 _PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come
+# A forward's keys by kind (found in the cache, missed and stored, new) -> tier_counters' columns.
+_KIND_TO_COUNTERS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 1]], dtype=torch.int64)
 
 
 def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
@@ -69,43 +71,42 @@ class CachedStorage(HashTableStorage):
                 self._resume(t)
         # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
         self.tier_counters = torch.zeros(self.num_tables, 5, dtype=torch.int64)
-        self._forward_pins: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self._prefetch_pins: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # Per group: whether its tables are cached (a group's tables all are
+        # or none is) and its tables' ids; per table, a cache's first slot
+        # (the cache never grows: its slots stay put).
+        self._group_cached = [self.cached[tables[0]] for _, tables in self.groups]
+        self._group_tables = [torch.tensor(tables, dtype=torch.int64) for _, tables in self.groups]
+        self._cache_begin = [int(self._slot_begin[g][lt]) for g, lt in self.group_of]
+        self._forward_pins: List[Dict[int, torch.Tensor]] = []
+        self._prefetch_pins: List[Dict[int, torch.Tensor]] = []
+        self._step_slots: Dict[int, torch.Tensor] = {}  # per group, the slots of the running forward's keys
 
     # ---- pins ------------------------------------------------------------------------------
+    # A pin is {group: slots of that group's cache}: the slots of a forward's
+    # keys until its backward, of a prefetched batch's cached keys until its
+    # forward. A pinned key is never evicted (every insert into a cache holds
+    # the pinned slots) and the cache never grows, so its slot stays its own.
 
-    def _pinned(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
-        """This group's pinned (keys, local table ids) that are not among `keys`."""
-        pins = self._forward_pins + self._prefetch_pins
-        if not pins:
-            return None
-        pk = torch.cat([k for k, _ in pins])
-        pt = torch.cat([t for _, t in pins])
-        _, tables = self.groups[g]
-        out_k, out_t = [], []
-        for lt, t in enumerate(tables):
-            if not self.cached[t]:
-                continue
-            k = pk[pt == t].unique()
-            k = k[~torch.isin(k, keys[local_tids == lt])]
-            out_k.append(k)
-            out_t.append(torch.full_like(k, lt))
-        if not out_k:
-            return None
-        k, t = torch.cat(out_k), torch.cat(out_t)
-        return (k, t) if k.numel() else None
-
-    def _pin_first(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
-        """(keys, local tids) with the group's pinned keys in front, their
-        count, and their current scores (restored after the insert)."""
-        pins = self._pinned(g, keys, local_tids)
-        if pins is None:
-            return keys, local_tids, 0, None
+    def _hold(self, g: int, slots: Optional[torch.Tensor] = None) -> None:
+        """Begins an insert call into group g's cache that holds the pinned
+        slots and `slots` (the call continues with same_call=True)."""
         ht, _ = self.groups[g]
-        pk, plt = pins
-        slots, found = ht.lookup(pk, plt)
-        pk, plt = pk[found], plt[found]
-        return torch.cat([pk, keys]), torch.cat([plt, local_tids]), pk.numel(), ht.slot_scores[slots[found]].clone()
+        held = [p[g] for p in self._forward_pins + self._prefetch_pins if g in p]
+        if slots is not None:
+            held.append(slots)
+        if not held:
+            held.append(torch.zeros(0, dtype=torch.int64, device=ht.device))
+        ht.hold(torch.cat(held) if len(held) > 1 else held[0])
+
+    def _pinned_count(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor) -> int:
+        """Distinct pinned keys of group g that are not among `keys` (for error messages)."""
+        ht, _ = self.groups[g]
+        held = torch.zeros(ht.slot_keys.numel() + 1, dtype=torch.bool, device=ht.device)  # the last: for -1
+        for p in self._forward_pins + self._prefetch_pins:
+            if g in p:
+                held[p[g]] = True
+        held[ht.lookup(keys, local_tids)[0]] = False
+        return int(held[:-1].sum())
 
     def batch_done(self) -> None:
         """A training batch's backward ran: its keys are no longer pinned."""
@@ -114,77 +115,87 @@ class CachedStorage(HashTableStorage):
 
     # ---- the two tiers -----------------------------------------------------------------------
 
-    def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor, remove: bool):
-        """Per table of the group: (positions in keys, rows, scores) of the
-        missing keys found in the store (taken out of it when `remove`)."""
+    @staticmethod
+    def _by_table(local_tids: torch.Tensor, n_tables: int):
+        """(local table id, positions in local_tids or None for all) of each
+        table present, positions in their order."""
+        if n_tables == 1:
+            if local_tids.numel():
+                yield 0, None
+            return
+        counts = torch.bincount(local_tids, minlength=n_tables).tolist()
+        order = local_tids.argsort(stable=True)
+        for lt, part in enumerate(order.split(counts)):
+            if part.numel():
+                yield lt, part
+
+    def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor):
+        """Per table of a cached group: (positions in keys, rows, scores) of
+        the keys at positions `missing` that the store holds, taken out of it."""
         _, tables = self.groups[g]
         out = {}
-        for lt, t in enumerate(tables):
-            if not self.cached[t]:
-                continue
-            sel = (missing & (local_tids == lt)).nonzero().squeeze(1)
-            if not sel.numel():
-                continue
-            op = self.store.take if remove else self.store.read
-            found, rows, scores = op(self.names[t], keys[sel].cpu())
-            if bool(found.any()):
-                out[t] = (sel[found.to(sel.device)], rows[found].to(self.device), scores[found].to(self.device))
+        for lt, part in self._by_table(local_tids[missing], len(tables)):
+            t = tables[lt]
+            sel = missing if part is None else missing.index_select(0, part)
+            found, rows, scores = self.store.take_found(self.names[t], keys.index_select(0, sel).cpu())
+            if found.numel():
+                out[t] = (sel.index_select(0, found.to(sel.device)), rows.to(self.device), scores.to(self.device))
         return out
 
     def _write_back(self, g: int, evicted: EvictedKeys) -> None:
         """Evicted cache rows (their slots not yet rewritten) go to the store."""
         _, tables = self.groups[g]
-        for lt, t in enumerate(tables):
-            if not self.cached[t]:
-                continue
-            sel = evicted.table_ids == lt
-            if not bool(sel.any()):
-                continue
-            rows = self._weights[t][(evicted.indices[sel] - self._slot_begin[g][lt]).to(self._weights[t].device)]
-            lost = self.store.put(self.names[t], evicted.keys[sel].cpu(), rows.cpu(), evicted.scores[sel].cpu())
-            self.tier_counters[t, 2] += int(sel.sum())
+        for lt, part in self._by_table(evicted.table_ids, len(tables)):
+            t = tables[lt]
+            keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
+            if part is not None:
+                keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
+            w = self._weights[t]
+            rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
+            lost = self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())
+            self.tier_counters[t, 2] += keys.numel()
             self.tier_counters[t, 3] += lost
+
+    def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
+                      held: Optional[torch.Tensor] = None) -> InsertOutput:
+        """HashTableStorage._insert for a cache, which never grows: one
+        insert that evicts (every table of the group is at its maximum), and
+        holds the pinned slots and `held` (the table never evicts a slot that
+        its call holds, so they go before any key the call places)."""
+        self._hold(g, held)
+        out = self.groups[g][0].insert(keys, local_tids, scores=scores, evict=True, same_call=True)
+        if out.evicted.keys.numel():
+            self.version += 1  # the evicted keys' rows now hold other keys
+        return out
 
     def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
         ht, tables = self.groups[g]
-        if not any(self.cached[t] for t in tables):
+        if not self._group_cached[g]:
             return super()._insert(g, keys, local_tids, scores)
-        _, cached = ht.lookup(keys, local_tids)
-        fetched = self._take(g, keys, local_tids, ~cached, remove=True)
-        # The call's order: pinned keys, then the batch's cached keys, then the
-        # missing ones; the table never evicts a key placed or found earlier
-        # in a call, so no key this step needs is evicted by it (the pins'
-        # scores are restored below).
-        order = torch.cat([cached.nonzero().squeeze(1), (~cached).nonzero().squeeze(1)])
-        batch_keys, batch_tids = keys, local_tids
-        keys, local_tids, n_pin, saved = self._pin_first(g, keys[order], local_tids[order])
-        if isinstance(scores, torch.Tensor):
-            scores = torch.cat([torch.zeros(n_pin, dtype=scores.dtype, device=scores.device), scores[order]])
-        out = super()._insert(g, keys, local_tids, scores)
-        if n_pin:
-            ht.slot_scores[out.indices[:n_pin]] = saved
-        keys, local_tids = batch_keys, batch_tids
+        slots, cached = ht.lookup(keys, local_tids)
+        fetched = self._take(g, keys, local_tids, (~cached).nonzero().squeeze(1))
+        # The call holds the pinned slots and those of the batch's cached keys:
+        # no key this step needs is evicted by its missing keys.
+        out = self._cache_insert(g, keys, local_tids, scores, held=slots[cached])
         self._write_back(g, out.evicted)
-        idx, res = torch.empty_like(out.indices[n_pin:]), torch.empty_like(out.results[n_pin:])
-        idx[order], res[order] = out.indices[n_pin:], out.results[n_pin:]
+        idx, res = out.indices, out.results
         failed = res == InsertResult.FAILED
         if bool(failed.any()):
             self._give_back(fetched, failed, keys)
-            self._too_small(g, local_tids, failed, n_pin)
+            self._too_small(g, local_tids, failed, self._pinned_count(g, keys, local_tids))
+        self._step_slots[g] = idx  # the forward's pin (find_or_insert)
         for t, (pos, rows, stored) in fetched.items():
-            lt = self.group_of[t][1]
-            slot = idx[pos]
-            self._weights[t][(slot - self._slot_begin[g][lt]).to(self._weights[t].device)] = \
-                rows.to(self._weights[t].dtype)
+            slot = idx.index_select(0, pos)
+            w = self._weights[t]
+            w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if ht.strategy == _S.LFU:  # counts accumulate across tiers
-                ht.slot_scores[slot] += stored
+                ht.slot_scores.index_add_(0, slot, stored)
             res[pos] = InsertResult.ASSIGNED  # not new: no initial value
         new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
-        for lt, t in enumerate(tables):
-            mine = local_tids == lt
-            self.tier_counters[t, 0] += int((cached & mine).sum())
-            self.tier_counters[t, 1] += int((~cached & mine).sum())
-            self.tier_counters[t, 4] += int((new & mine).sum())
+        # Per table, the keys found in the cache, missed but stored, new (missed too): one count.
+        kind = torch.where(new, 2, (~cached).to(torch.int64))
+        counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
+        self.tier_counters.index_add_(0, self._group_tables[g], counts @ _KIND_TO_COUNTERS)
         return InsertOutput(idx, res, out.evicted)
 
     def _give_back(self, fetched, failed: torch.Tensor, keys: torch.Tensor) -> None:
@@ -193,6 +204,7 @@ class CachedStorage(HashTableStorage):
             back = failed[pos]
             if bool(back.any()):
                 self.store.put(self.names[t], keys[pos[back]].cpu(), rows[back].cpu(), scores[back].cpu())
+
 
     def _too_small(self, g: int, local_tids: torch.Tensor, failed: torch.Tensor, n_pin: int) -> None:
         _, tables = self.groups[g]
@@ -213,57 +225,68 @@ class CachedStorage(HashTableStorage):
     # ---- the module's calls ------------------------------------------------------------------
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None):
+        self._step_slots = {}
         res = super().find_or_insert(keys, table_ids, counts, step, inverse)
-        self._prefetch_pins.clear()  # this batch's keys are pinned from now on, as a forward's
-        stored = res.rows >= 0
-        self._forward_pins.append((res.keys[stored], res.table_ids[stored]))
+        # This batch's keys are pinned from now on as a forward's: the pin of
+        # its prefetch (the oldest pending one) goes. A later batch prefetched
+        # already (TorchRec's pipelines prefetch one batch ahead) stays pinned.
+        if self._prefetch_pins:
+            self._prefetch_pins.pop(0)
+        self._forward_pins.append({g: idx[idx >= 0] for g, idx in self._step_slots.items()})
         del self._forward_pins[:-_PENDING_FORWARDS]
         return res
 
     def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
         """Moves the rows of a coming batch's keys from the store into the
         cache (no score changes: the batch's forward scores them) and pins
-        every key of the batch until that forward."""
-        self._prefetch_pins.append((keys, table_ids))  # its cached keys go first in the moves below
+        them there until that forward."""
+        pin: Dict[int, torch.Tensor] = {}
+        self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
         del self._prefetch_pins[:-_PENDING_PREFETCHES]
         for g, mask, lt in self._split(table_ids):
-            ht, tables = self.groups[g]
-            k = keys if mask is None else keys[mask]
-            _, cached = ht.lookup(k, lt)
-            fetched = self._take(g, k, lt, ~cached, remove=True)
-            if not fetched:
+            if not self._group_cached[g]:
                 continue
-            pos = torch.cat([p for p, _, _ in fetched.values()])
-            self._insert_fetched(g, k[pos], lt[pos], fetched)
+            ht, _ = self.groups[g]
+            k = keys if mask is None else keys[mask]
+            slots, cached = ht.lookup(k, lt)
+            pin[g] = slots[cached]
+            fetched = self._take(g, k, lt, (~cached).nonzero().squeeze(1))
+            if fetched:
+                pos = torch.cat([p for p, _, _ in fetched.values()])
+                placed = self._insert_fetched(g, k[pos], lt[pos], fetched)
+                pin[g] = torch.cat([pin[g], placed])
 
-    def _insert_fetched(self, g, keys, local_tids, fetched) -> None:
-        """Places keys taken from the store (in `fetched`'s order) with their rows and scores."""
+    def _insert_fetched(self, g, keys, local_tids, fetched) -> torch.Tensor:
+        """Places keys taken from the store (in `fetched`'s order) with their
+        rows and scores; returns their slots (of those placed)."""
         ht, _ = self.groups[g]
         stored = torch.cat([s for _, _, s in fetched.values()])
-        keys_all, lt_all, n_pin, saved = self._pin_first(g, keys, local_tids)
-        scores_all = torch.cat([saved, stored]) if n_pin else stored
-        out = HashTableStorage._insert(self, g, keys_all, lt_all,
-                                       scores_all if ht.strategy in (_S.CUSTOMIZED, _S.LFU) else None)
-        idx = out.indices
-        placed = idx >= 0
-        ht.slot_scores[idx[placed]] = scores_all[placed]  # the pins' and the stored scores, exactly
-        self._write_back(g, out.evicted)
-        idx, res = idx[n_pin:], out.results[n_pin:]
+        out = self._cache_insert(g, keys, local_tids, stored if ht.strategy in (_S.CUSTOMIZED, _S.LFU) else None)
+        idx, res = out.indices, out.results
         failed = res == InsertResult.FAILED
+        any_failed = bool(failed.any())
+        placed = (~failed).nonzero().squeeze(1) if any_failed else None
+        if placed is None:
+            ht.slot_scores.index_copy_(0, idx, stored)  # the stored scores, exactly
+        else:
+            ht.slot_scores[idx[placed]] = stored[placed]
+        self._write_back(g, out.evicted)
         offset = 0
         for t, (pos, rows, scores) in fetched.items():
-            lt = self.group_of[t][1]
             n = pos.numel()
-            mine = slice(offset, offset + n)
-            ok = ~failed[mine]
-            slot = idx[mine][ok]
-            self._weights[t][(slot - self._slot_begin[g][lt]).to(self._weights[t].device)] = \
-                rows[ok].to(self._weights[t].dtype)
-            if bool((~ok).any()):
-                self.store.put(self.names[t], keys[mine][~ok].cpu(), rows[~ok].cpu(), scores[~ok].cpu())
+            slot, w = idx[offset:offset + n], self._weights[t]
+            if not any_failed:
+                w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
+            else:
+                ok = ~failed[offset:offset + n]
+                w[(slot[ok] - self._cache_begin[t]).to(w.device)] = rows[ok].to(w.dtype)
+                if bool((~ok).any()):
+                    self.store.put(self.names[t], keys[offset:offset + n][~ok].cpu(), rows[~ok].cpu(),
+                                   scores[~ok].cpu())
             offset += n
-        if bool(failed.any()):
-            self._too_small(g, local_tids, failed, n_pin)
+        if any_failed:
+            self._too_small(g, local_tids, failed, self._pinned_count(g, keys, local_tids))
+        return idx if placed is None else idx[placed]
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
         """The eval forward over both tiers, nothing moved: each table's rows
@@ -371,6 +394,8 @@ class CachedStorage(HashTableStorage):
                                f"(at most {self.table_max_rows[table_id]} rows on this rank)")
 
     def clear_table(self, table_id: int) -> int:
+        self._forward_pins.clear()  # pins are slots: of keys no longer there
+        self._prefetch_pins.clear()
         removed = super().clear_table(table_id)
         if self.cached[table_id]:
             removed += self.store.size(self.names[table_id])

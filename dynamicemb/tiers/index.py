@@ -44,24 +44,42 @@ class KeyIndex:
         self.ht.erase(keys[found])
         return pos
 
+    def take_found(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Removes the keys the index holds; returns (their positions in keys,
+        ascending, their row positions, their scores)."""
+        slots, found = self.ht.lookup(keys)
+        at = found.nonzero().squeeze(1)
+        if not at.numel():
+            return at, at, at
+        held = slots.index_select(0, at)
+        pos, scores = self.pos.index_select(0, held), self.ht.slot_scores.index_select(0, held)
+        self.ht.erase(keys.index_select(0, at))
+        return at, pos, scores
+
     def add(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor):
         """Adds distinct keys not in the index. Returns (evicted keys, their
         positions, their scores): keys displaced once the index is at its
         maximum (the lowest-scored of a full bucket), to be freed by the store."""
-        failed = torch.ones(keys.numel(), dtype=torch.bool)
-        first = True
+        empty = keys.new_empty(0)
+        if not keys.numel():
+            return empty, empty, empty
+        out = self.ht.insert(keys, scores=scores, evict=False)
+        failed = out.results == InsertResult.FAILED
+        if not bool(failed.any()):  # the usual case: every key found a free slot
+            self.pos.index_copy_(0, out.indices, positions)
+            return empty, empty, empty
+        ok = (~failed).nonzero().squeeze(1)
+        self.pos[out.indices[ok]] = positions[ok]
         while bool(failed.any()):  # grow (doubling) while below the maximum; positions move with the slots
-            if not first:
-                if self.ht.capacity() >= self.max_slots:
-                    break
-                self._grow(min(self.max_slots, 2 * self.ht.capacity()))
+            if self.ht.capacity() >= self.max_slots:
+                break
+            self._grow(min(self.max_slots, 2 * self.ht.capacity()))
             sel = failed.nonzero().squeeze(1)
-            out = self.ht.insert(keys[sel], scores=scores[sel], evict=False, same_call=not first)
+            out = self.ht.insert(keys[sel], scores=scores[sel], evict=False, same_call=True)
             ok = out.results != InsertResult.FAILED
             self.pos[out.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
             failed[sel[ok]] = False
-            first = False
         evicted = []
         while bool(failed.any()):  # at the maximum: evict (a new call, so this put's own keys may go too)
             last = self.ht.insert(keys[failed], scores=scores[failed], evict=True)
@@ -73,7 +91,6 @@ class KeyIndex:
             failed = failed.clone()
             failed[sel] = False
         if not evicted:
-            empty = keys.new_empty(0)
             return empty, empty, empty
         return tuple(torch.cat(parts) for parts in zip(*evicted))
 

@@ -35,6 +35,14 @@ class BackingStore(abc.ABC):
     def read(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """take without removing (eval lookups)."""
 
+    def take_found(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """take, of the found keys only: (their positions in keys, ascending,
+        their rows, their scores); they leave the store. The cache calls this
+        one; override it when a store can skip the rows of missing keys."""
+        found, rows, scores = self.take(name, keys)
+        at = found.nonzero().squeeze(1)
+        return at, rows[at], scores[at]
+
     @abc.abstractmethod
     def put(self, name: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
         """Stores distinct keys that are not in the store; returns how many
@@ -82,13 +90,15 @@ class HostStore(BackingStore):
         self.bucket_capacity = bucket_capacity
         self._index: Dict[str, KeyIndex] = {}
         self._rows: Dict[str, torch.Tensor] = {}
-        self._free: Dict[str, torch.Tensor] = {}  # free positions, a stack
+        self._free: Dict[str, torch.Tensor] = {}  # free positions: a stack, its first _n_free[name] entries
+        self._n_free: Dict[str, int] = {}
         self._used: Dict[str, int] = {}  # positions ever handed out
 
     def open_table(self, name, width, dtype, max_rows):
         self._index[name] = KeyIndex(name, max_rows, self.bucket_capacity)
         self._rows[name] = torch.zeros(0, width, dtype=dtype)
         self._free[name] = torch.zeros(0, dtype=torch.int64)
+        self._n_free[name] = 0
         self._used[name] = 0
 
     def _table(self, name) -> KeyIndex:
@@ -97,18 +107,32 @@ class HostStore(BackingStore):
         except KeyError:
             raise KeyError(f"table {name!r} is not open in this backing store") from None
 
+    def _release(self, name: str, positions: torch.Tensor) -> None:
+        """Pushes positions on the free stack (grown by doubling, not copied per push)."""
+        n, free = self._n_free[name], self._free[name]
+        if n + positions.numel() > free.numel():
+            grown = torch.empty(max(2 * free.numel(), n + positions.numel(), 1024), dtype=torch.int64)
+            grown[:n] = free[:n]
+            self._free[name] = free = grown
+        free[n:n + positions.numel()] = positions
+        self._n_free[name] = n + positions.numel()
+
     def _alloc(self, name: str, n: int) -> torch.Tensor:
-        free = self._free[name]
-        reuse = free[free.numel() - min(n, free.numel()):]
-        self._free[name] = free[:free.numel() - reuse.numel()]
+        """n positions: the last freed ones (top of the stack, in push order), then fresh ones."""
+        top = self._n_free[name]
+        reuse = self._free[name][top - min(n, top):top]
+        self._n_free[name] = top - reuse.numel()
         fresh = n - reuse.numel()
         start = self._used[name]
         rows = self._rows[name]
         if start + fresh > rows.shape[0]:
-            grown = torch.zeros(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], dtype=rows.dtype)
+            # Rows past `used` are written (put) before they are read: no zero fill.
+            grown = torch.empty(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], dtype=rows.dtype)
             grown[:start] = rows[:start]
             self._rows[name] = grown
         self._used[name] = start + fresh
+        if not fresh:
+            return reuse.clone()  # the stack's entries get overwritten by later pushes
         return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
 
     def read(self, name, keys):
@@ -119,20 +143,30 @@ class HostStore(BackingStore):
         return found, out, scores
 
     def take(self, name, keys):
-        found, out, scores = self.read(name, keys)
-        if bool(found.any()):
-            pos = self._index[name].remove(keys[found])
-            self._free[name] = torch.cat([self._free[name], pos])
-        return found, out, scores
+        at, rows, scores = self.take_found(name, keys)
+        found = torch.zeros(keys.numel(), dtype=torch.bool)
+        found[at] = True
+        out = torch.zeros(keys.numel(), rows.shape[1], dtype=rows.dtype)
+        out[at] = rows
+        all_scores = torch.zeros(keys.numel(), dtype=torch.int64)
+        all_scores[at] = scores
+        return found, out, all_scores
+
+    def take_found(self, name, keys):
+        at, pos, scores = self._table(name).take_found(keys)
+        rows = self._rows[name].index_select(0, pos)
+        if pos.numel():
+            self._release(name, pos)
+        return at, rows, scores
 
     def put(self, name, keys, rows, scores):
         if not keys.numel():
             return 0
         pos = self._alloc(name, keys.numel())
-        self._rows[name][pos] = rows.to(self._rows[name].dtype)
+        self._rows[name].index_copy_(0, pos, rows.to(self._rows[name].dtype))
         ev_keys, ev_pos, _ = self._table(name).add(keys, pos, scores)
         if ev_keys.numel():
-            self._free[name] = torch.cat([self._free[name], ev_pos])
+            self._release(name, ev_pos)
         return int(ev_keys.numel())
 
     def items(self, name, batch_size=1 << 16):
@@ -145,5 +179,5 @@ class HostStore(BackingStore):
 
     def clear(self, name):
         self._table(name).clear()
-        self._free[name] = torch.zeros(0, dtype=torch.int64)
+        self._n_free[name] = 0
         self._used[name] = 0
