@@ -349,6 +349,12 @@ class FileStore(BackingStore):
             t.garbage += int(found.sum())
         return found, out, scores
 
+    def take_found(self, name, keys):
+        t = self._table(name)
+        at, pos, scores = t.index.take_found(keys)
+        t.garbage += at.numel()
+        return at, t.gather(pos), scores
+
     def put(self, name, keys, rows, scores):
         if not keys.numel():
             return 0
