@@ -134,7 +134,7 @@ class CachedStorage(HashTableStorage):
         the keys at positions `missing` that the store holds, taken out of it."""
         _, tables = self.groups[g]
         out = {}
-        for lt, part in self._by_table(local_tids[missing], len(tables)):
+        for lt, part in self._by_table(local_tids.index_select(0, missing), len(tables)):
             t = tables[lt]
             sel = missing if part is None else missing.index_select(0, part)
             found, rows, scores = self.store.take_found(self.names[t], keys.index_select(0, sel).cpu())
@@ -145,6 +145,7 @@ class CachedStorage(HashTableStorage):
     def _write_back(self, g: int, evicted: EvictedKeys) -> None:
         """Evicted cache rows (their slots not yet rewritten) go to the store."""
         _, tables = self.groups[g]
+        counts = []  # per table written to: (table, rows written back, keys the store evicted)
         for lt, part in self._by_table(evicted.table_ids, len(tables)):
             t = tables[lt]
             keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
@@ -152,9 +153,10 @@ class CachedStorage(HashTableStorage):
                 keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
             rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
-            lost = self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())
-            self.tier_counters[t, 2] += keys.numel()
-            self.tier_counters[t, 3] += lost
+            counts.append((t, keys.numel(), self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())))
+        if counts:
+            written, n, lost = zip(*counts)
+            self.tier_counters[list(written), 2:4] += torch.tensor([n, lost], dtype=torch.int64).T
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
                       held: Optional[torch.Tensor] = None) -> InsertOutput:
@@ -228,8 +230,9 @@ class CachedStorage(HashTableStorage):
         self._step_slots = {}
         res = super().find_or_insert(keys, table_ids, counts, step, inverse)
         # This batch's keys are pinned from now on as a forward's: the pin of
-        # its prefetch (the oldest pending one) goes. A later batch prefetched
-        # already (TorchRec's pipelines prefetch one batch ahead) stays pinned.
+        # its prefetch (the oldest pending one) goes; that of a later batch
+        # prefetched before this forward (prefetch(i + 1) before forward(i))
+        # stays until that batch's forward.
         if self._prefetch_pins:
             self._prefetch_pins.pop(0)
         self._forward_pins.append({g: idx[idx >= 0] for g, idx in self._step_slots.items()})
@@ -253,7 +256,7 @@ class CachedStorage(HashTableStorage):
             fetched = self._take(g, k, lt, (~cached).nonzero().squeeze(1))
             if fetched:
                 pos = torch.cat([p for p, _, _ in fetched.values()])
-                placed = self._insert_fetched(g, k[pos], lt[pos], fetched)
+                placed = self._insert_fetched(g, k.index_select(0, pos), lt.index_select(0, pos), fetched)
                 pin[g] = torch.cat([pin[g], placed])
 
     def _insert_fetched(self, g, keys, local_tids, fetched) -> torch.Tensor:
