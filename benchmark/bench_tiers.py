@@ -51,8 +51,8 @@ GATHER_TARGET = 1.2  # file store gather time / memmap gather time
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--pooling", type=int, default=4)
     ap.add_argument("--key-range", type=int, default=10_000_000)
     ap.add_argument("--zipf", type=float, default=1.05)
@@ -70,9 +70,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=default_out("bench_tiers"))
     args = ap.parse_args(argv)
     if args.quick:
-        # 80 steps: the working set (~47 batches' distinct keys) leaves a 10% cache room for the
+        # 100 steps: the working set (~55 batches' distinct keys) leaves a 10% cache room for the
         # keys a step holds at once (its batch and the prefetched one).
-        args.batch, args.steps, args.warmup = 256, 40, 40
+        args.batch, args.steps, args.warmup = 512, 40, 60
         args.gather_rows, args.gather_repeats = 1 << 18, 9
     return args
 
@@ -170,9 +170,11 @@ def run_training(args, root):
         h1, m1, n1 = tier_totals(m)
         looked = (h1 - h0) + (m1 - m0)
         step_s = statistics.median(times[c["name"]])
+        fwd_bwd_s = statistics.median([a - b for a, b in zip(times[c["name"]], prefetch_times[c["name"]])])
         steps.append(dict(backing=c["backing"], cache_fraction=c["cache_fraction"], prefetch=c["prefetch"],
                           step_ms=step_s * 1e3, vs_in_memory=step_s / in_memory_s,
                           prefetch_ms=statistics.median(prefetch_times[c["name"]]) * 1e3,
+                          fwd_bwd_ms=fwd_bwd_s * 1e3, fwd_bwd_vs_in_memory=fwd_bwd_s / in_memory_s,
                           hit_rate=(h1 - h0) / max(1, looked), new_share=(n1 - n0) / max(1, looked),
                           cache_rows=c["cache_rows"], identical_to_in_memory=identical[c["name"]]))
     for m in modules.values():
@@ -240,15 +242,17 @@ def main(argv=None):
         shutil.rmtree(root, ignore_errors=True)
 
     rows = [[s["backing"], f"{s['cache_fraction']:.0%}", "on" if s["prefetch"] else "off", f"{s['step_ms']:.2f}",
-             f"{s['prefetch_ms']:.2f}" if s["prefetch"] else "-", f"{s['vs_in_memory']:.2f}x", f"{s['hit_rate']:.3f}", f"{s['new_share']:.3f}",
+             f"{s['prefetch_ms']:.2f}" if s["prefetch"] else "-", f"{s['vs_in_memory']:.2f}x",
+             f"{s['fwd_bwd_vs_in_memory']:.2f}x" if s["prefetch"] else "-", f"{s['hit_rate']:.3f}", f"{s['new_share']:.3f}",
              "yes" if s["identical_to_in_memory"] else "NO"] for s in steps]
     print()
     print(f"all in memory: {in_memory_s * 1e3:.2f} ms/step; working set {train_config['working_set_rows']} rows "
           f"per table; {args.steps} timed steps after {args.warmup} ({t_train:.0f} s)")
-    print(format_table(["backing", "cache", "prefetch", "step ms", "of it prefetch", "vs memory", "hit rate", "new keys",
+    print(format_table(["backing", "cache", "prefetch", "step ms", "of it prefetch", "vs memory", "w/o prefetch", "hit rate", "new keys",
                         "same output"], rows))
-    print("prefetch on CPU runs synchronously inside the step (counted in it); TorchRec's prefetch pipeline "
-          "overlaps it with the step on GPU streams")
+    print("prefetch(next batch) runs before each forward; on CPU it runs synchronously inside the step (counted "
+          "in 'step ms'); TorchRec's prefetch pipeline overlaps it with the step on GPU streams ('w/o prefetch': "
+          "forward + backward alone)")
     print()
     print(f"file store gather: {gather['rows_per_s'] / 1e6:.2f} M rows/s, numpy.memmap {gather['memmap_rows_per_s'] / 1e6:.2f} "
           f"M rows/s (ratio {gather['ratio']:.2f}); read by key (index + gather) "
@@ -261,17 +265,22 @@ def main(argv=None):
                  None)
         if s is None:
             continue
+        # The step with its synchronous prefetch; w/o_prefetch: as a pipeline overlapping it would see.
         targets[f"step_{backing}_10pct_prefetch"] = dict(value=s["vs_in_memory"], target=STEP_TARGET,
-                                                           met=s["vs_in_memory"] <= STEP_TARGET)
+                                                           met=s["vs_in_memory"] <= STEP_TARGET,
+                                                           without_prefetch=s["fwd_bwd_vs_in_memory"])
     targets["file_gather"] = dict(value=gather["ratio"], target=GATHER_TARGET, met=gather["ratio"] <= GATHER_TARGET)
     for k, v in targets.items():
-        print(f"target {k}: {v['value']:.2f}x <= {v['target']}x: {'met' if v['met'] else 'BELOW TARGET'}")
+        extra = (f" (forward + backward alone, the prefetch overlapped: {v['without_prefetch']:.2f}x)"
+                 if "without_prefetch" in v else "")
+        print(f"target {k}: {v['value']:.2f}x <= {v['target']}x: {'met' if v['met'] else 'BELOW TARGET'}{extra}")
     if not all(s["identical_to_in_memory"] for s in steps):
         print("ERROR: a cached module's output differed from the in-memory module's")
 
     config = {**{k: v for k, v in vars(args).items() if k != "out"}, **train_config,
               "step": "prefetch(next batch) if on + forward + backward (fused optimizer), ms, median; "
-                      "prefetch_ms: the prefetch call alone (synchronous on CPU)",
+                      "prefetch_ms: the prefetch call alone (synchronous on CPU); fwd_bwd_ms: the step less "
+                      "its prefetch (what a pipeline that overlaps the prefetch would see)",
               "hit_rate": "forward keys found in the cache / forward keys, timed steps",
               "ratio": "memmap_rows_per_s / rows_per_s (target <= 1.2)"}
     payload = {"env": env_info(torch.device("cpu")), "config": config, "steps": steps,
