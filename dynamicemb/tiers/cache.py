@@ -7,10 +7,11 @@ are taken out of the store (their rows and optimizer state come with them)
 or, when the store lacks them too, start from their initial value; the rows
 the cache evicts to make room go back to the store with their score. The
 keys of a batch between its forward and its backward, and of a prefetched
-batch until its forward, are pinned: they go first in every insert call
-(where the table never evicts a key it already placed or found in the same
-call) and their scores are restored afterwards. A table without caching in
-the same module keeps its usual behaviour (its evicted keys are gone).
+batch until its forward, are pinned: every insert call into the cache holds
+their slots (ScoredHashTable.hold: the table never evicts a slot its call
+holds; their scores stay as they are), as it holds the slots of the batch's
+own cached keys. A table without caching in the same module keeps its usual
+behaviour (its evicted keys are gone).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence
@@ -161,9 +162,8 @@ class CachedStorage(HashTableStorage):
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
                       held: Optional[torch.Tensor] = None) -> InsertOutput:
         """HashTableStorage._insert for a cache, which never grows: one
-        insert that evicts (every table of the group is at its maximum), and
-        holds the pinned slots and `held` (the table never evicts a slot that
-        its call holds, so they go before any key the call places)."""
+        insert that evicts (every table of the group is at its maximum) and
+        holds the pinned slots and `held`: it evicts none of them."""
         self._hold(g, held)
         out = self.groups[g][0].insert(keys, local_tids, scores=scores, evict=True, same_call=True)
         if out.evicted.keys.numel():
@@ -206,7 +206,6 @@ class CachedStorage(HashTableStorage):
             back = failed[pos]
             if bool(back.any()):
                 self.store.put(self.names[t], keys[pos[back]].cpu(), rows[back].cpu(), scores[back].cpu())
-
 
     def _too_small(self, g: int, local_tids: torch.Tensor, failed: torch.Tensor, n_pin: int) -> None:
         _, tables = self.groups[g]
