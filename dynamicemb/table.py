@@ -202,7 +202,7 @@ class ScoredHashTable:
         had placed them (it never evicts them; their scores are untouched).
         Continue the call with ``insert(..., same_call=True)``."""
         epoch = self._next_epoch()
-        self.slot_epochs[indices] = epoch
+        self.slot_epochs.index_fill_(0, indices, epoch)
 
     def lookup(self, keys: torch.Tensor, table_ids=None, update_score: bool = False,
                scores: Scores = None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -192,7 +192,7 @@ class CachedStorage(HashTableStorage):
             w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if ht.strategy == _S.LFU:  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
-            res[pos] = InsertResult.ASSIGNED  # not new: no initial value
+            res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
         new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
         # Per table, the keys found in the cache, missed but stored, new (missed too): one count.
         kind = torch.where(new, 2, (~cached).to(torch.int64))
