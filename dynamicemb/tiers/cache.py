@@ -14,6 +14,7 @@ own cached keys. A table without caching in the same module keeps its usual
 behaviour (its evicted keys are gone).
 """
 import dataclasses
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -351,9 +352,13 @@ class CachedStorage(HashTableStorage):
         """Writes every cached row back to the store (the cache is then empty)
         and makes the store durable, with `state` (the module's counters) and
         each table's CUSTOMIZED score and clock."""
-        if self._forward_pins or self._prefetch_pins:
-            self._forward_pins.clear()
-            self._prefetch_pins.clear()
+        if self._forward_pins:
+            cached = [n for n, c in zip(self.names, self.cached) if c]
+            warnings.warn(f"dynamicemb: flush() of tables {cached} between a training forward and its backward: "
+                          f"the backward's updates of that batch's rows are lost (they leave the cache now); "
+                          f"flush between steps", RuntimeWarning, stacklevel=3)
+        self._forward_pins.clear()
+        self._prefetch_pins.clear()
         for t in range(self.num_tables):
             if not self.cached[t]:
                 continue

@@ -59,3 +59,23 @@ def test_scores_follow_keys_across_tiers(strategy):
         want = {int(k): int(s) for b in ref.storage.export_rows(t) for k, s in zip(b.keys, b.scores)}
         got = {int(k): int(s) for b in cached.storage.export_rows(t) for k, s in zip(b.keys, b.scores)}
         assert got == want
+
+
+def test_flush_between_forward_and_backward_warns():
+    """A flush empties the cache, so a pending backward's updates would be
+    lost: the flush says so; between steps it is silent."""
+    import warnings
+
+    cached = module(store=make_store("host"))
+    b = batches(2, seed=4)
+    step(cached, b[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cached.flush()  # between steps: nothing pending
+    y = cached(*b[1])
+    with pytest.warns(RuntimeWarning, match=r"\['t0', 't1'\] between a training forward and its backward"):
+        cached.flush()
+    y.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cached.flush()
