@@ -21,9 +21,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, fsync_dir, part_name, write_manifest, write_part
+from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
+from dynamicemb.fsync import fsync_dir
 
 DEFAULT_CHUNK_ROWS = 1 << 18
 

@@ -192,14 +192,6 @@ def read_part(root: str, entry: dict, table: str, crc: bool = True) -> Dict[str,
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(root: str, manifest: dict) -> None:
     path = os.path.join(root, MANIFEST)
     with open(path, "w") as f:

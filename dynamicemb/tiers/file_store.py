@@ -49,6 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex
 from dynamicemb.tiers.store import BackingStore
 
@@ -59,22 +60,6 @@ _MANIFEST_LOCK = "manifest.lock"  # no table's file has this name (theirs end in
 _GARBAGE_SHARE = 0.5  # a flush compacts a table whose rows file is more than this share garbage
 _MIN_MAP_BYTES = 1 << 20  # a rows file's first mapping
 _COPY_BYTES = 64 << 20  # compaction copies rows in blocks of about this size
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _crc(tensors: Dict[str, torch.Tensor]) -> int:
@@ -260,7 +245,7 @@ class _TableFile:
         seq = self.seq + 1
         path = self._index_path(seq)
         save_file(tensors, path, metadata={"dynamicemb": json.dumps(meta)})
-        _fsync_file(path)
+        fsync_file(path)
         self._pending = (seq, state)
         return seq
 
