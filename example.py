@@ -388,7 +388,7 @@ def export_and_serve(job: Job, model, logits: torch.Tensor):
     (rank 0), serves two requests (a batch, a single sample) in a fresh
     process and checks the answers equal eval's. Returns (path, largest
     logit difference)."""
-    from dynamicemb.inference import to_inference
+    from dynamicemb.inference import export_model, to_inference
     served = to_inference(model)  # every rank gets the whole model, its tables frozen
     path = os.path.join(job.args.out, "model.pt2")
     err = 0.0
@@ -399,11 +399,7 @@ def export_and_serve(job: Job, model, logits: torch.Tensor):
                     tbe_inputs(job.eval_rows.take(torch.tensor([n - 1])), served.feature_names)]
         batch = torch.export.Dim("batch", min=1)
         shapes = ({0: batch}, {0: torch.export.Dim("ids", min=0)}, {0: served.F * batch + 1})
-        # Size-oblivious shapes, as dynamicemb.inference's own export: else export guards the batch size
-        # away from 1, and a single-sample request would not run.
-        from torch.fx.experimental import _config as fx_config
-        with fx_config.patch(backed_size_oblivious=True):
-            program = torch.export.export(served, requests[0], dynamic_shapes=shapes)
+        program = export_model(served, requests[0], shapes)  # a single-sample request runs too
         torch.export.save(program, path)
         inputs, outputs = os.path.join(job.args.out, "requests.pt"), os.path.join(job.args.out, "answers.pt")
         torch.save(requests, inputs)

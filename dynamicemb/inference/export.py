@@ -55,11 +55,13 @@ def model_dynamic_shapes(args: tuple):
     return tuple(shapes)
 
 
-def export_model(model: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+def export_model(model: torch.nn.Module, args: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
     """torch.export of a whole model (e.g. to_inference's) on example `args`,
-    dynamic in the id count and batch size of its KeyedJaggedTensor inputs
-    (exported programs with KJT inputs need torchrec imported to load)."""
-    return _export(model, args, model_dynamic_shapes(args))
+    by default dynamic in the id count and batch size of its KeyedJaggedTensor
+    inputs (exported programs with KJT inputs need torchrec imported to
+    load); `dynamic_shapes` (torch.export's) for other inputs. Shapes are
+    size-oblivious, so a dynamic batch of one runs too."""
+    return _export(model, args, model_dynamic_shapes(args) if dynamic_shapes is None else dynamic_shapes)
 
 
 def _export(model, inputs, shapes) -> torch.export.ExportedProgram:
