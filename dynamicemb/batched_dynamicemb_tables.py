@@ -23,6 +23,18 @@ from dynamicemb.tiers import make_storage
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device
 
 
+_PREFETCHED_KEPT = 2  # prefetched batches whose deduplication is kept for their forward
+
+
+def _versions(indices: torch.Tensor, offsets: torch.Tensor):
+    """The tensors' version counters (bumped by every in-place change); None
+    for inference tensors, which have none."""
+    try:
+        return indices._version, offsets._version
+    except RuntimeError:
+        return None
+
+
 def pooling_code(pooling) -> int:
     """DynamicEmbPoolingMode, or TorchRec's PoolingType / FBGEMM's PoolingMode by name."""
     name = getattr(pooling, "name", pooling)
@@ -144,6 +156,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
+        # Prefetched batches whose forward may still come: (indices, offsets, their versions, emb_unique's result).
+        self._prefetched: list = []
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -171,7 +185,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                               self.output_dtype)
             if out is not None:
                 return out
-        ukeys, utids, inverse, counts = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
+        ukeys, utids, inverse, counts = self._unique(indices, offsets)
         if not self.training:
             rows = self.storage.find(ukeys, utids)
             return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
@@ -260,8 +274,27 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         backing store into its cache and keeps them there until that batch's
         forward. Nothing is inserted or scored."""
         indices, offsets, _ = self._check_input(indices, offsets, None)
-        ukeys, utids, _, _ = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
-        self.storage.prefetch(ukeys, utids)
+        unique = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
+        self.storage.prefetch(unique[0], unique[1])
+        # On the CPU, the batch's forward reuses this deduplication (_unique).
+        # (Not on a GPU: there the prefetch runs on another stream, and comparing batches would sync.)
+        versions = _versions(indices, offsets) if indices.device.type == "cpu" else None
+        if versions is not None:
+            self._prefetched.append((indices, offsets, versions, unique))
+            del self._prefetched[:-_PREFETCHED_KEPT]
+
+    def _unique(self, indices: torch.Tensor, offsets: torch.Tensor):
+        """emb_unique of the batch, or that of its prefetch when the batch
+        was prefetched: the same indices and offsets, neither changed in
+        place since (their version counters), so the same result."""
+        for i, (p_indices, p_offsets, versions, unique) in enumerate(self._prefetched):
+            if (p_indices.shape == indices.shape and p_offsets.shape == offsets.shape
+                    and _versions(p_indices, p_offsets) == versions
+                    and (p_indices is indices or torch.equal(p_indices, indices))
+                    and (p_offsets is offsets or torch.equal(p_offsets, offsets))):
+                del self._prefetched[:i + 1]  # used once; those prefetched before it are not coming
+                return unique
+        return ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
 
     def flush(self) -> None:
         """Writes every cached row back to its backing store (between steps);

@@ -6,6 +6,7 @@ misses are new keys), and training equals the all-in-memory table's."""
 import pytest
 import torch
 
+import dynamicemb.batched_dynamicemb_tables as bdt
 from tier_helpers import batches, make_store, module, step
 
 
@@ -22,3 +23,38 @@ def test_prefetch_ahead_keeps_the_next_batch_cached(tmp_path, store_kind):
     for name, s in cached.table_stats().items():
         assert s["write_backs"] > 0 and s["store_rows"] > 0, f"{name}: {s}"  # the cache did evict
         assert s["misses"] == s["inserted"] == ref.table_stats()[name]["size"], f"{name}: {s}"
+
+
+def test_forward_reuses_its_prefetch_dedup_only_for_the_same_batch(monkeypatch):
+    """A prefetched batch's forward reuses the prefetch's deduplication
+    (one emb_unique per step); a batch changed in place since its prefetch,
+    or another batch, is deduplicated again: training equals the all-in-memory table's."""
+    calls = []
+    real_ops = bdt.ops
+
+    class CountingOps:  # the module's ops, counting emb_unique calls
+        def __getattr__(self, name):
+            op = getattr(real_ops, name)
+            return (lambda *a: calls.append(name) or op(*a)) if name == "emb_unique" else op
+
+    monkeypatch.setattr(bdt, "ops", CountingOps())
+    ref = module()
+    cached = module(store=make_store("host"), cache_rows=512)
+    data = batches(6)
+
+    def forward_counts(batch, expect_calls):
+        calls.clear()
+        assert torch.equal(step(cached, batch), step(ref, batch))
+        assert len(calls) == expect_calls + 1  # + the reference's own
+
+    cached.prefetch(*data[0])
+    cached.prefetch(*data[1])
+    forward_counts(data[0], 0)  # the same tensors
+    forward_counts((data[1][0].clone(), data[1][1].clone()), 0)  # equal tensors
+    cached.prefetch(*data[2])
+    data[2][0].add_(1)  # changed in place after its prefetch
+    forward_counts(data[2], 1)
+    cached.prefetch(*data[3])
+    forward_counts(data[4], 1)  # not the prefetched batch
+    forward_counts(data[3], 0)  # its prefetch is still kept
+    forward_counts(data[3], 1)  # used once
