@@ -184,8 +184,13 @@ class CachedStorage(HashTableStorage):
         idx, res = out.indices, out.results
         failed = res == InsertResult.FAILED
         if bool(failed.any()):
-            self._give_back(fetched, failed, keys)
-            self._too_small(g, local_tids, failed, self._pinned_count(g, keys, local_tids))
+            # The step fails: undo its placements (the evicted rows are in the
+            # store already) so that every key stays in one tier with its row.
+            n_pin = self._pinned_count(g, keys, local_tids)
+            placed = ~cached & ~failed
+            ht.erase(keys[placed], local_tids[placed])
+            self._give_back(fetched, keys)
+            self._too_small(g, local_tids, failed, n_pin)
         self._step_slots[g] = idx  # the forward's pin (find_or_insert)
         for t, (pos, rows, stored) in fetched.items():
             slot = idx.index_select(0, pos)
@@ -201,12 +206,14 @@ class CachedStorage(HashTableStorage):
         self.tier_counters.index_add_(0, self._group_tables[g], counts @ _KIND_TO_COUNTERS)
         return InsertOutput(idx, res, out.evicted)
 
-    def _give_back(self, fetched, failed: torch.Tensor, keys: torch.Tensor) -> None:
-        """Rows taken from the store for keys the cache could not hold go back."""
+    def _give_back(self, fetched, keys: torch.Tensor) -> None:
+        """Rows taken from the store by a failed step go back to it."""
         for t, (pos, rows, scores) in fetched.items():
-            back = failed[pos]
-            if bool(back.any()):
-                self.store.put(self.names[t], keys[pos[back]].cpu(), rows[back].cpu(), scores[back].cpu())
+            self._put(t, keys.index_select(0, pos), rows, scores)
+
+    def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+        """store.put of table t's rows; the keys it evicts are counted."""
+        self.tier_counters[t, 3] += self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())
 
     def _too_small(self, g: int, local_tids: torch.Tensor, failed: torch.Tensor, n_pin: int) -> None:
         _, tables = self.groups[g]
@@ -284,8 +291,7 @@ class CachedStorage(HashTableStorage):
                 ok = ~failed[offset:offset + n]
                 w[(slot[ok] - self._cache_begin[t]).to(w.device)] = rows[ok].to(w.dtype)
                 if bool((~ok).any()):
-                    self.store.put(self.names[t], keys[offset:offset + n][~ok].cpu(), rows[~ok].cpu(),
-                                   scores[~ok].cpu())
+                    self._put(t, keys[offset:offset + n][~ok], rows[~ok], scores[~ok])
             offset += n
         if any_failed:
             self._too_small(g, local_tids, failed, self._pinned_count(g, keys, local_tids))
@@ -366,7 +372,7 @@ class CachedStorage(HashTableStorage):
             ht = self.groups[g][0]
             for b in ht.export(table_id=lt):
                 rows = self._weights[t][(b.indices - self._slot_begin[g][lt]).to(self._weights[t].device)]
-                self.tier_counters[t, 3] += self.store.put(self.names[t], b.keys.cpu(), rows.cpu(), b.scores.cpu())
+                self._put(t, b.keys, rows, b.scores)
             HashTableStorage.clear_table(self, t)
             self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
                                                   "clock": self.now(t), "layout": self._layout(t)})

@@ -68,3 +68,20 @@ def _dmp_too_small(rank, world):
 def test_dmp_error_names_the_table_and_a_size_that_works():
     needed = run_ranks(_dmp_too_small, 2)
     assert needed[0] == needed[1] > 0
+
+
+def test_a_failed_step_leaves_every_row_where_it_was():
+    """The keys a failing step took from the store go back with their rows,
+    and its new keys are not kept: both tiers hold what they held before."""
+    m = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET)
+    stored = torch.arange(20) * 7 + 3
+    step(m, (torch.cat([stored, torch.arange(4)]), torch.tensor([0, 20, 24])))
+    m.flush()  # every row is in the store now
+    before = all_rows(m, 0)
+    ids = torch.cat([stored, torch.arange(1000, 1100), torch.arange(4)])
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        step(m, (ids, torch.tensor([0, 120, 124])))
+    after = all_rows(m, 0)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert m.table_stats()["t0"]["store_rows"] == len(before)
