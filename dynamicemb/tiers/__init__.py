@@ -46,5 +46,10 @@ def make_storage(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]
     or a cache in front of a backing store when a table has caching=True."""
     if not any(o.caching for o in options):
         return HashTableStorage(names, options, state_widths, dtype, device, seed, streams)
-    return CachedStorage(names, options, state_widths, dtype, device, seed, streams,
-                         _backing_store(names, options))
+    store = _backing_store(names, options)
+    try:
+        return CachedStorage(names, options, state_widths, dtype, device, seed, streams, store)
+    except BaseException:
+        if isinstance(store, FileStore) and all(o.backing_store is not store for o in options):
+            store.close()  # made here (storage_path): its locks and maps go with the error
+        raise

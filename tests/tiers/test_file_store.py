@@ -344,3 +344,18 @@ def test_a_store_reopened_by_another_sharding_is_refused(tmp_path):
                                           ["t"])
     m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
     assert m.table_stats()["t"]["size"] == 100
+
+
+def test_a_refused_reopen_releases_the_store(tmp_path):
+    """A module that fails to open over a storage_path closes the FileStore
+    it made (its locks and maps), even while the error is still held."""
+    opts = dict(dim=4, max_capacity=4096, bucket_capacity=BUCKET, caching=True, global_hbm_for_values=512 * 4 * 4)
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
+    step(m, (torch.arange(100), torch.tensor([0, 100])))
+    m.flush()
+    m.storage.store.close()
+    with pytest.raises(ValueError, match="sharded over") as refused:
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), num_shards=2, **opts)],
+                                      ["t"])
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
+    assert refused.value is not None and m.table_stats()["t"]["size"] == 100
