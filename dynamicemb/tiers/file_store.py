@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex
-from dynamicemb.tiers.store import BackingStore
+from dynamicemb.tiers.store import BackingStore, take_from_found
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -327,12 +327,7 @@ class FileStore(BackingStore):
         return found, out, scores
 
     def take(self, name, keys):
-        found, out, scores = self.read(name, keys)
-        if bool(found.any()):
-            t = self._table(name)
-            t.index.remove(keys[found])
-            t.garbage += int(found.sum())
-        return found, out, scores
+        return take_from_found(keys.numel(), *self.take_found(name, keys))
 
     def take_found(self, name, keys):
         t = self._table(name)

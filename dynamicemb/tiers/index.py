@@ -38,12 +38,6 @@ class KeyIndex:
         pos = self.pos.index_select(0, safe).masked_fill_(missing, -1)
         return found, pos, self.ht.slot_scores.index_select(0, safe).masked_fill_(missing, 0)
 
-    def remove(self, keys: torch.Tensor) -> torch.Tensor:
-        """Removes the keys; returns the positions they held (-1: absent)."""
-        found, pos, _ = self.find(keys)
-        self.ht.erase(keys[found])
-        return pos
-
     def take_found(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Removes the keys the index holds; returns (their positions in keys,
         ascending, their row positions, their scores)."""
@@ -100,9 +94,9 @@ class KeyIndex:
         pos[new_idx] = self.pos[old_idx]
         self.pos = pos
 
-    def items(self, batch_size: int = 1 << 16, threshold=None) -> Iterator[Tuple[torch.Tensor, ...]]:
-        """(keys, positions, scores) of every key (score >= threshold when given)."""
-        for b in self.ht.export(threshold=threshold, batch_size=batch_size):
+    def items(self, batch_size: int = 1 << 16) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """(keys, positions, scores) of every key."""
+        for b in self.ht.export(batch_size=batch_size):
             yield b.keys, self.pos[b.indices], b.scores
 
     def live_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:

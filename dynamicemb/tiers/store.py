@@ -17,6 +17,18 @@ from dynamicemb.tiers.index import KeyIndex
 Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
 
 
+def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor):
+    """take's (found [n], rows [n, width], scores [n]) from take_found's
+    (positions, rows, scores) of the n keys looked up (zeros where missing)."""
+    found = torch.zeros(n, dtype=torch.bool)
+    found[at] = True
+    out = torch.zeros(n, rows.shape[1], dtype=rows.dtype)
+    out.index_copy_(0, at, rows)
+    all_scores = torch.zeros(n, dtype=torch.int64)
+    all_scores.index_copy_(0, at, scores)
+    return found, out, all_scores
+
+
 class BackingStore(abc.ABC):
     """Per table (by name): distinct int64 keys -> a row [width] of the
     table's dtype ([value | optimizer state]) and an int64 score."""
@@ -143,14 +155,7 @@ class HostStore(BackingStore):
         return found, out, scores
 
     def take(self, name, keys):
-        at, rows, scores = self.take_found(name, keys)
-        found = torch.zeros(keys.numel(), dtype=torch.bool)
-        found[at] = True
-        out = torch.zeros(keys.numel(), rows.shape[1], dtype=rows.dtype)
-        out[at] = rows
-        all_scores = torch.zeros(keys.numel(), dtype=torch.int64)
-        all_scores[at] = scores
-        return found, out, all_scores
+        return take_from_found(keys.numel(), *self.take_found(name, keys))
 
     def take_found(self, name, keys):
         at, pos, scores = self._table(name).take_found(keys)
