@@ -27,7 +27,6 @@ from dynamicemb.tiers.store import BackingStore
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
-TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows")
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
 _PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come
 # A forward's keys by kind (found in the cache, missed and stored, new) -> tier_counters' columns.
@@ -369,10 +368,9 @@ class CachedStorage(HashTableStorage):
             if not self.cached[t]:
                 continue
             g, lt = self.group_of[t]
-            ht = self.groups[g][0]
-            for b in ht.export(table_id=lt):
-                rows = self._weights[t][(b.indices - self._slot_begin[g][lt]).to(self._weights[t].device)]
-                self._put(t, b.keys, rows, b.scores)
+            w = self._weights[t]
+            for b in self.groups[g][0].export(table_id=lt):
+                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
             HashTableStorage.clear_table(self, t)
             self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
                                                   "clock": self.now(t), "layout": self._layout(t)})
@@ -389,9 +387,11 @@ class CachedStorage(HashTableStorage):
         yield from super().export(table_id, batch_size, threshold)
         if self.cached[table_id]:
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                keep = scores >= threshold if threshold is not None else torch.ones_like(keys, dtype=torch.bool)
-                if bool(keep.any()):
-                    yield keys[keep].to(self.device), rows[keep].to(self.device), scores[keep].to(self.device)
+                if threshold is not None:
+                    keep = scores >= threshold
+                    keys, rows, scores = keys[keep], rows[keep], scores[keep]
+                if keys.numel():
+                    yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
 
     def load_rows(self, table_id, batch: RowBatch) -> None:
         if not self.cached[table_id]:
