@@ -95,8 +95,12 @@ class _RowsFile:
         self.path, self.width, self.dtype = path, width, dtype
         self.row_bytes = width * dtype.itemsize
         self._file = open(path, "w+b" if fresh else "r+b" if os.path.exists(path) else "w+b")
-        size = os.fstat(self._file.fileno()).st_size
-        self._map_rows(max(size // self.row_bytes, min_rows, _MIN_MAP_BYTES // self.row_bytes, 1))
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+            self._map_rows(max(size // self.row_bytes, min_rows, _MIN_MAP_BYTES // self.row_bytes, 1))
+        except BaseException:
+            self._file.close()
+            raise
 
     def _map_rows(self, capacity: int) -> None:
         nbytes = capacity * self.row_bytes

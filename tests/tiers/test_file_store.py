@@ -359,3 +359,23 @@ def test_a_refused_reopen_releases_the_store(tmp_path):
                                       ["t"])
     m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(storage_path=str(tmp_path), **opts)], ["t"])
     assert refused.value is not None and m.table_stats()["t"]["size"] == 100
+
+
+def _open_files(root) -> list:
+    """This process's open files under root."""
+    fds = "/proc/self/fd"
+    paths = [os.path.realpath(os.path.join(fds, fd)) for fd in os.listdir(fds)]
+    return [p for p in paths if p.startswith(os.path.realpath(str(root)))]
+
+
+def test_a_rows_file_that_cannot_be_mapped_is_closed(tmp_path, monkeypatch):
+    store = FileStore(str(tmp_path), bucket_capacity=BUCKET)
+
+    def fail(*args, **kwargs):
+        raise OSError("no address space")
+
+    monkeypatch.setattr(fs.mmap, "mmap", fail)
+    with pytest.raises(OSError, match="no address space") as err:
+        store.open_table("t0", 5, torch.float32, MAX_ROWS)
+    # Closed at once, not when the error (which holds the frames) goes.
+    assert err.value is not None and not _open_files(tmp_path)
