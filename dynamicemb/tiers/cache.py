@@ -99,15 +99,17 @@ class CachedStorage(HashTableStorage):
             held.append(torch.zeros(0, dtype=torch.int64, device=ht.device))
         ht.hold(torch.cat(held) if len(held) > 1 else held[0])
 
-    def _pinned_count(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor) -> int:
-        """Distinct pinned keys of group g that are not among `keys` (for error messages)."""
+    def _pinned_count(self, g: int, lt: int, keys: torch.Tensor, local_tids: torch.Tensor) -> int:
+        """Distinct pinned keys of group g's table lt that are not among
+        `keys` (for error messages)."""
         ht, _ = self.groups[g]
         held = torch.zeros(ht.slot_keys.numel() + 1, dtype=torch.bool, device=ht.device)  # the last: for -1
         for p in self._forward_pins + self._prefetch_pins:
             if g in p:
                 held[p[g]] = True
         held[ht.lookup(keys, local_tids)[0]] = False
-        return int(held[:-1].sum())
+        begin, end = ht.table_slot_range(lt)
+        return int(held[begin:end].sum())
 
     def batch_done(self) -> None:
         """A training batch's backward ran: its keys are no longer pinned."""
@@ -185,11 +187,10 @@ class CachedStorage(HashTableStorage):
         if bool(failed.any()):
             # The step fails: undo its placements (the evicted rows are in the
             # store already) so that every key stays in one tier with its row.
-            n_pin = self._pinned_count(g, keys, local_tids)
             placed = ~cached & ~failed
             ht.erase(keys[placed], local_tids[placed])
             self._give_back(fetched, keys)
-            self._too_small(g, local_tids, failed, n_pin)
+            self._too_small(g, keys, local_tids, failed)
         self._step_slots[g] = idx  # the forward's pin (find_or_insert)
         for t, (pos, rows, stored) in fetched.items():
             slot = idx.index_select(0, pos)
@@ -214,11 +215,11 @@ class CachedStorage(HashTableStorage):
         """store.put of table t's rows; the keys it evicts are counted."""
         self.tier_counters[t, 3] += self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())
 
-    def _too_small(self, g: int, local_tids: torch.Tensor, failed: torch.Tensor, n_pin: int) -> None:
+    def _too_small(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, failed: torch.Tensor) -> None:
         _, tables = self.groups[g]
         lt = int(local_tids[failed][0])
         t = tables[lt]
-        need = int((local_tids == lt).sum()) + n_pin
+        need = int((local_tids == lt).sum()) + self._pinned_count(g, lt, keys, local_tids)
         o = self.options[t]
         rows = -(-2 * need // o.bucket_capacity) * o.bucket_capacity  # whole buckets, as the cache is sized
         per_rank = rows * self.widths[t] * self._weights[t].element_size()
@@ -293,7 +294,7 @@ class CachedStorage(HashTableStorage):
                     self._put(t, keys[offset:offset + n][~ok], rows[~ok], scores[~ok])
             offset += n
         if any_failed:
-            self._too_small(g, local_tids, failed, self._pinned_count(g, keys, local_tids))
+            self._too_small(g, keys, local_tids, failed)
         return idx if placed is None else idx[placed]
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
