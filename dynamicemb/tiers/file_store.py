@@ -33,7 +33,7 @@ are overwritten by the next appends.
 
 Rows taken out or evicted become garbage; a flush that finds more garbage
 than live rows in a table first copies its live rows into a new generation
-(compaction). The key index lives in memory (about 25 bytes a slot); each
+(compaction). The key index lives in memory (26 bytes a slot); each
 flush writes it whole (24 bytes a key).
 """
 import contextlib
