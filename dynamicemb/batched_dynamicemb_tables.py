@@ -192,6 +192,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step += 1
         # The keys come back in the order of their rows on the CPU: the backward then updates rows in that order.
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse)
+        if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come
+            self.storage.batch_done(newest=True)
         self._report_failures(res.failed)
         rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)

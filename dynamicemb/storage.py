@@ -129,8 +129,9 @@ class EmbeddingStorage(abc.ABC):
         """Readies a coming batch's distinct keys (a tiered storage moves their
         rows into its cache); nothing by default."""
 
-    def batch_done(self) -> None:
-        """A training batch's backward has run (its rows may move again)."""
+    def batch_done(self, newest: bool = False) -> None:
+        """A training batch's backward has run (its rows may move again);
+        `newest`: the batch of the last forward, which gets no backward."""
 
     def flush(self, state: Optional[dict] = None) -> None:
         """Writes every row to its last tier (a tiered storage); a persistent

@@ -111,10 +111,11 @@ class CachedStorage(HashTableStorage):
         begin, end = ht.table_slot_range(lt)
         return int(held[begin:end].sum())
 
-    def batch_done(self) -> None:
-        """A training batch's backward ran: its keys are no longer pinned."""
+    def batch_done(self, newest: bool = False) -> None:
+        """A training batch's backward ran (the oldest pending one), or the
+        last forward gets none (`newest`): its keys are no longer pinned."""
         if self._forward_pins:
-            self._forward_pins.pop(0)
+            self._forward_pins.pop(-1 if newest else 0)
 
     # ---- the two tiers -----------------------------------------------------------------------
 

@@ -79,3 +79,23 @@ def test_flush_between_forward_and_backward_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cached.flush()
+
+
+def test_training_forward_under_no_grad_pins_nothing():
+    """A training-mode forward under no_grad gets no backward: it leaves no
+    pin behind (a flush after it is silent) and trains on as the reference."""
+    import warnings
+
+    ref, cached = module(), module(store=make_store("host"))
+    data = batches(4, seed=6)
+    for m in (ref, cached):
+        step(m, data[0])
+        with torch.no_grad():
+            m(*data[1])
+    assert not cached.storage._forward_pins
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cached.flush()
+    for b in data[2:]:
+        assert torch.equal(step(cached, b), step(ref, b))
+    assert all_rows(cached, 0).keys() == all_rows(ref, 0).keys()
