@@ -17,7 +17,7 @@ from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable
+from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
 _S = DynamicEmbScoreStrategy
@@ -211,16 +211,8 @@ class HashTableStorage(EmbeddingStorage):
 
     @staticmethod
     def _capacities(o: DynamicEmbTableOptions) -> Tuple[int, int]:
-        """(initial, maximum) capacity in slots, rounded up to whole buckets and
-        so that the initial one doubles exactly into the maximum."""
-        bc = o.bucket_capacity
-        max_b = -(-o.max_capacity // bc)
-        init_b = -(-(o.init_capacity or o.max_capacity) // bc)
-        k = 0
-        while (max_b >> (k + 1)) >= init_b:
-            k += 1
-        max_b = -(-max_b // (1 << k)) << k
-        return (max_b >> k) * bc, max_b * bc
+        """(initial, maximum) capacity in slots (doubling_capacities)."""
+        return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)
 
     def _new_rows(self, t: int, rows: int, width: int) -> torch.Tensor:
         """Zero-filled rows of table t in its tier: the pages are touched

@@ -44,6 +44,20 @@ class ExportBatch(NamedTuple):
 Scores = Union[None, int, torch.Tensor]
 
 
+def doubling_capacities(init_rows: int, max_rows: int, bucket_capacity: int) -> Tuple[int, int]:
+    """(initial, maximum) capacity in slots for a table that grows by
+    doubling (grow takes multiples only): whole buckets, the maximum rounded
+    up (by less than the initial capacity) so that the initial one doubles
+    exactly into it."""
+    max_b = -(-max(max_rows, 1) // bucket_capacity)
+    init_b = -(-min(max(init_rows, 1), max_rows) // bucket_capacity)
+    k = 0
+    while (max_b >> (k + 1)) >= init_b:
+        k += 1
+    max_b = -(-max_b // (1 << k)) << k
+    return (max_b >> k) * bucket_capacity, max_b * bucket_capacity
+
+
 class ScoredHashTable:
     """A bucketed hash table of int64 keys with per-slot scores.
 

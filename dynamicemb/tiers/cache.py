@@ -69,6 +69,7 @@ class CachedStorage(HashTableStorage):
         for t, n in enumerate(names):
             if self.cached[t]:
                 store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
+                store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
         # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
         self.tier_counters = torch.zeros(self.num_tables, 5, dtype=torch.int64)
@@ -127,11 +128,14 @@ class CachedStorage(HashTableStorage):
             if local_tids.numel():
                 yield 0, None
             return
-        counts = torch.bincount(local_tids, minlength=n_tables).tolist()
-        order = local_tids.argsort(stable=True)
-        for lt, part in enumerate(order.split(counts)):
-            if part.numel():
-                yield lt, part
+        # A mask per table: a few small ops each, where a stable sort of the
+        # ids cost several times more.
+        present = torch.bincount(local_tids, minlength=n_tables).nonzero().squeeze(1).tolist()
+        if len(present) == 1:
+            yield present[0], None
+            return
+        for lt in present:
+            yield lt, (local_tids == lt).nonzero().squeeze(1)
 
     def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of

@@ -6,18 +6,24 @@ from typing import Iterator, Tuple
 
 import torch
 
-from dynamicemb.table import ScoredHashTable
+from dynamicemb.table import ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 
 _MIN_SLOTS = 1024
 
 
 class KeyIndex:
-    def __init__(self, name: str, max_rows: int, bucket_capacity: int = 128):
+    def __init__(self, name: str, max_rows: int, bucket_capacity: int = 128, init_rows: int = _MIN_SLOTS):
         self.name = name
         self.bucket_capacity = bucket_capacity
-        self.max_slots = -(-max(max_rows, 1) // bucket_capacity) * bucket_capacity
-        self._reset(min(self.max_slots, _MIN_SLOTS))
+        self.max_rows = max_rows
+        self._layout(init_rows)
+        self._reset(self.min_slots)
+
+    def _layout(self, init_rows: int) -> None:
+        # Where it starts (and starts again when cleared) and its maximum, which
+        # the start doubles into exactly (grow takes multiples only).
+        self.min_slots, self.max_slots = doubling_capacities(init_rows, self.max_rows, self.bucket_capacity)
 
     def _reset(self, slots: int) -> None:
         slots = -(-slots // self.bucket_capacity) * self.bucket_capacity
@@ -88,6 +94,13 @@ class KeyIndex:
             return empty, empty, empty
         return tuple(torch.cat(parts) for parts in zip(*evicted))
 
+    def reserve(self, rows: int) -> None:
+        """Starts with slots for `rows` keys (at most the maximum), where it
+        holds none yet."""
+        if not len(self) and rows > self.min_slots:
+            self._layout(rows)
+            self._reset(self.min_slots)
+
     def _grow(self, slots: int) -> None:
         old_idx, new_idx = self.ht.grow(slots)
         pos = torch.full((slots,), -1, dtype=torch.int64)
@@ -118,4 +131,4 @@ class KeyIndex:
             self.ht.slot_scores[b.indices] += delta
 
     def clear(self) -> None:
-        self._reset(min(self.max_slots, _MIN_SLOTS))
+        self._reset(self.min_slots)

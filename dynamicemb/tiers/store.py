@@ -12,6 +12,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from dynamicemb import memory
 from dynamicemb.tiers.index import KeyIndex
 
 Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
@@ -37,6 +38,11 @@ class BackingStore(abc.ABC):
     def open_table(self, name: str, width: int, dtype: torch.dtype, max_rows: int) -> None:
         """Declares a table (called once by the storage, before any use);
         `max_rows`: the most keys it may hold (beyond, put evicts)."""
+
+    def reserve(self, name: str, rows: int) -> None:
+        """Room for a table's first `rows` keys made up front (the table's
+        init_capacity, as an in-memory table allocates it), so that puts up
+        to there neither grow nor touch new memory; nothing by default."""
 
     @abc.abstractmethod
     def take(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,6 +118,17 @@ class HostStore(BackingStore):
         self._free[name] = torch.zeros(0, dtype=torch.int64)
         self._n_free[name] = 0
         self._used[name] = 0
+
+    def reserve(self, name, rows):
+        index, have = self._table(name), self._rows[name]
+        rows = min(rows, index.max_slots)
+        if rows > have.shape[0]:
+            # Zero-filled now (on 2 MiB pages where offered): puts later write
+            # rows whose pages are there already.
+            grown = memory.zeros((rows, have.shape[1]), have.dtype, "cpu")
+            grown[:self._used[name]] = have[:self._used[name]]
+            self._rows[name] = grown
+        index.reserve(rows)
 
     def _table(self, name) -> KeyIndex:
         try:

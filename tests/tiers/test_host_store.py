@@ -1,0 +1,49 @@
+"""HostStore against a dict model: it grows up to a maximum that its start
+does not double into exactly, and a reserved table holds its rows in place."""
+import pytest
+import torch
+
+from dynamicemb.tiers import HostStore
+
+WIDTH = 5
+
+
+def rows_of(keys: torch.Tensor) -> torch.Tensor:
+    return keys.to(torch.float32)[:, None] * torch.arange(1, WIDTH + 1, dtype=torch.float32)
+
+
+def put_all(store: HostStore, keys: torch.Tensor, batch: int = 700) -> int:
+    lost = 0
+    for s in range(0, keys.numel(), batch):
+        k = keys[s:s + batch]
+        lost += store.put("t", k, rows_of(k), k % 97)
+    return lost
+
+
+@pytest.mark.parametrize("max_rows", [5000, 10112, 3 * 1024 + 128])
+def test_it_grows_to_any_maximum_and_keeps_every_row_it_does_not_evict(max_rows):
+    store = HostStore(bucket_capacity=128)
+    store.open_table("t", WIDTH, torch.float32, max_rows)
+    keys = torch.randint(1, 1 << 40, (int(0.85 * max_rows),), generator=torch.Generator().manual_seed(0)).unique()
+    lost = put_all(store, keys)  # used to fail once the doubling overshot a maximum it does not divide
+    assert store.size("t") + lost == keys.numel()
+    assert lost <= 0.02 * keys.numel()  # at the maximum only an overflowing bucket evicts
+    held = {k: (r, s) for ks, rs, ss in store.items("t") for k, r, s in zip(ks.tolist(), rs, ss.tolist())}
+    assert len(held) == store.size("t")
+    want = rows_of(torch.tensor(list(held)))
+    assert torch.equal(torch.stack([r for r, _ in held.values()]), want)
+    assert [s for _, s in held.values()] == [k % 97 for k in held]
+
+
+def test_a_reserved_table_writes_its_rows_in_place():
+    store = HostStore(bucket_capacity=128)
+    store.open_table("t", WIDTH, torch.float32, 1 << 16)
+    store.reserve("t", 4096)
+    rows, slots = store._rows["t"].data_ptr(), store._table("t").ht.capacity()
+    assert slots >= 4096
+    keys = torch.arange(1, 3001) * 7919
+    assert put_all(store, keys) == 0
+    assert store._rows["t"].data_ptr() == rows and store._table("t").ht.capacity() == slots  # nothing grew
+    found, got, scores = store.take("t", keys)
+    assert bool(found.all()) and torch.equal(got, rows_of(keys)) and torch.equal(scores, keys % 97)
+    assert store.size("t") == 0
