@@ -78,6 +78,7 @@ class CachedStorage(HashTableStorage):
         # (the cache never grows: its slots stay put).
         self._group_cached = [self.cached[tables[0]] for _, tables in self.groups]
         self._group_tables = [torch.tensor(tables, dtype=torch.int64) for _, tables in self.groups]
+        self._group_names = [[names[t] for t in tables] for _, tables in self.groups]
         self._cache_begin = [int(self._slot_begin[g][lt]) for g, lt in self.group_of]
         self._forward_pins: List[Dict[int, torch.Tensor]] = []
         self._prefetch_pins: List[Dict[int, torch.Tensor]] = []
@@ -139,21 +140,22 @@ class CachedStorage(HashTableStorage):
 
     def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of
-        the keys at positions `missing` that the store holds, taken out of it."""
+        the keys at positions `missing` that the store holds, taken out of it
+        (one store call for the group)."""
         _, tables = self.groups[g]
-        out = {}
-        for lt, part in self._by_table(local_tids.index_select(0, missing), len(tables)):
-            t = tables[lt]
-            sel = missing if part is None else missing.index_select(0, part)
-            found, rows, scores = self.store.take_found(self.names[t], keys.index_select(0, sel).cpu())
-            if found.numel():
-                out[t] = (sel.index_select(0, found.to(sel.device)), rows.to(self.device), scores.to(self.device))
-        return out
+        if not missing.numel():
+            return {}
+        got = self.store.take_group(self._group_names[g], keys.index_select(0, missing).cpu(),
+                                    local_tids.index_select(0, missing).cpu())
+        dev = missing.device
+        return {tables[lt]: (missing.index_select(0, at.to(dev)), rows.to(self.device), scores.to(self.device))
+                for lt, (at, rows, scores) in sorted(got.items())}
 
     def _write_back(self, g: int, evicted: EvictedKeys) -> None:
-        """Evicted cache rows (their slots not yet rewritten) go to the store."""
+        """Evicted cache rows (their slots not yet rewritten) go to the store,
+        in one store call for the group."""
         _, tables = self.groups[g]
-        counts = []  # per table written to: (table, rows written back, keys the store evicted)
+        parts = {}
         for lt, part in self._by_table(evicted.table_ids, len(tables)):
             t = tables[lt]
             keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
@@ -161,10 +163,12 @@ class CachedStorage(HashTableStorage):
                 keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
             rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
-            counts.append((t, keys.numel(), self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())))
-        if counts:
-            written, n, lost = zip(*counts)
-            self.tier_counters[list(written), 2:4] += torch.tensor([n, lost], dtype=torch.int64).T
+            parts[lt] = (keys.cpu(), rows.cpu(), scores.cpu())
+        if parts:
+            lost = self.store.put_group(self._group_names[g], parts)
+            written = [tables[lt] for lt in parts]
+            self.tier_counters[written, 2:4] += torch.tensor([[p[0].numel(), lost[lt]] for lt, p in parts.items()],
+                                                             dtype=torch.int64)
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
                       held: Optional[torch.Tensor] = None) -> InsertOutput:

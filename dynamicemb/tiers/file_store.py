@@ -200,7 +200,7 @@ class _TableFile:
         lost = self.index.add(tensors["keys"], pos, tensors["scores"])[0].numel()
         if lost:
             raise ValueError(f"table {self.name!r}: the file store at {self.root} holds {pos.numel()} keys, "
-                             f"more than the table may hold (at most {self.index.max_slots})")
+                             f"more than the table may hold (at most {self.index.max_slots[0]})")
         self.seq, self.generation, self.rows = seq, gen, rows
         self.committed_state = meta.get("state")
 
@@ -343,7 +343,7 @@ class FileStore(BackingStore):
         if not keys.numel():
             return 0
         t = self._table(name)
-        ev_keys, _, _ = t.index.add(keys, t.append(rows), scores)
+        ev_keys = t.index.add(keys, t.append(rows), scores).keys
         t.garbage += ev_keys.numel()
         return int(ev_keys.numel())
 

@@ -1,8 +1,11 @@
-"""KeyIndex: key -> (row position, score) of one table of a backing store,
-on a ScoredHashTable that grows (doubling) as keys arrive and, once at its
-maximum capacity, evicts the lowest-scored key of a full bucket. Positions
-address rows the store keeps elsewhere (a host tensor, a file)."""
-from typing import Iterator, Tuple
+"""KeyIndex: key -> (row position, score) of the tables of a backing store,
+on one ScoredHashTable (a logical table each, so a call for keys of several
+tables is one kernel call). Each table grows (doubling) as keys arrive and,
+once at its maximum capacity, evicts the lowest-scored key of a full bucket.
+Positions address rows the store keeps elsewhere (a host tensor, a file),
+per table. `tids` arguments say which table each key is of; a single-table
+index takes none."""
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -12,109 +15,167 @@ from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 _MIN_SLOTS = 1024
 
 
+class Entries(NamedTuple):
+    keys: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    table_ids: torch.Tensor
+
+
+def _empty_entries() -> Entries:
+    e = torch.zeros(0, dtype=torch.int64)
+    return Entries(e, e, e, e)
+
+
 class KeyIndex:
-    def __init__(self, name: str, max_rows: int, bucket_capacity: int = 128, init_rows: int = _MIN_SLOTS):
-        self.name = name
+    def __init__(self, name: str, max_rows: int, bucket_capacity: int = 128):
         self.bucket_capacity = bucket_capacity
-        self.max_rows = max_rows
-        self._layout(init_rows)
-        self._reset(self.min_slots)
+        self.names: List[str] = []
+        self.max_rows: List[int] = []
+        self.min_slots: List[int] = []  # where each table starts, and starts again when cleared
+        self.max_slots: List[int] = []  # its maximum, which its start doubles into exactly
+        self.ht: Optional[ScoredHashTable] = None
+        self.add_table(name, max_rows)
 
-    def _layout(self, init_rows: int) -> None:
-        # Where it starts (and starts again when cleared) and its maximum, which
-        # the start doubles into exactly (grow takes multiples only).
-        self.min_slots, self.max_slots = doubling_capacities(init_rows, self.max_rows, self.bucket_capacity)
+    # ---- tables --------------------------------------------------------------------
 
-    def _reset(self, slots: int) -> None:
-        slots = -(-slots // self.bucket_capacity) * self.bucket_capacity
+    def add_table(self, name: str, max_rows: int) -> int:
+        """Declares one more table (empty, at its start); returns its id."""
+        self.names.append(name)
+        self.max_rows.append(max_rows)
+        lo, hi = doubling_capacities(_MIN_SLOTS, max_rows, self.bucket_capacity)
+        self.min_slots.append(lo)
+        self.max_slots.append(hi)
+        caps = (self.ht.capacities() if self.ht is not None else []) + [lo]
+        self._rebuild(caps)
+        return len(self.names) - 1
+
+    def reserve(self, table: int, rows: int) -> None:
+        """Table `table` starts with slots for `rows` keys (at most its
+        maximum), where it holds none yet."""
+        if self.size(table) or rows <= self.min_slots[table]:
+            return
+        lo, hi = doubling_capacities(rows, self.max_rows[table], self.bucket_capacity)
+        self.min_slots[table], self.max_slots[table] = lo, hi
+        caps = self.ht.capacities()
+        caps[table] = lo
+        self._rebuild(caps)
+
+    def _rebuild(self, caps: List[int]) -> None:
+        """A new hash table of per-table capacities `caps`, every entry
+        moved into it (the tables whose capacity changes are empty: the
+        others' buckets keep their keys, so none overflows)."""
+        old, old_pos = self.ht, getattr(self, "pos", None)
         # CUSTOMIZED: the table keeps the scores it is given (clock readings,
         # steps or counts of the caching table's own strategy).
-        self.ht = ScoredHashTable(slots, bucket_capacity=self.bucket_capacity,
-                                  score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED, table_names=[self.name])
-        self.pos = torch.full((slots,), -1, dtype=torch.int64)
+        self.ht = ScoredHashTable(caps, bucket_capacity=self.bucket_capacity, num_tables=len(caps),
+                                  score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED, table_names=self.names)
+        self.pos = torch.full((sum(caps),), -1, dtype=torch.int64)
+        if old is None:
+            return
+        for b in old.export(batch_size=1 << 20):
+            out = self.ht.insert(b.keys, b.table_ids, scores=b.scores, evict=False)
+            assert not bool((out.results == InsertResult.FAILED).any()), "a rebuilt key index overflowed"
+            self.pos.index_copy_(0, out.indices, old_pos.index_select(0, b.indices))
+
+    def _tids(self, tids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if tids is None and len(self.names) > 1:
+            raise ValueError(f"the key index of tables {self.names} needs table ids")
+        return tids
 
     def __len__(self) -> int:
         return self.ht.size()
 
-    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def size(self, table: int = 0) -> int:
+        return self.ht.size(table)
+
+    # ---- keys ----------------------------------------------------------------------
+
+    def find(self, keys: torch.Tensor, tids: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(found, positions, scores) of the keys (-1 / 0 where missing)."""
-        slots, found = self.ht.lookup(keys)
+        slots, found = self.ht.lookup(keys, self._tids(tids))
         safe, missing = slots.clamp(min=0), ~found
         # index_select: several times faster than advanced indexing on the CPU
         pos = self.pos.index_select(0, safe).masked_fill_(missing, -1)
         return found, pos, self.ht.slot_scores.index_select(0, safe).masked_fill_(missing, 0)
 
-    def take_found(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def take_found(self, keys: torch.Tensor, tids: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Removes the keys the index holds; returns (their positions in keys,
         ascending, their row positions, their scores)."""
-        slots, found = self.ht.lookup(keys)
+        tids = self._tids(tids)
+        slots, found = self.ht.lookup(keys, tids)
         at = found.nonzero().squeeze(1)
         if not at.numel():
             return at, at, at
         held = slots.index_select(0, at)
         pos, scores = self.pos.index_select(0, held), self.ht.slot_scores.index_select(0, held)
-        self.ht.erase(keys.index_select(0, at))
+        self.ht.erase(keys.index_select(0, at), None if tids is None else tids.index_select(0, at))
         return at, pos, scores
 
-    def add(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor):
-        """Adds distinct keys not in the index. Returns (evicted keys, their
-        positions, their scores): keys displaced once the index is at its
-        maximum (the lowest-scored of a full bucket), to be freed by the store."""
-        empty = keys.new_empty(0)
+    def add(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor,
+            tids: Optional[torch.Tensor] = None) -> Entries:
+        """Adds distinct keys not in the index. Returns the entries displaced
+        once a table is at its maximum (the lowest-scored of a full bucket),
+        whose positions the store frees."""
         if not keys.numel():
-            return empty, empty, empty
-        out = self.ht.insert(keys, scores=scores, evict=False)
+            return _empty_entries()
+        tids = self._tids(tids)
+        ht = self.ht
+        out = ht.insert(keys, tids, scores=scores, evict=False)
         failed = out.results == InsertResult.FAILED
         if not bool(failed.any()):  # the usual case: every key found a free slot
             self.pos.index_copy_(0, out.indices, positions)
-            return empty, empty, empty
+            return _empty_entries()
         ok = (~failed).nonzero().squeeze(1)
         self.pos[out.indices[ok]] = positions[ok]
-        while bool(failed.any()):  # grow (doubling) while below the maximum; positions move with the slots
-            if self.ht.capacity() >= self.max_slots:
+        all_tids = torch.zeros_like(keys) if tids is None else tids
+        while bool(failed.any()):  # grow (doubling) the tables below their maximum; positions move with the slots
+            caps = ht.capacities()
+            grow = {t for t in all_tids[failed].unique().tolist() if caps[t] < self.max_slots[t]}
+            if not grow:
                 break
-            self._grow(min(self.max_slots, 2 * self.ht.capacity()))
+            self._grow([2 * c if t in grow else c for t, c in enumerate(caps)])
             sel = failed.nonzero().squeeze(1)
-            out = self.ht.insert(keys[sel], scores=scores[sel], evict=False, same_call=True)
+            out = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=False,
+                            same_call=True)
             ok = out.results != InsertResult.FAILED
             self.pos[out.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
             failed[sel[ok]] = False
         evicted = []
-        while bool(failed.any()):  # at the maximum: evict (a new call, so this put's own keys may go too)
-            last = self.ht.insert(keys[failed], scores=scores[failed], evict=True)
+        while bool(failed.any()):  # at the maximum: evict (a new call, so this add's own keys may go too)
+            sel = failed.nonzero().squeeze(1)
+            last = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=True)
             ev = last.evicted
-            evicted.append((ev.keys, self.pos[ev.indices].clone(), ev.scores))
+            evicted.append(Entries(ev.keys, self.pos[ev.indices].clone(), ev.scores, ev.table_ids))
             ok = last.results != InsertResult.FAILED
-            sel = failed.nonzero().squeeze(1)[ok]
-            self.pos[last.indices[ok]] = positions[sel]
+            self.pos[last.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
-            failed[sel] = False
+            failed[sel[ok]] = False
         if not evicted:
-            return empty, empty, empty
-        return tuple(torch.cat(parts) for parts in zip(*evicted))
+            return _empty_entries()
+        return Entries(*(torch.cat(parts) for parts in zip(*evicted)))
 
-    def reserve(self, rows: int) -> None:
-        """Starts with slots for `rows` keys (at most the maximum), where it
-        holds none yet."""
-        if not len(self) and rows > self.min_slots:
-            self._layout(rows)
-            self._reset(self.min_slots)
-
-    def _grow(self, slots: int) -> None:
-        old_idx, new_idx = self.ht.grow(slots)
+    def _grow(self, caps: Sequence[int]) -> None:
+        slots = sum(caps)
+        old_idx, new_idx = self.ht.grow(list(caps))
         pos = torch.full((slots,), -1, dtype=torch.int64)
         pos[new_idx] = self.pos[old_idx]
         self.pos = pos
 
-    def items(self, batch_size: int = 1 << 16) -> Iterator[Tuple[torch.Tensor, ...]]:
-        """(keys, positions, scores) of every key."""
-        for b in self.ht.export(batch_size=batch_size):
+    # ---- whole tables --------------------------------------------------------------
+
+    def items(self, batch_size: int = 1 << 16, table: int = 0) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """(keys, positions, scores) of every key of a table."""
+        for b in self.ht.export(batch_size=batch_size, table_id=table if len(self.names) > 1 else None):
             yield b.keys, self.pos[b.indices], b.scores
 
     def live_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(slots, positions) of every key, in the order of their positions
-        (a store compacting its rows copies them in that order)."""
+        """(slots, positions) of every key (of a single-table index), in the
+        order of their positions (a store compacting its rows copies them in
+        that order)."""
         slots = [b.indices for b in self.ht.export(batch_size=1 << 20)]
         slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
         pos = self.pos[slots]
@@ -125,10 +186,18 @@ class KeyIndex:
         """New positions of the keys at `slots` (from live_slots, no insert since)."""
         self.pos[slots] = positions
 
-    def shift_scores(self, delta: int) -> None:
-        """Adds delta to every key's score (clock readings carried to another clock)."""
-        for b in self.ht.export(batch_size=1 << 20):
+    def shift_scores(self, delta: int, table: int = 0) -> None:
+        """Adds delta to every score of a table (clock readings carried to another clock)."""
+        for b in self.ht.export(batch_size=1 << 20, table_id=table if len(self.names) > 1 else None):
             self.ht.slot_scores[b.indices] += delta
 
-    def clear(self) -> None:
-        self._reset(self.min_slots)
+    def clear(self, table: int = 0) -> None:
+        """Removes every key of a table; it starts again at its start."""
+        caps = self.ht.capacities()
+        caps[table] = self.min_slots[table]
+        if len(self.names) == 1:
+            self.ht = None
+        else:  # the others' entries move to the new table; this one's are dropped first
+            for b in list(self.ht.export(batch_size=1 << 20, table_id=table)):
+                self.ht.erase(b.keys, table)
+        self._rebuild(caps)

@@ -8,7 +8,7 @@ client); `HostStore` keeps rows in host memory; `FileStore` (file_store.py)
 in a memory-mapped file on local disk, for tables larger than RAM.
 """
 import abc
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,6 +61,26 @@ class BackingStore(abc.ABC):
         at = found.nonzero().squeeze(1)
         return at, rows[at], scores[at]
 
+    def take_group(self, names: Sequence[str], keys: torch.Tensor, tids: torch.Tensor
+                   ) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """take_found of several tables in one call: key i is of table
+        names[tids[i]] (distinct within a table). Per table j with keys
+        found: (their positions in keys, ascending, rows, scores). The cache
+        calls this one; by default it calls take_found per table."""
+        out = {}
+        for j in tids.unique().tolist():
+            sel = (tids == j).nonzero().squeeze(1)
+            at, rows, scores = self.take_found(names[j], keys.index_select(0, sel))
+            if at.numel():
+                out[j] = (sel.index_select(0, at), rows, scores)
+        return out
+
+    def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
+        """put of several tables in one call: parts[j] = (keys, rows, scores)
+        of table names[j]. Per table j, the keys it evicted. The cache calls
+        this one; by default it calls put per table."""
+        return {j: self.put(names[j], *part) for j, part in parts.items()}
+
     @abc.abstractmethod
     def put(self, name: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
         """Stores distinct keys that are not in the store; returns how many
@@ -101,40 +121,51 @@ class BackingStore(abc.ABC):
 
 
 class HostStore(BackingStore):
-    """Rows in host memory (a tensor per table, grown by doubling, with a
-    free list), keys in a KeyIndex."""
+    """Rows in host memory (a tensor per table with a free list), the keys of
+    every table in one KeyIndex (a take or put of several tables is one
+    hash table call)."""
 
     def __init__(self, bucket_capacity: int = 128):
         self.bucket_capacity = bucket_capacity
-        self._index: Dict[str, KeyIndex] = {}
+        self._index: Optional[KeyIndex] = None
+        self._tid: Dict[str, int] = {}  # table name -> its id in the index
         self._rows: Dict[str, torch.Tensor] = {}
         self._free: Dict[str, torch.Tensor] = {}  # free positions: a stack, its first _n_free[name] entries
         self._n_free: Dict[str, int] = {}
         self._used: Dict[str, int] = {}  # positions ever handed out
 
     def open_table(self, name, width, dtype, max_rows):
-        self._index[name] = KeyIndex(name, max_rows, self.bucket_capacity)
+        if name in self._tid:  # opened again (a module built anew over this store): it starts empty
+            self.clear(name)
+        elif self._index is None:
+            self._index, self._tid[name] = KeyIndex(name, max_rows, self.bucket_capacity), 0
+        else:
+            self._tid[name] = self._index.add_table(name, max_rows)
         self._rows[name] = torch.zeros(0, width, dtype=dtype)
         self._free[name] = torch.zeros(0, dtype=torch.int64)
         self._n_free[name] = 0
         self._used[name] = 0
 
     def reserve(self, name, rows):
-        index, have = self._table(name), self._rows[name]
-        rows = min(rows, index.max_slots)
+        t, have = self._table(name), self._rows[name]
+        rows = min(rows, self._index.max_slots[t])
         if rows > have.shape[0]:
             # Zero-filled now (on 2 MiB pages where offered): puts later write
             # rows whose pages are there already.
             grown = memory.zeros((rows, have.shape[1]), have.dtype, "cpu")
             grown[:self._used[name]] = have[:self._used[name]]
             self._rows[name] = grown
-        index.reserve(rows)
+        self._index.reserve(t, rows)
 
-    def _table(self, name) -> KeyIndex:
+    def _table(self, name) -> int:
         try:
-            return self._index[name]
+            return self._tid[name]
         except KeyError:
             raise KeyError(f"table {name!r} is not open in this backing store") from None
+
+    def _ids(self, names: Sequence[str], tids: torch.Tensor) -> torch.Tensor:
+        """The index's table ids of keys of tables names[tids]."""
+        return torch.tensor([self._table(n) for n in names], dtype=torch.int64).index_select(0, tids)
 
     def _release(self, name: str, positions: torch.Tensor) -> None:
         """Pushes positions on the free stack (grown by doubling, not copied per push)."""
@@ -165,7 +196,8 @@ class HostStore(BackingStore):
         return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
 
     def read(self, name, keys):
-        found, pos, scores = self._table(name).find(keys)
+        t = self._table(name)
+        found, pos, scores = self._index.find(keys, torch.full_like(keys, t))
         rows = self._rows[name]
         out = torch.zeros(keys.numel(), rows.shape[1], dtype=rows.dtype)
         out[found] = rows[pos[found]]
@@ -175,31 +207,61 @@ class HostStore(BackingStore):
         return take_from_found(keys.numel(), *self.take_found(name, keys))
 
     def take_found(self, name, keys):
-        at, pos, scores = self._table(name).take_found(keys)
-        rows = self._rows[name].index_select(0, pos)
-        if pos.numel():
-            self._release(name, pos)
-        return at, rows, scores
+        got = self.take_group([name], keys, torch.zeros_like(keys))
+        if not got:
+            return (keys.new_zeros(0), self._rows[name].new_zeros(0, self._rows[name].shape[1]),
+                    keys.new_zeros(0))
+        return got[0]
+
+    def take_group(self, names, keys, tids):
+        at, pos, scores = self._index.take_found(keys, self._ids(names, tids))
+        out = {}
+        if not at.numel():
+            return out
+        found_tids = tids.index_select(0, at)
+        for j in found_tids.unique().tolist():
+            m = None if len(names) == 1 else (found_tids == j).nonzero().squeeze(1)
+            a, p, s = (at, pos, scores) if m is None else (at.index_select(0, m), pos.index_select(0, m),
+                                                           scores.index_select(0, m))
+            out[j] = (a, self._rows[names[j]].index_select(0, p), s)
+            self._release(names[j], p)
+        return out
 
     def put(self, name, keys, rows, scores):
-        if not keys.numel():
-            return 0
-        pos = self._alloc(name, keys.numel())
-        self._rows[name].index_copy_(0, pos, rows.to(self._rows[name].dtype))
-        ev_keys, ev_pos, _ = self._table(name).add(keys, pos, scores)
-        if ev_keys.numel():
-            self._release(name, ev_pos)
-        return int(ev_keys.numel())
+        return self.put_group([name], {0: (keys, rows, scores)})[0]
+
+    def put_group(self, names, parts):
+        lost = {j: 0 for j in parts}
+        parts = {j: p for j, p in parts.items() if p[0].numel()}
+        if not parts:
+            return lost
+        positions = []
+        for j, (keys, rows, _) in parts.items():
+            pos = self._alloc(names[j], keys.numel())
+            self._rows[names[j]].index_copy_(0, pos, rows.to(self._rows[names[j]].dtype))
+            positions.append(pos)
+        ids = [self._table(names[j]) for j in parts]
+        keys = torch.cat([p[0] for p in parts.values()]) if len(parts) > 1 else next(iter(parts.values()))[0]
+        tids = torch.cat([torch.full((p[0].numel(),), t, dtype=torch.int64) for p, t in zip(parts.values(), ids)])
+        scores = torch.cat([p[2] for p in parts.values()]) if len(parts) > 1 else next(iter(parts.values()))[2]
+        ev = self._index.add(keys, torch.cat(positions) if len(positions) > 1 else positions[0], scores, tids)
+        if ev.keys.numel():
+            by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
+            for t in ev.table_ids.unique().tolist():
+                m = (ev.table_ids == t).nonzero().squeeze(1)
+                self._release(names[by_id[t]], ev.positions.index_select(0, m))
+                lost[by_id[t]] += m.numel()
+        return lost
 
     def items(self, name, batch_size=1 << 16):
         rows = self._rows[name]
-        for keys, pos, scores in self._table(name).items(batch_size):
+        for keys, pos, scores in self._index.items(batch_size, self._table(name)):
             yield keys, rows[pos], scores
 
     def size(self, name):
-        return len(self._table(name))
+        return self._index.size(self._table(name))
 
     def clear(self, name):
-        self._table(name).clear()
+        self._index.clear(self._table(name))
         self._n_free[name] = 0
         self._used[name] = 0

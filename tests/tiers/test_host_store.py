@@ -39,11 +39,45 @@ def test_a_reserved_table_writes_its_rows_in_place():
     store = HostStore(bucket_capacity=128)
     store.open_table("t", WIDTH, torch.float32, 1 << 16)
     store.reserve("t", 4096)
-    rows, slots = store._rows["t"].data_ptr(), store._table("t").ht.capacity()
+    rows, slots = store._rows["t"].data_ptr(), store._index.ht.capacity()
     assert slots >= 4096
     keys = torch.arange(1, 3001) * 7919
     assert put_all(store, keys) == 0
-    assert store._rows["t"].data_ptr() == rows and store._table("t").ht.capacity() == slots  # nothing grew
+    assert store._rows["t"].data_ptr() == rows and store._index.ht.capacity() == slots  # nothing grew
     found, got, scores = store.take("t", keys)
     assert bool(found.all()) and torch.equal(got, rows_of(keys)) and torch.equal(scores, keys % 97)
     assert store.size("t") == 0
+
+
+def test_tables_sharing_the_index_grow_evict_and_clear_on_their_own():
+    store = HostStore(bucket_capacity=128)
+    store.open_table("small", WIDTH, torch.float32, 1024)
+    store.open_table("big", WIDTH, torch.float32, 1 << 15)
+    g = torch.Generator().manual_seed(1)
+    model = {"small": {}, "big": {}}
+    lost = {"small": 0, "big": 0}
+    for _ in range(12):  # "small" reaches its maximum and evicts; "big" keeps growing
+        parts, names = {}, ["small", "big"]
+        for j, name in enumerate(names):
+            k = torch.randint(1, 1 << 40, (600,), generator=g).unique()
+            k = k[torch.tensor([x not in model[name] for x in k.tolist()], dtype=torch.bool)]
+            parts[j] = (k, rows_of(k) + j, k % 89)
+            model[name].update({x: j for x in k.tolist()})
+        for j, n in store.put_group(names, parts).items():
+            lost[names[j]] += n
+    assert lost["big"] == 0 and lost["small"] > 0
+    for j, name in enumerate(["small", "big"]):
+        held = {k: (r, s) for ks, rs, ss in store.items(name) for k, r, s in zip(ks.tolist(), rs, ss.tolist())}
+        assert len(held) == store.size(name) == len(model[name]) - lost[name]
+        assert set(held) <= set(model[name])
+        assert torch.equal(torch.stack([r for r, _ in held.values()]), rows_of(torch.tensor(list(held))) + j)
+    # one call takes keys of both tables, of each only its own
+    big = torch.cat([ks for ks, _, _ in store.items("big")]).sort().values[:50]
+    keys = torch.cat([big, big])
+    tids = torch.cat([torch.ones(50, dtype=torch.int64), torch.zeros(50, dtype=torch.int64)])
+    got = store.take_group(["small", "big"], keys, tids)
+    assert list(got) == [1] and torch.equal(got[1][0], torch.arange(50))  # "small" holds none of "big"'s keys
+    assert torch.equal(got[1][1], rows_of(big) + 1)
+    assert store.size("big") == len(model["big"]) - 50
+    store.clear("small")
+    assert store.size("small") == 0 and store.size("big") == len(model["big"]) - 50
