@@ -18,12 +18,9 @@ from torch import nn
 from dynamicemb._ops import ops
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.storage import EmbeddingStorage
+from dynamicemb.storage import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device
-
-
-_PREFETCHED_KEPT = 2  # prefetched batches whose deduplication is kept for their forward
 
 
 def _versions(indices: torch.Tensor, offsets: torch.Tensor):
@@ -283,7 +280,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         versions = _versions(indices, offsets) if indices.device.type == "cpu" else None
         if versions is not None:
             self._prefetched.append((indices, offsets, versions, unique))
-            del self._prefetched[:-_PREFETCHED_KEPT]
+            del self._prefetched[:-PENDING_PREFETCHES]  # their deduplication is kept for their forward
 
     def _unique(self, indices: torch.Tensor, offsets: torch.Tensor):
         """emb_unique of the batch, or that of its prefetch when the batch
@@ -303,6 +300,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         a persistent one (storage_path) also keeps this module's step
         counters, which a module reopening it resumes from."""
         self.storage.flush({"step": self.step, "optimizer_step": self.optimizer_step})
+
+    def close(self, flush: bool = True) -> None:
+        """Done with the module's tiers: writes every cached row back first
+        (`flush`), then releases a backing store the module opened itself
+        (storage_path: its files and locks, so that another module or
+        process may open them). A `backing_store` you passed stays open:
+        close it yourself."""
+        if flush:
+            self.flush()
+        self.storage.close()
 
     # ---- accounting ----------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_cod
 _S = DynamicEmbScoreStrategy
 
 
+PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come (a pipeline's depth)
+
+
 class RowBatch(NamedTuple):
     """Entries of one table as a checkpoint holds them."""
 
@@ -127,7 +130,9 @@ class EmbeddingStorage(abc.ABC):
 
     def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
         """Readies a coming batch's distinct keys (a tiered storage moves their
-        rows into its cache); nothing by default."""
+        rows into its cache); nothing by default. Of the batches prefetched,
+        the last PENDING_PREFETCHES count as coming (the older ones' forwards
+        are taken not to come)."""
 
     def batch_done(self, newest: bool = False) -> None:
         """A training batch's backward has run (its rows may move again);
@@ -137,6 +142,10 @@ class EmbeddingStorage(abc.ABC):
         """Writes every row to its last tier (a tiered storage); a persistent
         tier also keeps `state` (the module's counters, JSON-able) for
         saved_state(). Nothing by default."""
+
+    def close(self) -> None:
+        """Releases what the storage holds beyond its tensors (a backing store
+        it opened: files, locks); nothing by default."""
 
     def saved_state(self) -> Optional[dict]:
         """The state given to the last flush of a persistent tier that this

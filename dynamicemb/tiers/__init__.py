@@ -47,9 +47,10 @@ def make_storage(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]
     if not any(o.caching for o in options):
         return HashTableStorage(names, options, state_widths, dtype, device, seed, streams)
     store = _backing_store(names, options)
+    made_here = all(o.backing_store is not store for o in options)
     try:
-        return CachedStorage(names, options, state_widths, dtype, device, seed, streams, store)
+        return CachedStorage(names, options, state_widths, dtype, device, seed, streams, store, owns_store=made_here)
     except BaseException:
-        if isinstance(store, FileStore) and all(o.backing_store is not store for o in options):
+        if made_here:
             store.close()  # made here (storage_path): its locks and maps go with the error
         raise

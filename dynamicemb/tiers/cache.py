@@ -21,14 +21,13 @@ import torch
 
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.storage import HashTableStorage, RowBatch
+from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.store import BackingStore
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
-_PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come
 # A forward's keys by kind (found in the cache, missed and stored, new) -> tier_counters' columns.
 _KIND_TO_COUNTERS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 1]], dtype=torch.int64)
 
@@ -44,7 +43,7 @@ def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
 class CachedStorage(HashTableStorage):
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]],
-                 store: BackingStore):
+                 store: BackingStore, owns_store: bool = False):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.cached = [o.caching for o in options]
         self.table_max_rows = [-(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity for o in options]
@@ -65,6 +64,7 @@ class CachedStorage(HashTableStorage):
                 raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
                                  f"(the backing store keeps one score per key)")
         self.store = store
+        self.owns_store = owns_store  # made for this storage (storage_path, the default HostStore): close() closes it
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
         for t, n in enumerate(names):
             if self.cached[t]:
@@ -261,7 +261,7 @@ class CachedStorage(HashTableStorage):
         them there until that forward."""
         pin: Dict[int, torch.Tensor] = {}
         self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
-        del self._prefetch_pins[:-_PENDING_PREFETCHES]
+        del self._prefetch_pins[:-PENDING_PREFETCHES]
         for g, mask, lt in self._split(table_ids):
             if not self._group_cached[g]:
                 continue
@@ -385,6 +385,10 @@ class CachedStorage(HashTableStorage):
             self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
                                                   "clock": self.now(t), "layout": self._layout(t)})
         self.store.flush()
+
+    def close(self) -> None:
+        if self.owns_store:
+            self.store.close()
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
         yield from super().export_rows(table_id, batch_size, lazy)

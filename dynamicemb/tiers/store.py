@@ -101,6 +101,10 @@ class BackingStore(abc.ABC):
     def flush(self) -> None:
         """Makes what was put durable (a store on disk); nothing by default."""
 
+    def close(self) -> None:
+        """Releases what the store holds (files, locks, connections); what
+        was put since the last flush may be lost. Nothing by default."""
+
     # A persistent store (FileStore) also keeps, per table, a small state
     # that its owner saves with each flush and reads back when the store is
     # reopened (the module's step counters, the clock its scores were read

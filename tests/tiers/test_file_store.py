@@ -15,7 +15,7 @@ from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
 from dynamicemb.tiers import FileStore
 from dynamicemb.tiers import file_store as fs
-from tier_helpers import BUCKET, batches, module, step
+from tier_helpers import BUCKET, all_rows, batches, module, step
 
 TABLES = {"t0": (5, torch.float32), "t1": (3, torch.bfloat16)}
 MAX_ROWS = 1 << 14
@@ -379,3 +379,26 @@ def test_a_rows_file_that_cannot_be_mapped_is_closed(tmp_path, monkeypatch):
         store.open_table("t0", 5, torch.float32, MAX_ROWS)
     # Closed at once, not when the error (which holds the frames) goes.
     assert err.value is not None and not _open_files(tmp_path)
+
+
+def test_close_writes_the_cache_back_and_frees_the_store_the_module_opened(tmp_path):
+    """close(): a module whose storage_path made its store flushes, then
+    releases the files (another module opens them at once, with every row);
+    a store the user passed stays open."""
+    m = module(storage_path=str(tmp_path / "own"))
+    for b in batches(6):
+        step(m, b)
+    want = [all_rows(m, t) for t in range(2)]
+    m.close()
+    m2 = module(storage_path=str(tmp_path / "own"))  # was refused while the first held the table locks
+    assert m2.storage.size(0) == 0  # every row came back from the store, none cached yet
+    for t in range(2):
+        got = all_rows(m2, t)
+        assert got.keys() == want[t].keys() and all(torch.equal(got[k], want[t][k]) for k in got)
+    m2.close()
+    store = FileStore(str(tmp_path / "given"), bucket_capacity=BUCKET)
+    m3 = module(store=store)
+    step(m3, batches(1)[0])
+    m3.close()
+    assert store.size("t0") > 0  # flushed into it, and still open: the user closes it
+    store.close()
