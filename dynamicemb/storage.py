@@ -311,6 +311,37 @@ class HashTableStorage(EmbeddingStorage):
         is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
         failed = torch.zeros(self.num_tables, dtype=torch.int64)
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
+        try:
+            self._find_or_insert_groups(keys, table_ids, counts, step, slots, is_new, failed, rejected)
+        except RuntimeError:
+            # A group failed (a cache too small for the step) after earlier
+            # groups placed new keys: those get their initial rows, so that
+            # every key stored holds a proper row when the step raises.
+            self._init_rows(slots, is_new, keys, table_ids)
+            raise
+        self.rejected += rejected
+        if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
+            given = keys.new_empty(0) if inverse is None else inverse
+            _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
+                self._weights, slots, self._table_slot_begin, table_ids, keys, is_new, given, self.dims,
+                self.init_params, self.seed)
+            inverse = None if inverse is None else renumbered
+        else:
+            rows = self._init_rows(slots, is_new, keys, table_ids)
+        return FindOrInsertResult(keys, table_ids, rows, inverse, failed, rejected)
+
+    def _init_rows(self, slots, is_new, keys, table_ids) -> torch.Tensor:
+        """Writes the initial rows of the new keys; returns every key's row."""
+        rows = _slot_rows(slots, self._table_slot_begin[table_ids])
+        sel = is_new.nonzero().squeeze(1)
+        if sel.numel():
+            ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
+                              keys.index_select(0, sel), self.dims, self.init_params, self.seed)
+        return rows
+
+    def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:
+        """find_or_insert's inserts, group by group: fills slots, is_new,
+        failed and rejected in place."""
         for g, mask, lt in self._split(table_ids):
             ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
@@ -331,24 +362,11 @@ class HashTableStorage(EmbeddingStorage):
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
             if at is None:
-                slots, is_new = out.indices, new
+                slots.copy_(out.indices)
+                is_new.copy_(new)
             else:
                 slots[at] = out.indices
                 is_new[at] = new
-        self.rejected += rejected
-        if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
-            given = keys.new_empty(0) if inverse is None else inverse
-            _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
-                self._weights, slots, self._table_slot_begin, table_ids, keys, is_new, given, self.dims,
-                self.init_params, self.seed)
-            inverse = None if inverse is None else renumbered
-        else:
-            rows = _slot_rows(slots, self._table_slot_begin[table_ids])
-            sel = is_new.nonzero().squeeze(1)
-            if sel.numel():
-                ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
-                                  keys.index_select(0, sel), self.dims, self.init_params, self.seed)
-        return FindOrInsertResult(keys, table_ids, rows, inverse, failed, rejected)
 
     def _admit(self, g, keys, local_tids, counts, rejected) -> Optional[torch.Tensor]:
         """Mask of the keys to insert, or None when no table of the group has admission."""

@@ -85,3 +85,31 @@ def test_a_failed_step_leaves_every_row_where_it_was():
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert m.table_stats()["t0"]["store_rows"] == len(before)
+
+
+def test_keys_another_group_placed_before_the_failure_hold_their_initial_rows():
+    """Table 0 (no cache: a group of its own) is inserted before table 1's
+    too-small cache fails the step: table 0's new keys keep the initial rows
+    an all-in-memory module gives them, not what their slots held before."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+
+    def two_groups(cache_rows):
+        opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 12, bucket_capacity=BUCKET),
+                DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 12, bucket_capacity=BUCKET, caching=True,
+                                       global_hbm_for_values=cache_rows * DIM * 4,
+                                       backing_store=HostStore(bucket_capacity=BUCKET))]
+        return BatchedDynamicEmbeddingTables(opts, table_names=["plain", "cached"], optimizer=EmbOptimType.EXACT_SGD,
+                                             learning_rate=0.1, seed=3)
+
+    small, ref = two_groups(2 * BUCKET), two_groups(1024)
+    assert len(small.storage.groups) == 2
+    ids = torch.cat([torch.arange(100) * 13 + 5, torch.arange(1000, 1100)])  # 100 keys each
+    offsets = torch.tensor([0, 100, 200])
+    for m in (small, ref):  # fill table 0's slots with other keys' trained rows first
+        step(m, (torch.cat([torch.arange(50) * 17 + 2, torch.arange(2000, 2004)]), torch.tensor([0, 50, 54])))
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        step(small, (ids, offsets))
+    ref(ids, offsets)  # inserts without training: table 0's new keys at their initial rows
+    got, want = all_rows(small, 0), all_rows(ref, 0)
+    assert got.keys() == want.keys() and len(got) > 100
+    assert all(torch.equal(got[k], want[k]) for k in want)
