@@ -200,7 +200,7 @@ def run_gather(args, root):
         store.put("g", keys[s:s + (1 << 16)], rows[s:s + (1 << 16)], torch.zeros(min(1 << 16, n - s),
                                                                                dtype=torch.int64))
     store.flush()
-    table = store._table("g")
+    table = store._file("g")
     want = keys[torch.randint(0, n, (args.gather_n,), generator=g)].unique()
     want = want[torch.randperm(want.numel(), generator=g)]
     found, positions, _ = table.index.find(want)

@@ -50,8 +50,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dynamicemb.fsync import fsync_dir, fsync_file
-from dynamicemb.tiers.index import KeyIndex
-from dynamicemb.tiers.store import BackingStore, take_from_found
+from dynamicemb.tiers.index import KeyIndex, TableView
+from dynamicemb.tiers.store import IndexedStore
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -288,15 +288,15 @@ class _TableFile:
         self._lock.close()  # releases the flock
 
 
-class FileStore(BackingStore):
+class FileStore(IndexedStore):
     """Rows on local disk under `root` (a directory, created when missing);
     a store reopened on the same directory (in this process or another)
     holds what the last flush() committed (see the module's doc)."""
 
     def __init__(self, root: str, bucket_capacity: int = 128):
+        super().__init__(bucket_capacity)
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
-        self.bucket_capacity = bucket_capacity
         self._tables: Dict[str, _TableFile] = {}
         with self._manifest_lock():  # no commit is under way: a crashed one's temporary file goes
             with contextlib.suppress(FileNotFoundError):
@@ -314,61 +314,46 @@ class FileStore(BackingStore):
             raise ValueError(f"table name {name!r} cannot name a file")
         if name in self._tables:
             raise ValueError(f"table {name!r} is already open in the file store at {self.root}")
-        self._tables[name] = _TableFile(self.root, name, width, dtype, max_rows, self.bucket_capacity)
-
-    def _table(self, name) -> "_TableFile":
+        t = _TableFile(self.root, name, width, dtype, max_rows, self.bucket_capacity)
+        # Its keys (loaded into an index of its own, checked) join the store's
+        # index, where the table has the same room (none is evicted).
         try:
-            return self._tables[name]
-        except KeyError:
-            raise KeyError(f"table {name!r} is not open in the file store at {self.root}") from None
+            tid = self._index_table(name, max_rows)
+            for keys, pos, scores in t.index.items(1 << 20):
+                assert not self._index.add(keys, pos, scores, torch.full_like(keys, tid)).keys.numel()
+        except BaseException:
+            t.close()
+            raise
+        t.index = TableView(self._index, tid)
+        self._tables[name] = t
 
-    def read(self, name, keys):
-        t = self._table(name)
-        found, pos, scores = t.index.find(keys)
-        at = found.nonzero().squeeze(1)
-        out = torch.zeros(keys.numel(), t.width, dtype=t.dtype)
-        out.index_copy_(0, at, t.gather(pos.index_select(0, at)))
-        return found, out, scores
+    def _where(self) -> str:
+        return f"the file store at {self.root}"
 
-    def take(self, name, keys):
-        return take_from_found(keys.numel(), *self.take_found(name, keys))
+    def _file(self, name) -> "_TableFile":
+        self._table(name)
+        return self._tables[name]
 
-    def take_found(self, name, keys):
-        t = self._table(name)
-        at, pos, scores = t.index.take_found(keys)
-        t.garbage += at.numel()
-        return at, t.gather(pos), scores
+    def _gather(self, name, positions):
+        return self._tables[name].gather(positions)
 
-    def put(self, name, keys, rows, scores):
-        if not keys.numel():
-            return 0
-        t = self._table(name)
-        ev_keys = t.index.add(keys, t.append(rows), scores).keys
-        t.garbage += ev_keys.numel()
-        return int(ev_keys.numel())
+    def _write(self, name, rows):
+        return self._tables[name].append(rows)
 
-    def items(self, name, batch_size=1 << 16):
-        t = self._table(name)
-        for keys, pos, scores in t.index.items(batch_size):
-            yield keys, t.gather(pos), scores
-
-    def size(self, name):
-        return len(self._table(name).index)
+    def _drop(self, name, positions):
+        self._tables[name].garbage += positions.numel()
 
     def clear(self, name):
-        self._table(name).clear()
-
-    def shift_scores(self, name, delta):
-        self._table(name).index.shift_scores(delta)
+        self._file(name).clear()
 
     def save_state(self, name, state):
         try:
-            self._table(name).state = json.loads(json.dumps(state))
+            self._file(name).state = json.loads(json.dumps(state))
         except (TypeError, ValueError) as e:
             raise ValueError(f"table {name!r}: the state to save in the file store is not JSON: {e}") from None
 
     def load_state(self, name):
-        return self._table(name).committed_state
+        return self._file(name).committed_state
 
     def flush(self):
         """Commits every table's rows and index (all tables at once, see the module's doc)."""
@@ -400,3 +385,4 @@ class FileStore(BackingStore):
         for t in self._tables.values():
             t.close()
         self._tables = {}
+        self._index, self._tid = None, {}

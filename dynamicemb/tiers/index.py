@@ -78,6 +78,9 @@ class KeyIndex:
             assert not bool((out.results == InsertResult.FAILED).any()), "a rebuilt key index overflowed"
             self.pos.index_copy_(0, out.indices, old_pos.index_select(0, b.indices))
 
+    def _export_id(self, table: int) -> Optional[int]:
+        return table if len(self.names) > 1 else None
+
     def _tids(self, tids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if tids is None and len(self.names) > 1:
             raise ValueError(f"the key index of tables {self.names} needs table ids")
@@ -169,14 +172,13 @@ class KeyIndex:
 
     def items(self, batch_size: int = 1 << 16, table: int = 0) -> Iterator[Tuple[torch.Tensor, ...]]:
         """(keys, positions, scores) of every key of a table."""
-        for b in self.ht.export(batch_size=batch_size, table_id=table if len(self.names) > 1 else None):
+        for b in self.ht.export(batch_size=batch_size, table_id=self._export_id(table)):
             yield b.keys, self.pos[b.indices], b.scores
 
-    def live_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(slots, positions) of every key (of a single-table index), in the
-        order of their positions (a store compacting its rows copies them in
-        that order)."""
-        slots = [b.indices for b in self.ht.export(batch_size=1 << 20)]
+    def live_slots(self, table: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots, positions) of every key of a table, in the order of their
+        positions (a store compacting its rows copies them in that order)."""
+        slots = [b.indices for b in self.ht.export(batch_size=1 << 20, table_id=self._export_id(table))]
         slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
         pos = self.pos[slots]
         order = pos.argsort()
@@ -188,7 +190,7 @@ class KeyIndex:
 
     def shift_scores(self, delta: int, table: int = 0) -> None:
         """Adds delta to every score of a table (clock readings carried to another clock)."""
-        for b in self.ht.export(batch_size=1 << 20, table_id=table if len(self.names) > 1 else None):
+        for b in self.ht.export(batch_size=1 << 20, table_id=self._export_id(table)):
             self.ht.slot_scores[b.indices] += delta
 
     def clear(self, table: int = 0) -> None:
@@ -201,3 +203,32 @@ class KeyIndex:
             for b in list(self.ht.export(batch_size=1 << 20, table_id=table)):
                 self.ht.erase(b.keys, table)
         self._rebuild(caps)
+
+
+class TableView:
+    """One table of a KeyIndex, with a single-table index's calls."""
+
+    def __init__(self, index: KeyIndex, table: int):
+        self.index, self.table = index, table
+
+    @property
+    def max_slots(self) -> List[int]:
+        return [self.index.max_slots[self.table]]
+
+    def __len__(self) -> int:
+        return self.index.size(self.table)
+
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.index.find(keys, torch.full_like(keys, self.table))
+
+    def items(self, batch_size: int = 1 << 16) -> Iterator[Tuple[torch.Tensor, ...]]:
+        return self.index.items(batch_size, self.table)
+
+    def live_slots(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.index.live_slots(self.table)
+
+    def move(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.index.move(slots, positions)
+
+    def clear(self) -> None:
+        self.index.clear(self.table)

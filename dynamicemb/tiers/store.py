@@ -124,15 +124,127 @@ class BackingStore(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not shift scores")
 
 
-class HostStore(BackingStore):
-    """Rows in host memory (a tensor per table with a free list), the keys of
-    every table in one KeyIndex (a take or put of several tables is one
-    hash table call)."""
+class IndexedStore(BackingStore):
+    """A store whose keys are in one KeyIndex, a logical table per table of
+    the store (a take or put of several tables is one hash table call), and
+    whose rows a subclass keeps per table at positions: _gather, _write and
+    _drop say how."""
 
     def __init__(self, bucket_capacity: int = 128):
         self.bucket_capacity = bucket_capacity
         self._index: Optional[KeyIndex] = None
         self._tid: Dict[str, int] = {}  # table name -> its id in the index
+
+    # ---- what a subclass provides ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _gather(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Table name's rows at positions."""
+
+    @abc.abstractmethod
+    def _write(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Stores rows of table name; returns their positions."""
+
+    @abc.abstractmethod
+    def _drop(self, name: str, positions: torch.Tensor) -> None:
+        """Rows that no key addresses any more (taken out or evicted)."""
+
+    def _where(self) -> str:
+        return "this backing store"
+
+    # ---- the index -------------------------------------------------------------------------------
+
+    def _index_table(self, name: str, max_rows: int) -> int:
+        """Declares a table in the index (empty); returns its id."""
+        if self._index is None:
+            self._index = KeyIndex(name, max_rows, self.bucket_capacity)
+            self._tid[name] = 0
+        else:
+            self._tid[name] = self._index.add_table(name, max_rows)
+        return self._tid[name]
+
+    def _table(self, name: str) -> int:
+        try:
+            return self._tid[name]
+        except KeyError:
+            raise KeyError(f"table {name!r} is not open in {self._where()}") from None
+
+    def _ids(self, names: Sequence[str], tids: torch.Tensor) -> torch.Tensor:
+        """The index's table ids of keys of tables names[tids]."""
+        return torch.tensor([self._table(n) for n in names], dtype=torch.int64).index_select(0, tids)
+
+    # ---- BackingStore ----------------------------------------------------------------------------
+
+    def read(self, name, keys):
+        found, pos, scores = self._index.find(keys, torch.full_like(keys, self._table(name)))
+        at = found.nonzero().squeeze(1)
+        rows = self._gather(name, pos.index_select(0, at))
+        out = rows.new_zeros(keys.numel(), rows.shape[1])
+        out.index_copy_(0, at, rows)
+        return found, out, scores
+
+    def take(self, name, keys):
+        return take_from_found(keys.numel(), *self.take_found(name, keys))
+
+    def take_found(self, name, keys):
+        got = self.take_group([name], keys, torch.zeros_like(keys))
+        if got:
+            return got[0]
+        empty = keys.new_zeros(0)
+        return empty, self._gather(name, empty), empty
+
+    def take_group(self, names, keys, tids):
+        at, pos, scores = self._index.take_found(keys, self._ids(names, tids))
+        out = {}
+        if not at.numel():
+            return out
+        found_tids = tids.index_select(0, at)
+        for j in found_tids.unique().tolist():
+            m = None if len(names) == 1 else (found_tids == j).nonzero().squeeze(1)
+            a, p, s = (at, pos, scores) if m is None else (x.index_select(0, m) for x in (at, pos, scores))
+            out[j] = (a, self._gather(names[j], p), s)
+            self._drop(names[j], p)
+        return out
+
+    def put(self, name, keys, rows, scores):
+        return self.put_group([name], {0: (keys, rows, scores)})[0]
+
+    def put_group(self, names, parts):
+        lost = {j: 0 for j in parts}
+        parts = {j: p for j, p in parts.items() if p[0].numel()}
+        if not parts:
+            return lost
+        ids = [self._table(names[j]) for j in parts]
+        positions = [self._write(names[j], rows) for j, (_, rows, _) in parts.items()]
+        keys = torch.cat([p[0] for p in parts.values()])
+        scores = torch.cat([p[2] for p in parts.values()])
+        tids = torch.cat([torch.full((p[0].numel(),), t, dtype=torch.int64) for p, t in zip(parts.values(), ids)])
+        ev = self._index.add(keys, torch.cat(positions), scores, tids)
+        if ev.keys.numel():
+            by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
+            for t in ev.table_ids.unique().tolist():
+                m = (ev.table_ids == t).nonzero().squeeze(1)
+                self._drop(names[by_id[t]], ev.positions.index_select(0, m))
+                lost[by_id[t]] += m.numel()
+        return lost
+
+    def items(self, name, batch_size=1 << 16):
+        for keys, pos, scores in self._index.items(batch_size, self._table(name)):
+            yield keys, self._gather(name, pos), scores
+
+    def size(self, name):
+        return self._index.size(self._table(name))
+
+    def shift_scores(self, name, delta):
+        self._index.shift_scores(delta, self._table(name))
+
+
+class HostStore(IndexedStore):
+    """Rows in host memory (a tensor per table with a free list), keys in
+    the store's KeyIndex."""
+
+    def __init__(self, bucket_capacity: int = 128):
+        super().__init__(bucket_capacity)
         self._rows: Dict[str, torch.Tensor] = {}
         self._free: Dict[str, torch.Tensor] = {}  # free positions: a stack, its first _n_free[name] entries
         self._n_free: Dict[str, int] = {}
@@ -141,10 +253,8 @@ class HostStore(BackingStore):
     def open_table(self, name, width, dtype, max_rows):
         if name in self._tid:  # opened again (a module built anew over this store): it starts empty
             self.clear(name)
-        elif self._index is None:
-            self._index, self._tid[name] = KeyIndex(name, max_rows, self.bucket_capacity), 0
         else:
-            self._tid[name] = self._index.add_table(name, max_rows)
+            self._index_table(name, max_rows)
         self._rows[name] = torch.zeros(0, width, dtype=dtype)
         self._free[name] = torch.zeros(0, dtype=torch.int64)
         self._n_free[name] = 0
@@ -161,17 +271,15 @@ class HostStore(BackingStore):
             self._rows[name] = grown
         self._index.reserve(t, rows)
 
-    def _table(self, name) -> int:
-        try:
-            return self._tid[name]
-        except KeyError:
-            raise KeyError(f"table {name!r} is not open in this backing store") from None
+    def _gather(self, name, positions):
+        return self._rows[name].index_select(0, positions)
 
-    def _ids(self, names: Sequence[str], tids: torch.Tensor) -> torch.Tensor:
-        """The index's table ids of keys of tables names[tids]."""
-        return torch.tensor([self._table(n) for n in names], dtype=torch.int64).index_select(0, tids)
+    def _write(self, name, rows):
+        pos = self._alloc(name, rows.shape[0])
+        self._rows[name].index_copy_(0, pos, rows.to(self._rows[name].dtype))
+        return pos
 
-    def _release(self, name: str, positions: torch.Tensor) -> None:
+    def _drop(self, name: str, positions: torch.Tensor) -> None:
         """Pushes positions on the free stack (grown by doubling, not copied per push)."""
         n, free = self._n_free[name], self._free[name]
         if n + positions.numel() > free.numel():
@@ -198,72 +306,6 @@ class HostStore(BackingStore):
         if not fresh:
             return reuse.clone()  # the stack's entries get overwritten by later pushes
         return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
-
-    def read(self, name, keys):
-        t = self._table(name)
-        found, pos, scores = self._index.find(keys, torch.full_like(keys, t))
-        rows = self._rows[name]
-        out = torch.zeros(keys.numel(), rows.shape[1], dtype=rows.dtype)
-        out[found] = rows[pos[found]]
-        return found, out, scores
-
-    def take(self, name, keys):
-        return take_from_found(keys.numel(), *self.take_found(name, keys))
-
-    def take_found(self, name, keys):
-        got = self.take_group([name], keys, torch.zeros_like(keys))
-        if not got:
-            return (keys.new_zeros(0), self._rows[name].new_zeros(0, self._rows[name].shape[1]),
-                    keys.new_zeros(0))
-        return got[0]
-
-    def take_group(self, names, keys, tids):
-        at, pos, scores = self._index.take_found(keys, self._ids(names, tids))
-        out = {}
-        if not at.numel():
-            return out
-        found_tids = tids.index_select(0, at)
-        for j in found_tids.unique().tolist():
-            m = None if len(names) == 1 else (found_tids == j).nonzero().squeeze(1)
-            a, p, s = (at, pos, scores) if m is None else (at.index_select(0, m), pos.index_select(0, m),
-                                                           scores.index_select(0, m))
-            out[j] = (a, self._rows[names[j]].index_select(0, p), s)
-            self._release(names[j], p)
-        return out
-
-    def put(self, name, keys, rows, scores):
-        return self.put_group([name], {0: (keys, rows, scores)})[0]
-
-    def put_group(self, names, parts):
-        lost = {j: 0 for j in parts}
-        parts = {j: p for j, p in parts.items() if p[0].numel()}
-        if not parts:
-            return lost
-        positions = []
-        for j, (keys, rows, _) in parts.items():
-            pos = self._alloc(names[j], keys.numel())
-            self._rows[names[j]].index_copy_(0, pos, rows.to(self._rows[names[j]].dtype))
-            positions.append(pos)
-        ids = [self._table(names[j]) for j in parts]
-        keys = torch.cat([p[0] for p in parts.values()]) if len(parts) > 1 else next(iter(parts.values()))[0]
-        tids = torch.cat([torch.full((p[0].numel(),), t, dtype=torch.int64) for p, t in zip(parts.values(), ids)])
-        scores = torch.cat([p[2] for p in parts.values()]) if len(parts) > 1 else next(iter(parts.values()))[2]
-        ev = self._index.add(keys, torch.cat(positions) if len(positions) > 1 else positions[0], scores, tids)
-        if ev.keys.numel():
-            by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
-            for t in ev.table_ids.unique().tolist():
-                m = (ev.table_ids == t).nonzero().squeeze(1)
-                self._release(names[by_id[t]], ev.positions.index_select(0, m))
-                lost[by_id[t]] += m.numel()
-        return lost
-
-    def items(self, name, batch_size=1 << 16):
-        rows = self._rows[name]
-        for keys, pos, scores in self._index.items(batch_size, self._table(name)):
-            yield keys, rows[pos], scores
-
-    def size(self, name):
-        return self._index.size(self._table(name))
 
     def clear(self, name):
         self._index.clear(self._table(name))

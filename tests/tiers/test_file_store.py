@@ -176,11 +176,11 @@ def test_compaction_keeps_every_row_and_removes_the_old_generation(tmp_path):
     store.flush()
     model.take(store, "t0", torch.arange(0, 900))  # 900 of 2000 rows garbage: no compaction
     store.flush()
-    assert os.path.exists(tmp_path / "t0.rows.0") and store._table("t0").rows == 2000
+    assert os.path.exists(tmp_path / "t0.rows.0") and store._file("t0").rows == 2000
     model.take(store, "t0", torch.arange(900, 1100))  # now 1100 of 2000
     model.put(store, "t0", torch.arange(0, 10), 3)  # and 1110 of 2010
     store.flush()
-    assert store._table("t0").rows == 910 == store.size("t0")  # the live rows only
+    assert store._file("t0").rows == 910 == store.size("t0")  # the live rows only
     assert {f for f in os.listdir(tmp_path) if f.startswith("t0.rows.")} == {"t0.rows.1", "t0.rows.lock"}
     _assert_holds(store, model.snapshot())
     model.put(store, "t0", torch.arange(10, 20), 4)  # appended after the compacted rows
@@ -201,7 +201,7 @@ def test_reads_follow_appends_across_remaps(tmp_path, monkeypatch):
         _assert_holds(store, {"t1": model.tables["t1"]})
         if i % 4 == 3:
             model.take(store, "t1", keys[:50])
-    assert store._table("t1").file.capacity >= 12 * 97
+    assert store._file("t1").file.capacity >= 12 * 97
 
 
 def test_reopen_with_another_width_or_dtype_names_the_table(tmp_path):
