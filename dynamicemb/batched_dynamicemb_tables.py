@@ -273,8 +273,17 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         backing store into its cache and keeps them there until that batch's
         forward. Nothing is inserted or scored."""
         indices, offsets, _ = self._check_input(indices, offsets, None)
+        side = forward_stream is not None and indices.device.type == "cuda"
+        if side:
+            # A prefetch on another stream (TorchRec's pipelines) changes the
+            # cache only after the work already queued on the forward stream
+            # (a batch's lookups and optimizer updates of the same tables)...
+            current = torch.cuda.current_stream(indices.device)
+            current.wait_stream(forward_stream)
         unique = ops.emb_unique(indices, offsets, self.feature_table_map, self.num_tables)
         self.storage.prefetch(unique[0], unique[1])
+        if side:  # ... and the next forward reads the rows it placed
+            forward_stream.wait_stream(current)
         # On the CPU, the batch's forward reuses this deduplication (_unique).
         # (Not on a GPU: there the prefetch runs on another stream, and comparing batches would sync.)
         versions = _versions(indices, offsets) if indices.device.type == "cpu" else None

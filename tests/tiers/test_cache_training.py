@@ -16,12 +16,17 @@ OPTIMIZERS = [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM, EmbOptimType.EXACT_ROWW
 @pytest.mark.parametrize("store_kind", ["host", "file", "dict"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_cached_training_equals_all_in_memory(tmp_path, store_kind, optimizer, prefetch):
-    ref = module(optimizer)
-    cached = module(optimizer, make_store(store_kind, tmp_path))
-    data = batches(60)
+def test_cached_training_equals_all_in_memory(tmp_path, store_kind, optimizer, prefetch, device):
+    ref = module(optimizer, device=device)
+    cached = module(optimizer, make_store(store_kind, tmp_path), device=device)
+    data = [tuple(x.to(device) for x in b) for b in batches(60)]
+    side = torch.cuda.Stream() if device == "cuda" else None
+    main = torch.cuda.current_stream() if device == "cuda" else None
     for i, b in enumerate(data):
-        if prefetch:
+        if prefetch and side is not None:  # as TorchRec's prefetch pipeline: on a side stream
+            with torch.cuda.stream(side):
+                cached.prefetch(*b, forward_stream=main)
+        elif prefetch:
             cached.prefetch(*b)
         assert torch.equal(step(cached, b), step(ref, b)), f"step {i}"
     stats = cached.table_stats()["t0"]
@@ -34,8 +39,8 @@ def test_cached_training_equals_all_in_memory(tmp_path, store_kind, optimizer, p
     # Eval over both tiers (nothing moves), unseen keys included.
     ref.eval()
     cached.eval()
-    ids = torch.cat([data[0][0][:40], torch.arange(5000, 5008)])
-    offsets = torch.arange(0, 49, 6)
+    ids = torch.cat([data[0][0][:40], torch.arange(5000, 5008, device=device)])
+    offsets = torch.arange(0, 49, 6, device=device)
     before = cached.table_stats()["t0"]["cache_rows"]
     assert torch.equal(cached(ids, offsets), ref(ids, offsets))
     assert cached.table_stats()["t0"]["cache_rows"] == before

@@ -72,7 +72,7 @@ def make_store(kind: str, tmp_path=None):
 
 
 def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, strategy=None, tables=2,
-           storage_path=None):
+           storage_path=None, device="cpu"):
     """Two tables; with `store` (or a FileStore in `storage_path`), each
     keeps cache_rows rows in its cache."""
     width = DIM * (3 if optimizer == EmbOptimType.ADAM else 1) + (1 if optimizer ==
@@ -83,7 +83,7 @@ def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, 
                                    global_hbm_for_values=cache_rows * width * 4 if cached else 0,
                                    backing_store=store, storage_path=storage_path, **extra) for _ in range(tables)]
     return BatchedDynamicEmbeddingTables(opts, table_names=[f"t{i}" for i in range(tables)], optimizer=optimizer,
-                                         learning_rate=0.1, seed=3)
+                                         learning_rate=0.1, seed=3, device=device)
 
 
 def batches(n: int, seed: int = 0, tables: int = 2):
@@ -97,8 +97,9 @@ def batches(n: int, seed: int = 0, tables: int = 2):
 
 
 def step(m, batch) -> torch.Tensor:
-    """One training step; returns the forward's output."""
-    y = m(*batch)
+    """One training step (the batch moved to the module's device); returns
+    the forward's output."""
+    y = m(*(x.to(m.device) for x in batch))
     (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y) / 100).sum().backward()
     return y.detach()
 
@@ -110,5 +111,5 @@ def all_rows(m, t: int) -> Dict[int, torch.Tensor]:
     for b in m.storage.export_rows(t):
         for k, v, s in zip(b.keys.tolist(), b.values, b.optimizer_state):
             assert k not in out, f"key {k} is in two places"
-            out[k] = torch.cat([v, s])
+            out[k] = torch.cat([v, s]).cpu()
     return out
