@@ -14,7 +14,10 @@ Every rank:
      native TorchRec tables; plans it with DynamicEmbeddingShardingPlanner and
      shards it with DistributedModelParallel;
   2. trains with TorchRec's TrainPipelineSparseDist: a progress bar, and every
-     --log-every steps the loss, AUC, rows stored, evictions, failed inserts;
+     --log-every steps the loss, AUC, rows stored, evictions, failed inserts
+     (with --cache F: F of each dynamic table's rows in a cache in front of
+     host memory, the next batch's rows prefetched into it by TorchRec's
+     prefetch pipeline; the lines add the cache's rows and hit rate);
   3. evaluates on held-out samples (AUC);
   4. checkpoints: DynamicEmbDump (dynamic tables, every rank its shard) and
      torch.distributed.checkpoint (dense layers, native tables);
@@ -28,6 +31,7 @@ A failed check ends the run with an error. On several hosts, --out must be
 a folder every rank can read and write.
 """
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -36,6 +40,7 @@ import subprocess
 import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -62,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--delta-steps", type=int, default=50, help="the incremental dump holds these last steps' rows")
     p.add_argument("--capacity", type=int, default=1 << 16, help="rows per dynamic table, over all ranks")
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
+    p.add_argument("--cache", type=float, default=None, metavar="FRACTION",
+                   help="a cache (caching=True) of this share of --capacity per dynamic table, in front of host "
+                        "memory, trained with TorchRec's prefetch pipeline (default: every row in memory)")
     p.add_argument("--max-rows", type=int, default=None,
                    help="rows to read from a file (default: one epoch of --steps, plus the held-out share)")
     p.add_argument("--seed", type=int, default=0)
@@ -75,6 +83,8 @@ def parse_args(argv=None):
     for flag in ("nproc", "steps", "batch_size", "eval_batches", "log_every", "delta_steps", "capacity", "dim"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.cache is not None and not 0 < args.cache <= 1:
+        p.error(f"--cache must be in (0, 1], got {args.cache}")
     if args.delta_steps >= args.steps:
         p.error(f"--delta-steps ({args.delta_steps}) must be below --steps ({args.steps})")
     return args
@@ -95,8 +105,11 @@ def dlrm(dim: int, device: torch.device) -> nn.Module:
                           over_arch_layer_sizes=[128, 64, 1], dense_device=device))
 
 
-def shard(module: nn.Module, pg: dist.ProcessGroup, device: torch.device, rows_per_rank: int):
-    """The user's TorchRec code plus dynamicemb's constraints, planner and sharder."""
+def shard(module: nn.Module, pg: dist.ProcessGroup, device: torch.device, rows_per_rank: int,
+          cache: Optional[float] = None):
+    """The user's TorchRec code plus dynamicemb's constraints, planner and
+    sharder; with `cache`, that share of each dynamic table's rows in a cache
+    in front of host memory."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.types import ShardingEnv
@@ -112,6 +125,13 @@ def shard(module: nn.Module, pg: dist.ProcessGroup, device: torch.device, rows_p
         init_capacity=min(rows_per_rank, 1 << 12),  # grows (doubling) as ids arrive
         score_strategy=DynamicEmbScoreStrategy.STEP,  # a row's score: the step that last trained it
         initializer_args=DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.UNIFORM, lower=-0.05, upper=0.05))
+    if cache is not None:
+        # The cache's bytes over all ranks (global_hbm_for_values): rows of dim values and one float of
+        # row-wise Adagrad state. Every other row lives in a HostStore, which the module makes.
+        row_bytes = (module.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()[0].embedding_dim
+                     + 1) * 4
+        options = dataclasses.replace(options, caching=True,
+                                      global_hbm_for_values=int(cache * rows_per_rank * pg.size()) * row_bytes)
     constraints = {c.name: DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=options)
                    for c in configs if c.feature_names[0] not in NATIVE_FEATURES}
     fused = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)  # updates in backward
@@ -207,11 +227,23 @@ def binary_auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def table_totals(stats: dict) -> dict:
-    """Sums over table_stats' tables, and the largest table."""
-    total = {k: sum(s[k] for s in stats.values()) for k in ("size", "capacity", "evicted", "failed")}
+    """Sums over table_stats' tables (the tier counters too, where tables are
+    cached), and the largest table."""
+    total = {k: sum(s.get(k, 0) for s in stats.values())
+             for k in ("size", "capacity", "evicted", "failed", "hits", "misses", "write_backs", "cache_rows",
+                       "store_rows")}
     largest = max(stats, key=lambda t: stats[t]["size"])
     total["largest"] = f"{largest}: {stats[largest]['size']:,}"
     return total
+
+
+def tiers(total: dict) -> str:
+    """The cache's share of the rows and of the lookups so far, where tables are cached."""
+    looked = total["hits"] + total["misses"]
+    if not looked:
+        return ""
+    return (f" | cache {total['cache_rows']:,} rows, store {total['store_rows']:,} | hits {total['hits'] / looked:.0%}"
+            f" | written back {total['write_backs']:,}")
 
 
 def table_grid(stats: dict, columns: int = 4) -> str:
@@ -278,7 +310,8 @@ class Job:
 
 
 def train(job: Job, model):
-    """--steps steps with TrainPipelineSparseDist. Returns the model (its own
+    """--steps steps with TrainPipelineSparseDist (--cache: the prefetch
+    pipeline). Returns the model (its own
     forward back), the AUC of the last metrics window, the seconds taken and
     the tables' scores before the last --delta-steps steps."""
     from torchmetrics.classification import BinaryAUROC
@@ -288,11 +321,15 @@ def train(job: Job, model):
 
     from dynamicemb import table_stats
     from dynamicemb.incremental_dump import get_score
+    from dynamicemb.shard import PrefetchTrainPipelineSparseDist
 
     args, G, B = job.args, job.G, job.B
     dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
     optimizer = torch.optim.Adam(dense_params, lr=1e-3)  # the dense layers; the tables update themselves
-    pipeline = TrainPipelineSparseDist(model, optimizer, job.device)
+    if args.cache is None:
+        pipeline = TrainPipelineSparseDist(model, optimizer, job.device)
+    else:  # the next batch's rows move from the store into the cache ahead of its forward
+        pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, job.device)
     batches = (job.data.train(step * G + job.rank * B, B).batch() for step in range(args.steps))
     auc = BinaryAUROC().to(job.device)  # since the last metrics line, all ranks (synced by compute())
     loss_sum, since, window_auc = torch.zeros((), device=job.device), None, float("nan")
@@ -313,7 +350,7 @@ def train(job: Job, model):
             loss = loss_sum.item() / job.world / (step % args.log_every + 1)
             job.say(f"step {step + 1:>6}/{args.steps} | loss {loss:.4f} | auc {window_auc:.4f} "
                     f"| rows {s['size']:,} (largest {s['largest']}) "
-                    f"| evicted {s['evicted']:,} | failed {s['failed']:,}")
+                    f"| evicted {s['evicted']:,} | failed {s['failed']:,}{tiers(s)}")
             auc.reset()
             loss_sum.zero_()
     bar.close()
@@ -352,7 +389,7 @@ def reload(job: Job, path: str, logits: torch.Tensor):
         # tables get room for all of them and headroom for buckets that fill unevenly.
         rows_per_rank = 2 * get_sharded_table_capacity(args.capacity, ranks)
         torch.manual_seed(args.seed + 1)  # other initial weights: the checkpoint must overwrite them all
-        model = shard(dlrm(args.dim, job.device), sub, job.device, rows_per_rank)
+        model = shard(dlrm(args.dim, job.device), sub, job.device, rows_per_rank, args.cache)
         DynamicEmbLoad(os.path.join(path, "dynamic"), model, pg=sub)
         state = model.state_dict()
         dcp.load(state, checkpoint_id=os.path.join(path, "dense"), process_group=sub)  # reshards
@@ -430,10 +467,13 @@ def run(args) -> None:
     say(f"[data] {data.name}: {size}" + "".join(f"; {f} = {what}" for f, what in data.labels.items()))
 
     torch.manual_seed(args.seed)  # the same dense initial weights on every rank
-    model = shard(dlrm(args.dim, job.device), job.pg, job.device, get_sharded_table_capacity(args.capacity, job.world))
+    model = shard(dlrm(args.dim, job.device), job.pg, job.device, get_sharded_table_capacity(args.capacity, job.world),
+                  args.cache)
     say(f"[model] DLRM, {len(SPARSE_FEATURES) - len(NATIVE_FEATURES)} dynamic tables (up to {args.capacity:,} rows "
         f"each), {len(NATIVE_FEATURES)} native tables ({NATIVE_ROWS} rows), dim {args.dim}; {job.world} rank(s) on "
-        f"{job.device.type} ({dist.get_backend()}), {job.B} samples per rank and step")
+        f"{job.device.type} ({dist.get_backend()}), {job.B} samples per rank and step"
+        + ("" if args.cache is None else f"; {args.cache:.0%} of each dynamic table's rows in a cache in front of "
+                                          f"host memory, prefetch pipeline"))
 
     model, train_auc, train_s, since = train(job, model)
 
@@ -454,7 +494,8 @@ def run(args) -> None:
         f"whole run {time.perf_counter() - start:.0f} s\n"
         f"  eval AUC      {eval_auc:.4f} ({len(logits):,} held-out samples; training, last window: {train_auc:.4f})\n"
         f"  rows          {stats['size']:,} in {len(SPARSE_FEATURES) - len(NATIVE_FEATURES)} dynamic tables "
-        f"(capacity {stats['capacity']:,}), {stats['evicted']:,} evicted, {stats['failed']:,} failed inserts\n"
+        f"(capacity {stats['capacity']:,}), {stats['evicted']:,} evicted, {stats['failed']:,} failed inserts"
+        f"{tiers(stats)}\n"
         f"  checkpoint    {ckpt} (reloaded on {reload_ranks} rank(s): max |logit difference| {reload_err:.1e})\n"
         f"  delta         {delta_path} ({delta_rows:,} rows)\n"
         f"  program       {program} (served in a fresh process: max |logit difference| {serve_err:.1e})")

@@ -73,3 +73,25 @@ def test_example_runs_end_to_end(tmp_path, kind):
     delta = torch.load(out / "delta.pt")
     assert sum(k.numel() for k, _ in delta.values()) == _number(r"delta\s+\S+ \(([\d,]+) rows\)", text) > 0
     assert (out / "model.pt2").exists() and (out / "checkpoint" / "dense" / ".metadata").exists()
+
+
+def test_example_with_a_cache_trains_through_both_tiers(tmp_path):
+    """--cache: half of each table's rows in a cache in front of host
+    memory, the prefetch pipeline; rows reach the store (written back), and
+    the checkpoint reload and the served program still predict as eval did."""
+    out = tmp_path / "out"
+    args = [*SHORT, "--capacity", "8192", "--cache", "0.5", "--out", str(out)]
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "example.py"), *args],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-4000:]
+    assert "in a cache in front of host memory, prefetch pipeline" in text
+    rows = _number(r"rows\s+([\d,]+) in 22 dynamic tables", text)
+    summary = text[text.index("[summary]"):]
+    cached, stored = _number(r"cache ([\d,]+) rows, store", summary), _number(r"rows, store ([\d,]+)", summary)
+    assert cached + stored == rows and stored > 0 and _number(r"written back ([\d,]+)", summary) >= stored
+    assert _number(r"\[reload\] on 1 rank\(s\): same predictions \(max \|logit difference\| (\S+)\)", text) <= 1e-4
+    assert _number(r"served in a fresh process: max \|logit difference\| (\S+)\)", text) <= 1e-4
+    assert _number(r"eval AUC\s+(\S+)", text) > 0.6 and _number(r"failed (\S+)", text) == 0
+    manifest = json.loads((out / "checkpoint" / "dynamic" / "manifest.json").read_text())
+    assert sum(sum(t["rows_per_rank"]) for t in manifest["tables"].values()) == rows  # the dump saw both tiers
