@@ -320,7 +320,10 @@ class FileStore(IndexedStore):
         try:
             tid = self._index_table(name, max_rows)
             for keys, pos, scores in t.index.items(1 << 20):
-                assert not self._index.add(keys, pos, scores, torch.full_like(keys, tid)).keys.numel()
+                lost = self._index.add(keys, pos, scores, torch.full_like(keys, tid)).keys.numel()
+                if lost:  # cannot happen: the same hash and room place every key as in its own index
+                    raise RuntimeError(f"table {name!r}: {lost} keys of the file store at {self.root} found no "
+                                       f"slot in the store's index")
         except BaseException:
             t.close()
             raise

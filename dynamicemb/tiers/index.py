@@ -75,7 +75,8 @@ class KeyIndex:
             return
         for b in old.export(batch_size=1 << 20):
             out = self.ht.insert(b.keys, b.table_ids, scores=b.scores, evict=False)
-            assert not bool((out.results == InsertResult.FAILED).any()), "a rebuilt key index overflowed"
+            if bool((out.results == InsertResult.FAILED).any()):  # cannot happen (see above)
+                raise RuntimeError(f"the key index of tables {self.names} overflowed while rebuilt")
             self.pos.index_copy_(0, out.indices, old_pos.index_select(0, b.indices))
 
     def _export_id(self, table: int) -> Optional[int]:
