@@ -176,7 +176,8 @@ class IndexedStore(BackingStore):
     # ---- BackingStore ----------------------------------------------------------------------------
 
     def read(self, name, keys):
-        found, pos, scores = self._index.find(keys, torch.full_like(keys, self._table(name)))
+        t = self._table(name)  # first: a table not open is a KeyError naming it
+        found, pos, scores = self._index.find(keys, torch.full_like(keys, t))
         at = found.nonzero().squeeze(1)
         rows = self._gather(name, pos.index_select(0, at))
         out = rows.new_zeros(keys.numel(), rows.shape[1])
@@ -194,7 +195,8 @@ class IndexedStore(BackingStore):
         return empty, self._gather(name, empty), empty
 
     def take_group(self, names, keys, tids):
-        at, pos, scores = self._index.take_found(keys, self._ids(names, tids))
+        ids = self._ids(names, tids)
+        at, pos, scores = self._index.take_found(keys, ids)
         out = {}
         if not at.numel():
             return out
@@ -229,14 +231,17 @@ class IndexedStore(BackingStore):
         return lost
 
     def items(self, name, batch_size=1 << 16):
-        for keys, pos, scores in self._index.items(batch_size, self._table(name)):
+        t = self._table(name)
+        for keys, pos, scores in self._index.items(batch_size, t):
             yield keys, self._gather(name, pos), scores
 
     def size(self, name):
-        return self._index.size(self._table(name))
+        t = self._table(name)
+        return self._index.size(t)
 
     def shift_scores(self, name, delta):
-        self._index.shift_scores(delta, self._table(name))
+        t = self._table(name)
+        self._index.shift_scores(delta, t)
 
 
 class HostStore(IndexedStore):
@@ -308,6 +313,7 @@ class HostStore(IndexedStore):
         return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
 
     def clear(self, name):
-        self._index.clear(self._table(name))
+        t = self._table(name)
+        self._index.clear(t)
         self._n_free[name] = 0
         self._used[name] = 0

@@ -81,3 +81,19 @@ def test_tables_sharing_the_index_grow_evict_and_clear_on_their_own():
     assert store.size("big") == len(model["big"]) - 50
     store.clear("small")
     assert store.size("small") == 0 and store.size("big") == len(model["big"]) - 50
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_a_table_not_open_is_a_key_error_naming_it(tmp_path, kind):
+    from dynamicemb.tiers import FileStore
+    store = HostStore() if kind == "host" else FileStore(str(tmp_path))
+    keys = torch.arange(3)
+    calls = [lambda: store.read("nope", keys), lambda: store.take("nope", keys), lambda: list(store.items("nope")),
+             lambda: store.size("nope"), lambda: store.put("nope", keys, torch.zeros(3, WIDTH), keys),
+             lambda: store.clear("nope")]
+    for opened in (False, True):  # with no table open, and with another one
+        if opened:
+            store.open_table("other", WIDTH, torch.float32, 64)
+        for call in calls:
+            with pytest.raises(KeyError, match="table 'nope' is not open"):
+                call()
