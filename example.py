@@ -69,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
     p.add_argument("--cache", type=float, default=None, metavar="FRACTION",
                    help="a cache (caching=True) of this share of --capacity per dynamic table, in front of host "
-                        "memory, trained with TorchRec's prefetch pipeline (default: every row in memory)")
+                        "memory, trained with TorchRec's prefetch pipeline as on GPUs (on the CPU it overlaps "
+                        "nothing) (default: every row in memory)")
     p.add_argument("--max-rows", type=int, default=None,
                    help="rows to read from a file (default: one epoch of --steps, plus the held-out share)")
     p.add_argument("--seed", type=int, default=0)
