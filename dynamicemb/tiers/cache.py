@@ -23,7 +23,7 @@ from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore
+from dynamicemb.tiers.store import BackingStore, by_table
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
@@ -121,23 +121,6 @@ class CachedStorage(HashTableStorage):
 
     # ---- the two tiers -----------------------------------------------------------------------
 
-    @staticmethod
-    def _by_table(local_tids: torch.Tensor, n_tables: int):
-        """(local table id, positions in local_tids or None for all) of each
-        table present, positions in their order."""
-        if n_tables == 1:
-            if local_tids.numel():
-                yield 0, None
-            return
-        # A mask per table: a few small ops each, where a stable sort of the
-        # ids cost several times more.
-        present = torch.bincount(local_tids, minlength=n_tables).nonzero().squeeze(1).tolist()
-        if len(present) == 1:
-            yield present[0], None
-            return
-        for lt in present:
-            yield lt, (local_tids == lt).nonzero().squeeze(1)
-
     def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of
         the keys at positions `missing` that the store holds, taken out of it
@@ -156,7 +139,7 @@ class CachedStorage(HashTableStorage):
         in one store call for the group."""
         _, tables = self.groups[g]
         parts = {}
-        for lt, part in self._by_table(evicted.table_ids, len(tables)):
+        for lt, part in by_table(evicted.table_ids, len(tables)):
             t = tables[lt]
             keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
             if part is not None:

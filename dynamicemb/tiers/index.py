@@ -35,6 +35,7 @@ class KeyIndex:
         self.min_slots: List[int] = []  # where each table starts, and starts again when cleared
         self.max_slots: List[int] = []  # its maximum, which its start doubles into exactly
         self.ht: Optional[ScoredHashTable] = None
+        self.pos: Optional[torch.Tensor] = None  # per slot: its key's row position
         self.add_table(name, max_rows)
 
     # ---- tables --------------------------------------------------------------------
@@ -65,7 +66,7 @@ class KeyIndex:
         """A new hash table of per-table capacities `caps`, every entry
         moved into it (the tables whose capacity changes are empty: the
         others' buckets keep their keys, so none overflows)."""
-        old, old_pos = self.ht, getattr(self, "pos", None)
+        old, old_pos = self.ht, self.pos
         # CUSTOMIZED: the table keeps the scores it is given (clock readings,
         # steps or counts of the caching table's own strategy).
         self.ht = ScoredHashTable(caps, bucket_capacity=self.bucket_capacity, num_tables=len(caps),
@@ -211,10 +212,6 @@ class TableView:
 
     def __init__(self, index: KeyIndex, table: int):
         self.index, self.table = index, table
-
-    @property
-    def max_slots(self) -> List[int]:
-        return [self.index.max_slots[self.table]]
 
     def __len__(self) -> int:
         return self.index.size(self.table)

@@ -30,6 +30,24 @@ def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.
     return found, out, all_scores
 
 
+def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Optional[torch.Tensor]]]:
+    """(table id, positions of its entries in tids, ascending; None: all of
+    them) of each table present in tids, in table order. A mask per table: a
+    few small ops each, where a stable sort of the ids costs several times
+    more. `n_tables` == 1: every entry is of table 0 (nothing to count)."""
+    if not tids.numel():
+        return
+    if n_tables == 1:
+        yield 0, None
+        return
+    present = torch.bincount(tids).nonzero().squeeze(1).tolist()
+    if len(present) == 1:
+        yield present[0], None
+        return
+    for j in present:
+        yield j, (tids == j).nonzero().squeeze(1)
+
+
 class BackingStore(abc.ABC):
     """Per table (by name): distinct int64 keys -> a row [width] of the
     table's dtype ([value | optimizer state]) and an int64 score."""
@@ -68,11 +86,10 @@ class BackingStore(abc.ABC):
         found: (their positions in keys, ascending, rows, scores). The cache
         calls this one; by default it calls take_found per table."""
         out = {}
-        for j in tids.unique().tolist():
-            sel = (tids == j).nonzero().squeeze(1)
-            at, rows, scores = self.take_found(names[j], keys.index_select(0, sel))
+        for j, sel in by_table(tids):
+            at, rows, scores = self.take_found(names[j], keys if sel is None else keys.index_select(0, sel))
             if at.numel():
-                out[j] = (sel.index_select(0, at), rows, scores)
+                out[j] = (at if sel is None else sel.index_select(0, at), rows, scores)
         return out
 
     def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
@@ -200,9 +217,7 @@ class IndexedStore(BackingStore):
         out = {}
         if not at.numel():
             return out
-        found_tids = tids.index_select(0, at)
-        for j in found_tids.unique().tolist():
-            m = None if len(names) == 1 else (found_tids == j).nonzero().squeeze(1)
+        for j, m in by_table(tids.index_select(0, at), len(names)):
             a, p, s = (at, pos, scores) if m is None else (x.index_select(0, m) for x in (at, pos, scores))
             out[j] = (a, self._gather(names[j], p), s)
             self._drop(names[j], p)
@@ -224,10 +239,9 @@ class IndexedStore(BackingStore):
         ev = self._index.add(keys, torch.cat(positions), scores, tids)
         if ev.keys.numel():
             by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
-            for t in ev.table_ids.unique().tolist():
-                m = (ev.table_ids == t).nonzero().squeeze(1)
-                self._drop(names[by_id[t]], ev.positions.index_select(0, m))
-                lost[by_id[t]] += m.numel()
+            for t, m in by_table(ev.table_ids):
+                self._drop(names[by_id[t]], ev.positions if m is None else ev.positions.index_select(0, m))
+                lost[by_id[t]] += ev.keys.numel() if m is None else m.numel()
         return lost
 
     def items(self, name, batch_size=1 << 16):
