@@ -50,13 +50,7 @@ def _pipeline_equals_plain_loop(rank, world, optimizer):
         for kind in ("ebc", "ec") if pg.size() > 1 else ("ebc",):  # EC: the same kernel path
             what = f"{kind}/{optimizer}/{pg.size()} ranks"
             ref, opt = _build(kind, pg, fused)
-            ref_logits = []
-            for b in batches:
-                opt.zero_grad()
-                loss, logits = ref(b)
-                loss.backward()
-                opt.step()
-                ref_logits.append(logits)
+            ref_logits = models.train_steps(ref, opt, batches)
 
             cached, opt = _build(kind, pg, fused, cache_rows=td.CACHE_ROWS)
             pipeline = PrefetchTrainPipelineSparseDist(cached, opt, torch.device("cpu"))

@@ -238,3 +238,16 @@ def initial_weights(configs, seed: int = 0) -> Dict[str, torch.Tensor]:
     """Per table, a full [num_embeddings, dim] weight to start both models from."""
     g = torch.Generator().manual_seed(seed)
     return {c.name: torch.rand(c.num_embeddings, c.embedding_dim, generator=g) - 0.5 for c in configs}
+
+
+def train_steps(model, optimizer, batches) -> List[torch.Tensor]:
+    """A plain training loop (what a train pipeline must match) over a model
+    returning (loss, logits); returns each step's logits."""
+    logits = []
+    for b in batches:
+        optimizer.zero_grad()
+        loss, out = model(b)
+        loss.backward()
+        optimizer.step()
+        logits.append(out)
+    return logits

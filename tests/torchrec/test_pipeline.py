@@ -56,13 +56,7 @@ def _pipeline(rank, world):
     batches = _batches(pg)
 
     plain, opt = _build(pg)
-    plain_logits = []
-    for b in batches:
-        opt.zero_grad()
-        loss, logits = plain(b)
-        loss.backward()
-        opt.step()
-        plain_logits.append(logits)
+    plain_logits = models.train_steps(plain, opt, batches)
 
     piped, opt = _build(pg)
     pipeline = TrainPipelineSparseDist(piped, opt, torch.device("cpu"))
