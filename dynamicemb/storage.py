@@ -280,12 +280,17 @@ class HashTableStorage(EmbeddingStorage):
             ht = self.groups[g][0]
             k = keys if mask is None else keys[mask]
             slots, _ = ht.lookup(k, lt)
-            r = self._rows(g, slots, lt)
+            r = self._rows(g, self._stored(g, slots), lt)
             if mask is None:
                 rows = r
             else:
                 rows[mask] = r
         return rows
+
+    def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
+        """find's slots of group g, -1 for a key that is there but not
+        stored yet (a tiered storage's provisional keys); all of them here."""
+        return slots
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
         hts = [ht for ht, _ in self.groups]

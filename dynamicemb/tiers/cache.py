@@ -83,6 +83,10 @@ class CachedStorage(HashTableStorage):
         self._forward_pins: List[Dict[int, torch.Tensor]] = []
         self._prefetch_pins: List[Dict[int, torch.Tensor]] = []
         self._step_slots: Dict[int, torch.Tensor] = {}  # per group, the slots of the running forward's keys
+        # Per cached group, per slot: its key is provisional, made new by a
+        # prefetch whose forward has not come yet (_settle).
+        self._fresh = [torch.zeros(ht.slot_keys.numel(), dtype=torch.bool, device=device) if c else None
+                       for (ht, _), c in zip(self.groups, self._group_cached)]
 
     # ---- pins ------------------------------------------------------------------------------
     # A pin is {group: slots of that group's cache}: the slots of a forward's
@@ -121,23 +125,27 @@ class CachedStorage(HashTableStorage):
 
     # ---- the two tiers -----------------------------------------------------------------------
 
-    def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, missing: torch.Tensor):
+    def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of
-        the keys at positions `missing` that the store holds, taken out of it
-        (one store call for the group)."""
+        the keys that the store holds, taken out of it (one store call for
+        the group)."""
         _, tables = self.groups[g]
-        if not missing.numel():
+        if not keys.numel():
             return {}
-        got = self.store.take_group(self._group_names[g], keys.index_select(0, missing).cpu(),
-                                    local_tids.index_select(0, missing).cpu())
-        dev = missing.device
-        return {tables[lt]: (missing.index_select(0, at.to(dev)), rows.to(self.device), scores.to(self.device))
+        got = self.store.take_group(self._group_names[g], keys.cpu(), local_tids.cpu())
+        dev = keys.device
+        return {tables[lt]: (at.to(dev), rows.to(self.device), scores.to(self.device))
                 for lt, (at, rows, scores) in sorted(got.items())}
 
     def _write_back(self, g: int, evicted: EvictedKeys) -> None:
         """Evicted cache rows (their slots not yet rewritten) go to the store,
-        in one store call for the group."""
+        in one store call for the group; a provisional key (of a prefetch
+        whose forward did not come: no longer pinned) is dropped instead."""
         _, tables = self.groups[g]
+        if evicted.keys.numel():
+            provisional = self._fresh[g].index_select(0, evicted.indices)
+            if bool(provisional.any()):
+                evicted = EvictedKeys(*(x[~provisional] for x in evicted))
         parts = {}
         for lt, part in by_table(evicted.table_ids, len(tables)):
             t = tables[lt]
@@ -152,6 +160,52 @@ class CachedStorage(HashTableStorage):
             written = [tables[lt] for lt in parts]
             self.tier_counters[written, 2:4] += torch.tensor([[p[0].numel(), lost[lt]] for lt, p in parts.items()],
                                                              dtype=torch.int64)
+
+    def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: torch.Tensor,
+               exact: bool, context=None):
+        """Stores distinct keys the cache lacks: those the store holds come
+        out of it with their rows and scores, the others are new. One insert
+        into the full cache holds the pinned slots and `held` (it evicts none
+        of them) and evicts other rows, which go back to the store. A fetched
+        key's score is its stored one (`exact`: a prefetch; the batch's
+        forward scores it) or, for LFU, its stored count added to this
+        access's. Returns (slots, results: a fetched key is ASSIGNED, a new one
+        INSERTED or EVICTED, its row not yet written; the evicted keys).
+        When a key finds no slot, every key placed here is taken out again
+        (those fetched go back to the store with their rows) and the cache
+        too small error is raised; `context`: (keys, local tids, the
+        positions of these keys among them) of the whole step, for it."""
+        ht, _ = self.groups[g]
+        fetched = self._take(g, keys, local_tids)
+        if exact and fetched and isinstance(scores, torch.Tensor):
+            scores = scores.clone()  # CUSTOMIZED, LFU: the stored scores are the insert's scores
+            for pos, _, stored in fetched.values():
+                scores.index_copy_(0, pos, stored)
+        out = self._cache_insert(g, keys, local_tids, scores, held=held)
+        self._write_back(g, out.evicted)
+        idx, res = out.indices, out.results
+        failed = res == InsertResult.FAILED
+        if bool(failed.any()):
+            # The step fails: undo its placements (the evicted rows are in the
+            # store already) so that every key stays in one tier with its row.
+            ht.erase(keys[~failed], local_tids[~failed])
+            self._give_back(fetched, keys)
+            if context is not None:
+                all_keys, all_tids, at = context
+                all_failed = torch.zeros(all_keys.shape, dtype=torch.bool, device=all_keys.device)
+                all_failed[at] = failed
+                self._too_small(g, all_keys, all_tids, all_failed)
+            self._too_small(g, keys, local_tids, failed)
+        for t, (pos, rows, stored) in fetched.items():
+            slot = idx.index_select(0, pos)
+            w = self._weights[t]
+            w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
+            if exact:
+                ht.slot_scores.index_copy_(0, slot, stored)
+            elif ht.strategy == _S.LFU:  # counts accumulate across tiers
+                ht.slot_scores.index_add_(0, slot, stored)
+            res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
+        return idx, res, out.evicted
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
                       held: Optional[torch.Tensor] = None) -> InsertOutput:
@@ -168,35 +222,35 @@ class CachedStorage(HashTableStorage):
         ht, tables = self.groups[g]
         if not self._group_cached[g]:
             return super()._insert(g, keys, local_tids, scores)
-        slots, cached = ht.lookup(keys, local_tids)
-        fetched = self._take(g, keys, local_tids, (~cached).nonzero().squeeze(1))
-        # The call holds the pinned slots and those of the batch's cached keys:
-        # no key this step needs is evicted by its missing keys.
-        out = self._cache_insert(g, keys, local_tids, scores, held=slots[cached])
-        self._write_back(g, out.evicted)
-        idx, res = out.indices, out.results
-        failed = res == InsertResult.FAILED
-        if bool(failed.any()):
-            # The step fails: undo its placements (the evicted rows are in the
-            # store already) so that every key stays in one tier with its row.
-            placed = ~cached & ~failed
-            ht.erase(keys[placed], local_tids[placed])
-            self._give_back(fetched, keys)
-            self._too_small(g, keys, local_tids, failed)
-        self._step_slots[g] = idx  # the forward's pin (find_or_insert)
-        for t, (pos, rows, stored) in fetched.items():
-            slot = idx.index_select(0, pos)
-            w = self._weights[t]
-            w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
-            if ht.strategy == _S.LFU:  # counts accumulate across tiers
-                ht.slot_scores.index_add_(0, slot, stored)
-            res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
-        new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
-        # Per table, the keys found in the cache, missed but stored, new (missed too): one count.
-        kind = torch.where(new, 2, (~cached).to(torch.int64))
+        # One call finds the keys and scores them as accessed: a batch whose
+        # prefetch placed every key needs nothing more.
+        slots, cached = ht.lookup(keys, local_tids, update_score=True, scores=scores)
+        fresh = self._fresh[g]
+        # Per key: a hit (0, or taken from the store by the batch's prefetch),
+        # a miss taken from the store (1), a new key (2, or made new by the
+        # batch's prefetch: stored from now on).
+        kind = (fresh.index_select(0, slots.clamp(min=0)) & cached).to(torch.int64) * 2
+        res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
+        evicted = None
+        if not bool(cached.all()):
+            at = (~cached).nonzero().squeeze(1)
+            sub = scores.index_select(0, at) if isinstance(scores, torch.Tensor) else scores
+            # The batch's cached keys are held: none is evicted by its missing keys.
+            idx, r, evicted = self._place(g, keys.index_select(0, at), local_tids.index_select(0, at), sub,
+                                          held=slots[cached], exact=False, context=(keys, local_tids, at))
+            slots.index_copy_(0, at, idx)
+            res.index_copy_(0, at, r)
+            kind.index_copy_(0, at, torch.where(r == InsertResult.ASSIGNED, 1, 2))
+        if bool(kind.any()):
+            fresh.index_fill_(0, slots[kind > 0], False)  # no longer provisional
+        self._step_slots[g] = slots  # the forward's pin (find_or_insert)
+        # Per table, the keys found in the cache, missed, new: one count.
         counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
         self.tier_counters.index_add_(0, self._group_tables[g], counts @ _KIND_TO_COUNTERS)
-        return InsertOutput(idx, res, out.evicted)
+        if evicted is None:
+            e = torch.zeros(0, dtype=torch.int64, device=keys.device)
+            evicted = EvictedKeys(e, e, e, e)
+        return InsertOutput(slots, res, evicted)
 
     def _give_back(self, fetched, keys: torch.Tensor) -> None:
         """Rows taken from the store by a failed step go back to it."""
@@ -239,9 +293,11 @@ class CachedStorage(HashTableStorage):
         return res
 
     def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
-        """Moves the rows of a coming batch's keys from the store into the
-        cache (no score changes: the batch's forward scores them) and pins
-        them there until that forward."""
+        """Places every key of a coming batch in the cache and pins it there
+        until that forward, which then only finds and scores them: the stored
+        ones come out of the store with their rows and scores, the new ones
+        get their initial rows and stay provisional until that forward stores
+        them (_settle)."""
         pin: Dict[int, torch.Tensor] = {}
         self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
         del self._prefetch_pins[:-PENDING_PREFETCHES]
@@ -252,42 +308,38 @@ class CachedStorage(HashTableStorage):
             k = keys if mask is None else keys[mask]
             slots, cached = ht.lookup(k, lt)
             pin[g] = slots[cached]
-            fetched = self._take(g, k, lt, (~cached).nonzero().squeeze(1))
-            if fetched:
-                pos = torch.cat([p for p, _, _ in fetched.values()])
-                placed = self._insert_fetched(g, k.index_select(0, pos), lt.index_select(0, pos), fetched)
-                pin[g] = torch.cat([pin[g], placed])
+            if bool(cached.all()):
+                continue
+            at = (~cached).nonzero().squeeze(1)
+            k, lt = k.index_select(0, at), lt.index_select(0, at)
+            idx, res, _ = self._place(g, k, lt, self._new_scores(g, lt), held=None, exact=True)
+            new = res != InsertResult.ASSIGNED
+            self._fresh[g].index_copy_(0, idx, new)
+            if bool(new.any()):
+                sel = new.nonzero().squeeze(1)
+                slots, lt_new = idx.index_select(0, sel), lt.index_select(0, sel)
+                tids = self._group_tables[g].to(keys.device).index_select(0, lt_new)
+                ops.emb_init_rows(self._weights, slots - self._table_slot_begin.index_select(0, tids), tids,
+                                  k.index_select(0, sel), self.dims, self.init_params, self.seed)
+            pin[g] = torch.cat([pin[g], idx])
 
-    def _insert_fetched(self, g, keys, local_tids, fetched) -> torch.Tensor:
-        """Places keys taken from the store (in `fetched`'s order) with their
-        rows and scores; returns their slots (of those placed)."""
-        ht, _ = self.groups[g]
-        stored = torch.cat([s for _, _, s in fetched.values()])
-        out = self._cache_insert(g, keys, local_tids, stored if ht.strategy in (_S.CUSTOMIZED, _S.LFU) else None)
-        idx, res = out.indices, out.results
-        failed = res == InsertResult.FAILED
-        any_failed = bool(failed.any())
-        placed = (~failed).nonzero().squeeze(1) if any_failed else None
-        if placed is None:
-            ht.slot_scores.index_copy_(0, idx, stored)  # the stored scores, exactly
-        else:
-            ht.slot_scores[idx[placed]] = stored[placed]
-        self._write_back(g, out.evicted)
-        offset = 0
-        for t, (pos, rows, scores) in fetched.items():
-            n = pos.numel()
-            slot, w = idx[offset:offset + n], self._weights[t]
-            if not any_failed:
-                w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
-            else:
-                ok = ~failed[offset:offset + n]
-                w[(slot[ok] - self._cache_begin[t]).to(w.device)] = rows[ok].to(w.dtype)
-                if bool((~ok).any()):
-                    self._put(t, keys[offset:offset + n][~ok], rows[~ok], scores[~ok])
-            offset += n
-        if any_failed:
-            self._too_small(g, keys, local_tids, failed)
-        return idx if placed is None else idx[placed]
+    def _new_scores(self, g: int, local_tids: torch.Tensor):
+        """The insert scores of keys a prefetch places (those it fetches get
+        their stored ones): per key for the strategies that score with it
+        (CUSTOMIZED: the table's score; LFU: no access yet), else the call's."""
+        ht, tables = self.groups[g]
+        if ht.strategy == _S.CUSTOMIZED:
+            per_table = torch.tensor([self.custom_scores[t] for t in tables], dtype=torch.int64, device=self.device)
+            return per_table[local_tids]
+        if ht.strategy == _S.LFU:
+            return torch.zeros(local_tids.shape, dtype=torch.int64, device=self.device)
+        return None
+
+    def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
+        fresh = self._fresh[g]
+        if fresh is None or not bool(fresh.any()):
+            return slots
+        return slots.masked_fill(fresh.index_select(0, slots.clamp(min=0)) & (slots >= 0), -1)
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
         """The eval forward over both tiers, nothing moved: each table's rows
@@ -313,6 +365,23 @@ class CachedStorage(HashTableStorage):
             blocks.append(block)
         return ops.emb_forward(blocks, local, ukeys, inverse, offsets, feature_table, self.dims, per_sample_weights,
                                pooling, self.eval_init_params, self.seed, output_dtype)
+
+    def _settle(self) -> None:
+        """Takes the provisional keys out of the cache: those that pending
+        prefetches made new, whose rows are initial values no forward has
+        used. What reads or writes the tiers as a whole (flush, export, stats,
+        eval lookups, loads) then sees only keys that training forwards
+        stored, as without prefetch; a settled batch's forward stores its new
+        keys again, with the same initial rows."""
+        for g, fresh in enumerate(self._fresh):
+            if fresh is None or not bool(fresh.any()):
+                continue
+            ht, _ = self.groups[g]
+            slots = fresh.nonzero().squeeze(1)
+            bounds = (ht.table_buckets[1:-1] * ht.bucket_capacity).to(slots.device)
+            ht.erase(ht.slot_keys.index_select(0, slots), torch.bucketize(slots, bounds, right=True))
+            fresh.zero_()
+            self.version += 1  # rows returned before may belong to no key now
 
     # ---- checkpoints, export, accounting ------------------------------------------------------
 
@@ -350,6 +419,7 @@ class CachedStorage(HashTableStorage):
         """Writes every cached row back to the store (the cache is then empty)
         and makes the store durable, with `state` (the module's counters) and
         each table's CUSTOMIZED score and clock."""
+        self._settle()
         if self._forward_pins:
             cached = [n for n, c in zip(self.names, self.cached) if c]
             warnings.warn(f"dynamicemb: flush() of tables {cached} between a training forward and its backward: "
@@ -374,6 +444,7 @@ class CachedStorage(HashTableStorage):
             self.store.close()
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
+        self._settle()
         yield from super().export_rows(table_id, batch_size, lazy)
         if self.cached[table_id]:
             dim = self.dims[table_id]
@@ -381,6 +452,7 @@ class CachedStorage(HashTableStorage):
                 yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
+        self._settle()
         yield from super().export(table_id, batch_size, threshold)
         if self.cached[table_id]:
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
@@ -391,6 +463,7 @@ class CachedStorage(HashTableStorage):
                     yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
 
     def load_rows(self, table_id, batch: RowBatch) -> None:
+        self._settle()
         if not self.cached[table_id]:
             return super().load_rows(table_id, batch)
         dim = self.dims[table_id]
@@ -404,6 +477,7 @@ class CachedStorage(HashTableStorage):
                                f"(at most {self.table_max_rows[table_id]} rows on this rank)")
 
     def clear_table(self, table_id: int) -> int:
+        self._settle()
         self._forward_pins.clear()  # pins are slots: of keys no longer there
         self._prefetch_pins.clear()
         removed = super().clear_table(table_id)
@@ -421,8 +495,11 @@ class CachedStorage(HashTableStorage):
             return s
         hits, misses, write_backs, lost, new = self.tier_counters[table_id].tolist()
         store_rows = self.store.size(self.names[table_id])
-        s.update(size=s["size"] + store_rows, capacity=self.table_max_rows[table_id],
+        g, lt = self.group_of[table_id]
+        begin, end = self.groups[g][0].table_slot_range(lt)
+        cache_rows = self.size(table_id) - int(self._fresh[g][begin:end].sum())  # stored keys only
+        s.update(size=cache_rows + store_rows, capacity=self.table_max_rows[table_id],
                  inserted=new, evicted=lost, hits=hits, misses=misses,
-                 write_backs=write_backs, cache_rows=self.size(table_id), store_rows=store_rows,
+                 write_backs=write_backs, cache_rows=cache_rows, store_rows=store_rows,
                  cache_capacity=self.capacity(table_id))
         return s
