@@ -294,8 +294,13 @@ class HostStore(IndexedStore):
         return self._rows[name].index_select(0, positions)
 
     def _write(self, name, rows):
-        pos = self._alloc(name, rows.shape[0])
-        self._rows[name].index_copy_(0, pos, rows.to(self._rows[name].dtype))
+        pos, reused = self._alloc(name, rows.shape[0])
+        dest, rows = self._rows[name], rows.to(self._rows[name].dtype)
+        if reused:  # freed positions, scattered
+            dest.index_copy_(0, pos[:reused], rows[:reused])
+        if reused < pos.numel():  # fresh ones: a block, written in one copy
+            start = int(pos[reused])
+            dest[start:start + pos.numel() - reused] = rows[reused:]
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:
@@ -308,8 +313,9 @@ class HostStore(IndexedStore):
         free[n:n + positions.numel()] = positions
         self._n_free[name] = n + positions.numel()
 
-    def _alloc(self, name: str, n: int) -> torch.Tensor:
-        """n positions: the last freed ones (top of the stack, in push order), then fresh ones."""
+    def _alloc(self, name: str, n: int) -> Tuple[torch.Tensor, int]:
+        """n positions: the last freed ones (top of the stack, in push order),
+        then fresh ones (consecutive); and how many were freed ones."""
         top = self._n_free[name]
         reuse = self._free[name][top - min(n, top):top]
         self._n_free[name] = top - reuse.numel()
@@ -323,8 +329,8 @@ class HostStore(IndexedStore):
             self._rows[name] = grown
         self._used[name] = start + fresh
         if not fresh:
-            return reuse.clone()  # the stack's entries get overwritten by later pushes
-        return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)])
+            return reuse.clone(), n  # the stack's entries get overwritten by later pushes
+        return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)]), reuse.numel()
 
     def clear(self, name):
         t = self._table(name)
