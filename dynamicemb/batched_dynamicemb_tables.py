@@ -269,9 +269,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream=None,
                  batch_size_per_feature_per_rank=None) -> None:
         """Readies the rows of a coming batch (TorchRec's prefetch pipelines
-        call this one batch ahead): a cached table moves them from its
-        backing store into its cache and keeps them there until that batch's
-        forward. Nothing is inserted or scored."""
+        call this one batch ahead): a cached table places every key of the
+        batch in its cache (the stored rows taken from its backing store,
+        new keys with their initial rows) and pins them there until that
+        batch's forward, which then moves nothing. The new keys stay
+        provisional until that forward stores them: no lookup, counter,
+        export or flush sees them, and a prefetch whose forward never comes
+        stores nothing."""
         indices, offsets, _ = self._check_input(indices, offsets, None)
         side = forward_stream is not None and indices.device.type == "cuda"
         if side:

@@ -162,11 +162,13 @@ class CachedStorage(HashTableStorage):
                                                              dtype=torch.int64)
 
     def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: torch.Tensor,
-               exact: bool, context=None):
-        """Stores distinct keys the cache lacks: those the store holds come
-        out of it with their rows and scores, the others are new. One insert
-        into the full cache holds the pinned slots and `held` (it evicts none
-        of them) and evicts other rows, which go back to the store. A fetched
+               exact: bool, missing: Optional[torch.Tensor] = None, context=None):
+        """One insert of distinct keys into the full cache: it stores those
+        the cache lacks (at positions `missing`; None: all of them), and
+        scores the others as accessed. Of the missing keys, those the store
+        holds come out of it with their rows and scores, the others are new.
+        The insert holds the pinned slots and `held` (it evicts none of them)
+        and evicts other rows, which go back to the store. A fetched
         key's score is its stored one (`exact`: a prefetch; the batch's
         forward scores it) or, for LFU, its stored count added to this
         access's. Returns (slots, results: a fetched key is ASSIGNED, a new one
@@ -176,7 +178,11 @@ class CachedStorage(HashTableStorage):
         too small error is raised; `context`: (keys, local tids, the
         positions of these keys among them) of the whole step, for it."""
         ht, _ = self.groups[g]
-        fetched = self._take(g, keys, local_tids)
+        if missing is None:
+            fetched = self._take(g, keys, local_tids)
+        else:
+            fetched = {t: (missing.index_select(0, pos), rows, stored) for t, (pos, rows, stored) in
+                       self._take(g, keys.index_select(0, missing), local_tids.index_select(0, missing)).items()}
         if exact and fetched and isinstance(scores, torch.Tensor):
             scores = scores.clone()  # CUSTOMIZED, LFU: the stored scores are the insert's scores
             for pos, _, stored in fetched.values():
@@ -188,7 +194,10 @@ class CachedStorage(HashTableStorage):
         if bool(failed.any()):
             # The step fails: undo its placements (the evicted rows are in the
             # store already) so that every key stays in one tier with its row.
-            ht.erase(keys[~failed], local_tids[~failed])
+            placed = ~failed
+            if missing is not None:  # the others were there before
+                placed &= torch.zeros_like(placed).index_fill_(0, missing, True)
+            ht.erase(keys[placed], local_tids[placed])
             self._give_back(fetched, keys)
             if context is not None:
                 all_keys, all_tids, at = context
@@ -222,9 +231,12 @@ class CachedStorage(HashTableStorage):
         ht, tables = self.groups[g]
         if not self._group_cached[g]:
             return super()._insert(g, keys, local_tids, scores)
-        # One call finds the keys and scores them as accessed: a batch whose
-        # prefetch placed every key needs nothing more.
-        slots, cached = ht.lookup(keys, local_tids, update_score=True, scores=scores)
+        # After a prefetch (likely of this batch, which placed every key),
+        # one call finds the keys and scores them as accessed; else a lookup
+        # finds those to take from the store, and one insert stores the
+        # missing keys and scores the others.
+        prefetched = bool(self._prefetch_pins)
+        slots, cached = ht.lookup(keys, local_tids, update_score=prefetched, scores=scores if prefetched else None)
         fresh = self._fresh[g]
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
@@ -232,7 +244,13 @@ class CachedStorage(HashTableStorage):
         kind = (fresh.index_select(0, slots.clamp(min=0)) & cached).to(torch.int64) * 2
         res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
         evicted = None
-        if not bool(cached.all()):
+        if not prefetched:
+            at = (~cached).nonzero().squeeze(1)
+            # The batch's cached keys are held: none is evicted by its missing keys.
+            slots, res, evicted = self._place(g, keys, local_tids, scores, held=slots[cached], exact=False,
+                                              missing=at)
+            kind.index_copy_(0, at, torch.where(res.index_select(0, at) == InsertResult.ASSIGNED, 1, 2))
+        elif not bool(cached.all()):
             at = (~cached).nonzero().squeeze(1)
             sub = scores.index_select(0, at) if isinstance(scores, torch.Tensor) else scores
             # The batch's cached keys are held: none is evicted by its missing keys.
@@ -319,9 +337,19 @@ class CachedStorage(HashTableStorage):
                 sel = new.nonzero().squeeze(1)
                 slots, lt_new = idx.index_select(0, sel), lt.index_select(0, sel)
                 tids = self._group_tables[g].to(keys.device).index_select(0, lt_new)
-                ops.emb_init_rows(self._weights, slots - self._table_slot_begin.index_select(0, tids), tids,
-                                  k.index_select(0, sel), self.dims, self.init_params, self.seed)
+                self._init_new_rows(slots, tids, k.index_select(0, sel))
             pin[g] = torch.cat([pin[g], idx])
+
+    def _init_new_rows(self, slots: torch.Tensor, table_ids: torch.Tensor, keys: torch.Tensor) -> None:
+        """The initial rows of new keys at their slots: on the CPU written in
+        the order of the rows (as a forward writes them: faster than at random)."""
+        if keys.device.type == "cpu":
+            ops.emb_row_order_init(self._weights, slots, self._table_slot_begin, table_ids, keys,
+                                   torch.ones(keys.shape, dtype=torch.bool), keys.new_empty(0), self.dims,
+                                   self.init_params, self.seed)
+        else:
+            ops.emb_init_rows(self._weights, slots - self._table_slot_begin.index_select(0, table_ids), table_ids,
+                              keys, self.dims, self.init_params, self.seed)
 
     def _new_scores(self, g: int, local_tids: torch.Tensor):
         """The insert scores of keys a prefetch places (those it fetches get
