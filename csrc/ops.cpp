@@ -27,6 +27,9 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor? key_scores, int strategy, int bucket_capacity, int call_score) "
       "-> (Tensor indices, Tensor found)");
   m.def(
+      "table_refresh(Tensor(a!) slot_scores, Tensor(b!) slot_timestamps, Tensor indices, Tensor? key_scores, "
+      "int strategy, int call_score) -> ()");
+  m.def(
       "table_insert(Tensor(a!) slot_keys, Tensor(b!) slot_digests, Tensor(c!) slot_scores, "
       "Tensor(d!) slot_timestamps, Tensor(e!) slot_epochs, Tensor table_buckets, "
       "Tensor(f!) sizes, Tensor(g!) counters, Tensor keys, Tensor? table_ids, "

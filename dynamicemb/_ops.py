@@ -28,6 +28,11 @@ def _lookup_refresh_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, 
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
+@torch.library.register_fake(_lib + "table_refresh")
+def _refresh_fake(slot_scores, slot_timestamps, indices, key_scores, strategy, call_score):
+    return None
+
+
 @torch.library.register_fake(_lib + "table_insert")
 def _insert_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, slot_epochs,
                  table_buckets, sizes, counters, keys, table_ids, key_scores, strategy,

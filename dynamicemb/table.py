@@ -232,6 +232,15 @@ class ScoredHashTable:
                                         self.slot_timestamps, self._table_buckets, keys, tids, per_key,
                                         self.strategy, self.bucket_capacity, call)
 
+    def refresh(self, indices: torch.Tensor, scores: Scores = None) -> None:
+        """Scores an access of the keys at distinct slots ``indices`` (-1:
+        none), as ``lookup(update_score=True)`` would, without finding them."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64 or indices.dim() != 1:
+            raise TypeError(f"indices must be a 1-D int64 tensor, got {indices!r:.80}")
+        call, per_key = self._scores(scores, indices.numel())
+        ops.table_refresh(self.slot_scores, self.slot_timestamps, indices.to(self.device).contiguous(), per_key,
+                          self.strategy, call)
+
     def lookup_gather(self, keys: torch.Tensor, values: torch.Tensor, table_ids=None,
                       out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, indices, found): ``lookup`` and the gather of each key's

@@ -49,6 +49,23 @@ inline int64_t check_keys(const at::Tensor& keys, const std::optional<at::Tensor
   return n;
 }
 
+// table_refresh: slot_scores (and the timestamps where the strategy keeps
+// them) of one length, distinct slot indices in [-1, that length), per-index
+// scores. Returns the number of indices.
+inline int64_t check_refresh(const at::Tensor& slot_scores, const at::Tensor& slot_timestamps,
+                             const at::Tensor& indices, const std::optional<at::Tensor>& key_scores,
+                             bool with_ts) {
+  const at::Device dev = slot_scores.device();
+  check_tensor(slot_scores, at::kLong, "slot_scores", dev);
+  TORCH_CHECK(slot_scores.dim() == 1, "dynamicemb: slot_scores must be 1-D");
+  if (with_ts) {
+    check_tensor(slot_timestamps, at::kLong, "slot_timestamps", dev);
+    TORCH_CHECK(slot_timestamps.numel() == slot_scores.numel(),
+                "dynamicemb: slot_timestamps must hold one entry per slot");
+  }
+  return check_keys(indices, std::nullopt, key_scores, dev);
+}
+
 // table_lookup_gather: values [num_slots, dim] and out [n, dim], one floating
 // dtype, contiguous rows. Returns the bytes of one row.
 inline int64_t check_gather(const at::Tensor& values, const at::Tensor& out, int64_t n,

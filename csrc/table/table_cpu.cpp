@@ -419,9 +419,7 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
       bb, sd, sk, L.cap,
       [&](Rec& r, int64_t base, int s) {
         r.bucket = s >= 0 ? base + s : -1;
-        if (s < 0) return;
-        sc[base + s] = score_on_access(strategy, sc[base + s], call_score, r.score);
-        if (ts) ts[base + s] = call_score;
+        if (s >= 0) refresh_slot(strategy, sc, ts, base + s, call_score, r.score);
       },
       WrittenAtMatch{sc, nullptr, ts});
   bb.scatter(where, [out, fnd](int64_t i, const Rec& r) {  // by value: see BucketBatch::each_record
@@ -429,6 +427,37 @@ std::tuple<Tensor, Tensor> lookup_refresh_cpu(
     fnd[i] = r.bucket >= 0;
   });
   return {indices, found};
+}
+
+// ---- refresh at known slots ------------------------------------------------------
+
+// An access of the keys at distinct slots `indices` (-1: none), found
+// earlier: scores as lookup_refresh sets them, without finding the keys again.
+void refresh_cpu(const Tensor& slot_scores, const Tensor& slot_timestamps, const Tensor& indices,
+                 const std::optional<Tensor>& key_scores, int64_t strategy, int64_t call_score) {
+  check_strategy(strategy);
+  const bool with_ts = keeps_timestamps(strategy);
+  const int64_t n = check_refresh(slot_scores, slot_timestamps, indices, key_scores, with_ts);
+  const int64_t slots = slot_scores.numel();
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* ks = opt_ptr(key_scores);
+  int64_t* sc = slot_scores.data_ptr<int64_t>();
+  int64_t* ts = with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr;
+  const int64_t dflt = default_key_score(strategy, call_score);
+  std::atomic<int64_t> bad{-1};
+  cpu::parallel_ranges(n, 16384, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = idx[i];
+      if (s < -1 || s >= slots) {
+        bad.store(i, std::memory_order_relaxed);
+        continue;
+      }
+      if (s >= 0) refresh_slot(strategy, sc, ts, s, call_score, ks ? ks[i] : dflt);
+    }
+  });
+  const int64_t i = bad.load();
+  TORCH_CHECK(i < 0, "dynamicemb: slot index ", i >= 0 ? idx[i] : 0, " (position ", i, ") is out of range [-1, ",
+              slots, ")");
 }
 
 // ---- insert ----------------------------------------------------------------------
@@ -775,6 +804,7 @@ TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("table_lookup", &lookup_cpu);
   m.impl("table_lookup_gather", &lookup_gather_cpu);
   m.impl("table_lookup_refresh", &lookup_refresh_cpu);
+  m.impl("table_refresh", &refresh_cpu);
   m.impl("table_insert", &insert_cpu);
   m.impl("table_erase", &erase_cpu);
   m.impl("table_export_range", &export_range_cpu);

@@ -403,9 +403,7 @@ __global__ void lookup_refresh_kernel(RefreshArgs a, Segments segs) {
     if (tile.thread_rank() != 0) return;
     a.out[i] = slot;
     a.found[i] = slot >= 0;
-    if (slot < 0) return;
-    a.sc[slot] = score_on_access(a.strategy, a.sc[slot], a.call_score, a.key_scores ? a.key_scores[i] : a.dflt);
-    if (a.ts) a.ts[slot] = a.call_score;
+    if (slot >= 0) refresh_slot(a.strategy, a.sc, a.ts, slot, a.call_score, a.key_scores ? a.key_scores[i] : a.dflt);
   });
 }
 
@@ -445,6 +443,38 @@ std::tuple<Tensor, Tensor> lookup_refresh_cuda(
   lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {indices, found};
+}
+
+// ---- refresh at known slots ------------------------------------------------------------
+
+__global__ void refresh_kernel(const int64_t* idx, int64_t n, const int64_t* ks, int64_t dflt, int64_t strategy,
+                               int64_t call_score, int64_t slots, int64_t* sc, int64_t* ts, int* bad) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t s = idx[i];
+  if (s < -1 || s >= slots) {
+    *bad = 1;
+    return;
+  }
+  if (s >= 0) refresh_slot(strategy, sc, ts, s, call_score, ks ? ks[i] : dflt);
+}
+
+void refresh_cuda(const Tensor& slot_scores, const Tensor& slot_timestamps, const Tensor& indices,
+                  const std::optional<Tensor>& key_scores, int64_t strategy, int64_t call_score) {
+  check_strategy(strategy);
+  const c10::cuda::CUDAGuard guard(slot_scores.device());
+  const bool with_ts = keeps_timestamps(strategy);
+  const int64_t n = check_refresh(slot_scores, slot_timestamps, indices, key_scores, with_ts);
+  if (n == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Tensor bad = at::zeros({1}, indices.options().dtype(at::kInt));
+  constexpr int kBlock = 256;
+  refresh_kernel<<<static_cast<unsigned>((n + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
+      indices.data_ptr<int64_t>(), n, opt_ptr(key_scores), default_key_score(strategy, call_score), strategy,
+      call_score, slot_scores.numel(), slot_scores.data_ptr<int64_t>(),
+      with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr, bad.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(bad.item<int>() == 0, "dynamicemb: a slot index is out of range [-1, ", slot_scores.numel(), ")");
 }
 
 // ---- insert --------------------------------------------------------------------------
@@ -866,6 +896,7 @@ TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("table_lookup", &lookup_cuda);
   m.impl("table_lookup_gather", &lookup_gather_cuda);
   m.impl("table_lookup_refresh", &lookup_refresh_cuda);
+  m.impl("table_refresh", &refresh_cuda);
   m.impl("table_insert", &insert_cuda);
   m.impl("table_erase", &erase_cuda);
   m.impl("table_export_range", &export_range_cuda);

@@ -129,6 +129,14 @@ DE_HD int64_t score_on_access(int64_t s, int64_t old, int64_t call_score,
   return s == kCustomized ? key_score : call_score;
 }
 
+// An access of the key at `slot`: its score, and its access time where the
+// strategy keeps one (ts null otherwise).
+DE_HD void refresh_slot(int64_t s, int64_t* sc, int64_t* ts, int64_t slot, int64_t call_score,
+                        int64_t key_score) {
+  sc[slot] = score_on_access(s, sc[slot], call_score, key_score);
+  if (ts) ts[slot] = call_score;
+}
+
 // ---- slot scan ---------------------------------------------------------------
 
 // Bit i set where group[i] == want, for the 16 digests of a group.

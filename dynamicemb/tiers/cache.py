@@ -32,6 +32,20 @@ _PENDING_FORWARDS = 2  # forwards whose backward may still come
 _KIND_TO_COUNTERS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 1]], dtype=torch.int64)
 
 
+class _Pin(dict):
+    """{group: slots of that group's cache} pinned for a forward's keys
+    until its backward, or for a prefetched batch's until its forward. A
+    prefetch's are its batch's keys' slots in the order the storage splits
+    the keys by group, and `keys` is the tensor of those keys (its forward
+    gets the same one from the module: it then scores the keys where they
+    are, without finding them again); None for a forward's, or once the
+    slots may no longer hold those keys."""
+
+    def __init__(self, keys: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.keys = keys
+
+
 def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
     """Rows of a cached table's cache on this rank: its share of
     global_hbm_for_values, in whole buckets, at most max_capacity."""
@@ -80,8 +94,9 @@ class CachedStorage(HashTableStorage):
         self._group_tables = [torch.tensor(tables, dtype=torch.int64) for _, tables in self.groups]
         self._group_names = [[names[t] for t in tables] for _, tables in self.groups]
         self._cache_begin = [int(self._slot_begin[g][lt]) for g, lt in self.group_of]
-        self._forward_pins: List[Dict[int, torch.Tensor]] = []
-        self._prefetch_pins: List[Dict[int, torch.Tensor]] = []
+        self._forward_pins: List[_Pin] = []
+        self._prefetch_pins: List[_Pin] = []
+        self._reuse: Optional[_Pin] = None  # the prefetch pin of the running forward's batch
         self._step_slots: Dict[int, torch.Tensor] = {}  # per group, the slots of the running forward's keys
         # Per cached group, per slot: its key is provisional, made new by a
         # prefetch whose forward has not come yet (_settle).
@@ -235,8 +250,14 @@ class CachedStorage(HashTableStorage):
         # one call finds the keys and scores them as accessed; else a lookup
         # finds those to take from the store, and one insert stores the
         # missing keys and scores the others.
+        reuse = self._reuse.get(g) if self._reuse is not None else None
         prefetched = bool(self._prefetch_pins)
-        slots, cached = ht.lookup(keys, local_tids, update_score=prefetched, scores=scores if prefetched else None)
+        if reuse is not None and reuse.numel() == keys.numel():  # every key placed by the batch's prefetch
+            slots, cached = reuse, torch.ones(keys.shape, dtype=torch.bool, device=keys.device)
+            ht.refresh(slots, scores)
+        else:
+            slots, cached = ht.lookup(keys, local_tids, update_score=prefetched,
+                                      scores=scores if prefetched else None)
         fresh = self._fresh[g]
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
@@ -299,14 +320,21 @@ class CachedStorage(HashTableStorage):
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None):
         self._step_slots = {}
-        res = super().find_or_insert(keys, table_ids, counts, step, inverse)
+        mine = next((i for i, p in enumerate(self._prefetch_pins) if p.keys is keys), None)
+        self._reuse = None if mine is None else self._prefetch_pins[mine]
+        try:
+            res = super().find_or_insert(keys, table_ids, counts, step, inverse)
+        finally:
+            self._reuse = None
         # This batch's keys are pinned from now on as a forward's: the pin of
-        # its prefetch (the oldest pending one) goes; that of a later batch
-        # prefetched before this forward (prefetch(i + 1) before forward(i))
-        # stays until that batch's forward.
-        if self._prefetch_pins:
-            self._prefetch_pins.pop(0)
-        self._forward_pins.append({g: idx[idx >= 0] for g, idx in self._step_slots.items()})
+        # its prefetch (known by its keys, else the oldest pending one) goes,
+        # and those before it (their forwards are not coming); that of a later
+        # batch prefetched before this forward (prefetch(i + 1) before
+        # forward(i)) stays until that batch's forward.
+        del self._prefetch_pins[:1 if mine is None else mine + 1]
+        pin = _Pin()
+        pin.update({g: idx[idx >= 0] for g, idx in self._step_slots.items()})
+        self._forward_pins.append(pin)
         del self._forward_pins[:-_PENDING_FORWARDS]
         return res
 
@@ -316,7 +344,7 @@ class CachedStorage(HashTableStorage):
         ones come out of the store with their rows and scores, the new ones
         get their initial rows and stay provisional until that forward stores
         them (_settle)."""
-        pin: Dict[int, torch.Tensor] = {}
+        pin = _Pin(keys)
         self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
         del self._prefetch_pins[:-PENDING_PREFETCHES]
         for g, mask, lt in self._split(table_ids):
@@ -325,9 +353,10 @@ class CachedStorage(HashTableStorage):
             ht, _ = self.groups[g]
             k = keys if mask is None else keys[mask]
             slots, cached = ht.lookup(k, lt)
-            pin[g] = slots[cached]
             if bool(cached.all()):
+                pin[g] = slots
                 continue
+            pin[g] = slots[cached]
             at = (~cached).nonzero().squeeze(1)
             k, lt = k.index_select(0, at), lt.index_select(0, at)
             idx, res, _ = self._place(g, k, lt, self._new_scores(g, lt), held=None, exact=True)
@@ -335,10 +364,10 @@ class CachedStorage(HashTableStorage):
             self._fresh[g].index_copy_(0, idx, new)
             if bool(new.any()):
                 sel = new.nonzero().squeeze(1)
-                slots, lt_new = idx.index_select(0, sel), lt.index_select(0, sel)
+                lt_new = lt.index_select(0, sel)
                 tids = self._group_tables[g].to(keys.device).index_select(0, lt_new)
-                self._init_new_rows(slots, tids, k.index_select(0, sel))
-            pin[g] = torch.cat([pin[g], idx])
+                self._init_new_rows(idx.index_select(0, sel), tids, k.index_select(0, sel))
+            pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
 
     def _init_new_rows(self, slots: torch.Tensor, table_ids: torch.Tensor, keys: torch.Tensor) -> None:
         """The initial rows of new keys at their slots: on the CPU written in
@@ -409,6 +438,8 @@ class CachedStorage(HashTableStorage):
             bounds = (ht.table_buckets[1:-1] * ht.bucket_capacity).to(slots.device)
             ht.erase(ht.slot_keys.index_select(0, slots), torch.bucketize(slots, bounds, right=True))
             fresh.zero_()
+            for pin in self._prefetch_pins:
+                pin.keys = None  # some of its slots are empty now: its forward finds its keys
             self.version += 1  # rows returned before may belong to no key now
 
     # ---- checkpoints, export, accounting ------------------------------------------------------

@@ -9,8 +9,8 @@ from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import ScoredHashTable
 from dynamicemb._ops import ops
 
-TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_insert", "table_erase",
-             "table_export_range", "table_rehash"]
+TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_refresh", "table_insert",
+             "table_erase", "table_export_range", "table_rehash"]
 
 
 def _table(strategy):
@@ -37,6 +37,7 @@ def _samples(t: ScoredHashTable, code: int):
             yield "table_lookup_gather", (t.slot_keys, t.slot_digests, tb, keys, tid, bc, values,
                                           values.new_empty(keys.numel(), 5))
         yield "table_lookup_refresh", slots + (tb, keys, tid, ks, code, bc, 77)
+        yield "table_refresh", (t.slot_scores, t.slot_timestamps, torch.tensor([0, 3, -1, 17, 40, 79]), ks, code, 77)
         yield "table_insert", ins + (tid, ks, code, bc, 78, 200)
         yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
     yield "table_export_range", (t.slot_keys, t.slot_digests, None, tb, 0, 80, bc, 0)

@@ -8,7 +8,7 @@ import torch
 from tier_helpers import all_rows, batches, make_store, module, step
 
 
-def test_a_prefetched_step_makes_no_store_call_and_no_insert(monkeypatch):
+def test_a_prefetched_step_makes_no_store_call_and_no_cache_lookup_or_insert(monkeypatch):
     ref = module()
     store = make_store("host")
     cached = module(store=store, cache_rows=512)
@@ -17,8 +17,9 @@ def test_a_prefetched_step_makes_no_store_call_and_no_insert(monkeypatch):
         real = getattr(store, name)
         monkeypatch.setattr(store, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     cache_ht = cached.storage.groups[0][0]
-    real_insert = cache_ht.insert
-    monkeypatch.setattr(cache_ht, "insert", lambda *a, **k: calls.append("insert") or real_insert(*a, **k))
+    for name in ("insert", "lookup"):  # nor does it look its keys up: the prefetch found their slots
+        real = getattr(cache_ht, name)
+        monkeypatch.setattr(cache_ht, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
     data = batches(20)
     cached.prefetch(*data[0])
     moved = 0

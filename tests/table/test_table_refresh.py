@@ -1,0 +1,64 @@
+"""ScoredHashTable.refresh: an access of keys at slots found earlier scores
+them as lookup(update_score=True) does (a Python model of each strategy's
+rule), touches no other slot, skips -1, and rejects a slot out of range."""
+import time
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbScoreStrategy as S
+from dynamicemb import ScoredHashTable
+
+_STRATEGIES = [S.TIMESTAMP, S.STEP, S.CUSTOMIZED, S.LFU, (S.TIMESTAMP, S.LFU)]
+
+
+def _filled(strategy):
+    t = ScoredHashTable([64, 64], 16, strategy, num_tables=2)
+    keys, tids = torch.arange(100), torch.arange(100) % 2
+    t.insert(keys, tids, scores=None if strategy in (S.TIMESTAMP, S.STEP) else torch.arange(100) + 5)
+    return t, keys, tids
+
+
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_refresh_scores_as_a_lookup_that_refreshes(strategy):
+    t, keys, tids = _filled(strategy)
+    slots, found = t.lookup(keys[10:40], tids[10:40])
+    assert bool(found.all())
+    slots = torch.cat([slots, torch.tensor([-1])])  # no key: skipped
+    per_key = torch.arange(31) * 3 + 1
+    given = 7 if strategy == S.STEP else (None if strategy == S.TIMESTAMP else per_key)
+    before_scores, before_ts = t.slot_scores.clone(), t.slot_timestamps.clone()
+    t0 = time.monotonic_ns()
+    t.refresh(slots, given)
+    t1 = time.monotonic_ns()
+    s = slots[:-1]
+    others = torch.ones(t.slot_scores.numel(), dtype=torch.bool)
+    others[s] = False
+    assert torch.equal(t.slot_scores[others], before_scores[others])
+    got = t.slot_scores[s]
+    if strategy == S.STEP:
+        assert bool((got == 7).all())
+    elif strategy == S.CUSTOMIZED:
+        assert torch.equal(got, per_key[:-1])
+    elif strategy in (S.LFU, (S.TIMESTAMP, S.LFU)):
+        assert torch.equal(got, before_scores[s] + per_key[:-1])  # counts add up
+    else:
+        assert bool(((got >= t0) & (got <= t1)).all())
+    if strategy == (S.TIMESTAMP, S.LFU):  # the access time too
+        ts = t.slot_timestamps[s]
+        assert bool(((ts >= t0) & (ts <= t1)).all())
+        assert torch.equal(t.slot_timestamps[others], before_ts[others])
+    # The same as lookup(update_score=True) on a twin table (clock strategies: by the rule above).
+    if strategy in (S.STEP, S.CUSTOMIZED, S.LFU):
+        twin, _, _ = _filled(strategy)
+        twin.slot_scores.copy_(before_scores)
+        twin.lookup(keys[10:40], tids[10:40], update_score=True, scores=given if strategy == S.STEP else per_key[:-1])
+        assert torch.equal(twin.slot_scores, t.slot_scores)
+
+
+def test_refresh_rejects_a_slot_out_of_range():
+    t, _, _ = _filled(S.STEP)
+    with pytest.raises(RuntimeError, match=r"slot index 128 \(position 1\) is out of range \[-1, 128\)"):
+        t.refresh(torch.tensor([3, 128]), 5)
+    with pytest.raises(TypeError, match="1-D int64"):
+        t.refresh(torch.tensor([3.0]), 5)
