@@ -23,7 +23,7 @@ from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore, by_table, pick
+from dynamicemb.tiers.store import BackingStore, by_table
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
@@ -164,7 +164,9 @@ class CachedStorage(HashTableStorage):
         parts = {}
         for lt, part in by_table(evicted.table_ids, len(tables)):
             t = tables[lt]
-            keys, slots, scores = (pick(x, part) for x in (evicted.keys, evicted.indices, evicted.scores))
+            keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
+            if part is not None:
+                keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
             rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
             parts[lt] = (keys.cpu(), rows.cpu(), scores.cpu())

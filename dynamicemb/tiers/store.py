@@ -8,7 +8,7 @@ client); `HostStore` keeps rows in host memory; `FileStore` (file_store.py)
 in a memory-mapped file on local disk, for tables larger than RAM.
 """
 import abc
-from typing import Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,41 +30,22 @@ def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.
     return found, out, all_scores
 
 
-Part = Union[None, slice, torch.Tensor]
-
-
-def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Part]]:
-    """(table id, its entries in tids: None (all of them), a slice, or their
-    positions, ascending) of each table present in tids, in table order; read
-    them with pick(). Sorted ids (the usual case: a batch's deduplicated keys
-    come by table, and so do what is looked up or evicted for them) give
-    slices; else a mask per table: a few small ops each, where a stable sort
-    of the ids costs several times more. `n_tables` == 1: every entry is of
-    table 0 (nothing to count)."""
+def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Optional[torch.Tensor]]]:
+    """(table id, positions of its entries in tids, ascending; None: all of
+    them) of each table present in tids, in table order. A mask per table: a
+    few small ops each, where a stable sort of the ids costs several times
+    more. `n_tables` == 1: every entry is of table 0 (nothing to count)."""
     if not tids.numel():
         return
     if n_tables == 1:
         yield 0, None
         return
-    counts = torch.bincount(tids)
-    present = counts.nonzero().squeeze(1).tolist()
+    present = torch.bincount(tids).nonzero().squeeze(1).tolist()
     if len(present) == 1:
         yield present[0], None
         return
-    if bool((tids[1:] >= tids[:-1]).all()):
-        ends = counts.cumsum(0).tolist()
-        for j in present:
-            yield j, slice(ends[j - 1] if j else 0, ends[j])
-        return
     for j in present:
         yield j, (tids == j).nonzero().squeeze(1)
-
-
-def pick(x: torch.Tensor, part: Part) -> torch.Tensor:
-    """The entries of x in a by_table part."""
-    if part is None:
-        return x
-    return x[part] if isinstance(part, slice) else x.index_select(0, part)
 
 
 class BackingStore(abc.ABC):
@@ -106,10 +87,9 @@ class BackingStore(abc.ABC):
         calls this one; by default it calls take_found per table."""
         out = {}
         for j, sel in by_table(tids):
-            at, rows, scores = self.take_found(names[j], pick(keys, sel))
+            at, rows, scores = self.take_found(names[j], keys if sel is None else keys.index_select(0, sel))
             if at.numel():
-                out[j] = (at if sel is None else at + sel.start if isinstance(sel, slice) else sel.index_select(0, at),
-                          rows, scores)
+                out[j] = (at if sel is None else sel.index_select(0, at), rows, scores)
         return out
 
     def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
@@ -238,7 +218,7 @@ class IndexedStore(BackingStore):
         if not at.numel():
             return out
         for j, m in by_table(tids.index_select(0, at), len(names)):
-            a, p, s = (pick(x, m) for x in (at, pos, scores))
+            a, p, s = (at, pos, scores) if m is None else (x.index_select(0, m) for x in (at, pos, scores))
             out[j] = (a, self._gather(names[j], p), s)
             self._drop(names[j], p)
         return out
@@ -260,9 +240,8 @@ class IndexedStore(BackingStore):
         if ev.keys.numel():
             by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
             for t, m in by_table(ev.table_ids):
-                dropped = pick(ev.positions, m)
-                self._drop(names[by_id[t]], dropped)
-                lost[by_id[t]] += dropped.numel()
+                self._drop(names[by_id[t]], ev.positions if m is None else ev.positions.index_select(0, m))
+                lost[by_id[t]] += ev.keys.numel() if m is None else m.numel()
         return lost
 
     def items(self, name, batch_size=1 << 16):

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from dynamicemb.tiers import HostStore
-from dynamicemb.tiers.store import by_table, pick
 
 WIDTH = 5
 
@@ -98,21 +97,3 @@ def test_a_table_not_open_is_a_key_error_naming_it(tmp_path, kind):
         for call in calls:
             with pytest.raises(KeyError, match="table 'nope' is not open"):
                 call()
-
-
-@pytest.mark.parametrize("ordered", [True, False])
-def test_by_table_splits_entries_by_table(ordered):
-    """Each table's entries, in table order and in their order: slices when
-    the ids are sorted, positions otherwise (against a mask per table)."""
-    g = torch.Generator().manual_seed(4)
-    tids = torch.randint(0, 5, (200,), generator=g)
-    tids[tids == 2] = 3  # a table with no entry
-    if ordered:
-        tids = tids.sort().values
-    x = torch.randn(200, generator=g)
-    parts = list(by_table(tids, 5))
-    assert [j for j, _ in parts] == [0, 1, 3, 4]
-    assert all(isinstance(p, slice) == ordered for _, p in parts)
-    for j, p in parts:
-        assert torch.equal(pick(x, p), x[tids == j])
-    assert list(by_table(torch.full((7,), 3))) == [(3, None)] and list(by_table(tids[:0])) == []
