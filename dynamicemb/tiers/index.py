@@ -9,6 +9,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from dynamicemb import memory
 from dynamicemb.table import ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 
@@ -71,7 +72,7 @@ class KeyIndex:
         # steps or counts of the caching table's own strategy).
         self.ht = ScoredHashTable(caps, bucket_capacity=self.bucket_capacity, num_tables=len(caps),
                                   score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED, table_names=self.names)
-        self.pos = torch.full((sum(caps),), -1, dtype=torch.int64)
+        self.pos = memory.zeros(sum(caps), torch.int64, "cpu").fill_(-1)  # read and written at random
         if old is None:
             return
         for b in old.export(batch_size=1 << 20):
@@ -166,7 +167,7 @@ class KeyIndex:
     def _grow(self, caps: Sequence[int]) -> None:
         slots = sum(caps)
         old_idx, new_idx = self.ht.grow(list(caps))
-        pos = torch.full((slots,), -1, dtype=torch.int64)
+        pos = memory.zeros(slots, torch.int64, "cpu").fill_(-1)
         pos[new_idx] = self.pos[old_idx]
         self.pos = pos
 

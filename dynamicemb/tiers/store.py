@@ -294,13 +294,13 @@ class HostStore(IndexedStore):
         return self._rows[name].index_select(0, positions)
 
     def _write(self, name, rows):
-        pos, reused = self._alloc(name, rows.shape[0])
+        pos, fresh = self._alloc(name, rows.shape[0])
         dest, rows = self._rows[name], rows.to(self._rows[name].dtype)
-        if reused:  # freed positions, scattered
-            dest.index_copy_(0, pos[:reused], rows[:reused])
-        if reused < pos.numel():  # fresh ones: a block, written in one copy
-            start = int(pos[reused])
-            dest[start:start + pos.numel() - reused] = rows[reused:]
+        if fresh:  # a block, written in one copy
+            start = int(pos[0])
+            dest[start:start + fresh] = rows[:fresh]
+        if fresh < pos.numel():  # freed positions, scattered
+            dest.index_copy_(0, pos[fresh:], rows[fresh:])
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:
@@ -314,14 +314,18 @@ class HostStore(IndexedStore):
         self._n_free[name] = n + positions.numel()
 
     def _alloc(self, name: str, n: int) -> Tuple[torch.Tensor, int]:
-        """n positions: the last freed ones (top of the stack, in push order),
-        then fresh ones (consecutive); and how many were freed ones."""
+        """n positions: first fresh ones (consecutive: written in one copy,
+        where freed ones are scattered) while the rows allocated last, then
+        the last freed ones (top of the stack), then fresh ones past the rows
+        grown (only once no freed one is left: the rows stay within the most
+        keys held at once). Returns them, the fresh ones first, and how many
+        are fresh."""
+        start, rows = self._used[name], self._rows[name]
         top = self._n_free[name]
-        reuse = self._free[name][top - min(n, top):top]
-        self._n_free[name] = top - reuse.numel()
-        fresh = n - reuse.numel()
-        start = self._used[name]
-        rows = self._rows[name]
+        n_reuse = min(max(0, n - (rows.shape[0] - start)), top)
+        reuse = self._free[name][top - n_reuse:top]
+        self._n_free[name] = top - n_reuse
+        fresh = n - n_reuse
         if start + fresh > rows.shape[0]:
             # Rows past `used` are written (put) before they are read: no zero fill.
             grown = torch.empty(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], dtype=rows.dtype)
@@ -329,8 +333,8 @@ class HostStore(IndexedStore):
             self._rows[name] = grown
         self._used[name] = start + fresh
         if not fresh:
-            return reuse.clone(), n  # the stack's entries get overwritten by later pushes
-        return torch.cat([reuse, torch.arange(start, start + fresh, dtype=torch.int64)]), reuse.numel()
+            return reuse.clone(), 0  # the stack's entries get overwritten by later pushes
+        return torch.cat([torch.arange(start, start + fresh, dtype=torch.int64), reuse]), fresh
 
     def clear(self, name):
         t = self._table(name)

@@ -97,3 +97,27 @@ def test_a_table_not_open_is_a_key_error_naming_it(tmp_path, kind):
         for call in calls:
             with pytest.raises(KeyError, match="table 'nope' is not open"):
                 call()
+
+
+def test_rows_stay_within_twice_the_keys_held_as_keys_come_and_go():
+    """Puts fill fresh rows while the allocated ones last, then reuse freed
+    ones: over many takes and puts the rows grow only with the keys held at
+    once, and every row read back is its key's (a dict model)."""
+    store = HostStore(bucket_capacity=128)
+    store.open_table("t", WIDTH, torch.float32, 1 << 16)
+    g = torch.Generator().manual_seed(5)
+    held, most, next_key = set(), 0, 1
+    for _ in range(60):
+        new = torch.arange(next_key, next_key + 400) * 7919
+        next_key += 400
+        assert store.put("t", new, rows_of(new), new % 97) == 0
+        held.update(new.tolist())
+        most = max(most, len(held))
+        out = torch.tensor(sorted(held))[torch.randperm(len(held), generator=g)[:380]]
+        found, got, scores = store.take("t", out)
+        assert bool(found.all()) and torch.equal(got, rows_of(out)) and torch.equal(scores, out % 97)
+        held.difference_update(out.tolist())
+    assert store._rows["t"].shape[0] <= 2 * most
+    keys = torch.tensor(sorted(held))
+    found, got, _ = store.read("t", keys)
+    assert bool(found.all()) and torch.equal(got, rows_of(keys)) and store.size("t") == len(held)
