@@ -10,8 +10,10 @@ keys of a batch between its forward and its backward, and of a prefetched
 batch until its forward, are pinned: every insert call into the cache holds
 their slots (ScoredHashTable.hold: the table never evicts a slot its call
 holds; their scores stay as they are), as it holds the slots of the batch's
-own cached keys. A table without caching in the same module keeps its usual
-behaviour (its evicted keys are gone).
+own cached keys. A prefetch makes those moves for a coming batch (its new
+keys stay provisional until that forward: _settle), so that the batch's
+forward only scores its keys where they are. A table without caching in the
+same module keeps its usual behaviour (its evicted keys are gone).
 """
 import dataclasses
 import warnings
@@ -104,9 +106,9 @@ class CachedStorage(HashTableStorage):
                        for (ht, _), c in zip(self.groups, self._group_cached)]
 
     # ---- pins ------------------------------------------------------------------------------
-    # A pin is {group: slots of that group's cache}: the slots of a forward's
-    # keys until its backward, of a prefetched batch's cached keys until its
-    # forward. A pinned key is never evicted (every insert into a cache holds
+    # A pin (_Pin) is {group: slots of that group's cache}: the slots of a
+    # forward's keys until its backward, of a prefetched batch's keys until
+    # its forward. A pinned key is never evicted (every insert into a cache holds
     # the pinned slots) and the cache never grows, so its slot stays its own.
 
     def _hold(self, g: int, slots: Optional[torch.Tensor] = None) -> None:
