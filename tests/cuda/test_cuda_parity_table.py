@@ -91,6 +91,10 @@ class Twin:
         self.check_state()
         return a
 
+    def refresh(self, indices, scores=None):
+        self._both("refresh", indices, scores)
+        self.check_state()
+
     def lookup_gather(self, keys, tids, values):
         a, b = self._both("lookup_gather", keys, values, self._tids(tids))
         for x, y in zip(a, b):
@@ -228,6 +232,8 @@ def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
     if name == "step":
         tw.ref.step = tw.dut.step = 99
     tw.lookup(keys, tids, update_score=True, scores=refresh_scores)
+    slots, _ = tw.lookup(keys, tids)  # -1 for the absent ones
+    tw.refresh(slots, refresh_scores)  # an access at slots found earlier
     dup = torch.cat([keys[:20], keys[:20]])  # the same key twice in one refresh
     tw.lookup(dup, torch.cat([tids[:20], tids[:20]]), update_score=True,
               scores=None if refresh_scores is None else torch.cat([refresh_scores[:20]] * 2))
