@@ -7,12 +7,17 @@ import torch
 from dynamicemb._ops import ops
 
 
-def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, with a large CPU array backed by 2 MiB pages where the
+def full(shape: Union[int, Sequence[int]], value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.full, with a large CPU array backed by 2 MiB pages where the
     kernel offers them (csrc/common/huge_pages_cpu.h): asked for before the
-    zero fill first touches the pages."""
+    fill first touches the pages."""
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.full(shape if isinstance(shape, (tuple, list)) else (shape,), value, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
     ops.advise_huge_pages(t)
-    return t.zero_()
+    return t.fill_(value)
+
+
+def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """full(shape, 0, ...)."""
+    return full(shape, 0, dtype, device)

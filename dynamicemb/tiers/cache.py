@@ -178,8 +178,8 @@ class CachedStorage(HashTableStorage):
             self.tier_counters[written, 2:4] += torch.tensor([[p[0].numel(), lost[lt]] for lt, p in parts.items()],
                                                              dtype=torch.int64)
 
-    def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: torch.Tensor,
-               exact: bool, missing: Optional[torch.Tensor] = None, context=None):
+    def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: Optional[torch.Tensor],
+               exact: bool, missing: Optional[torch.Tensor] = None):
         """One insert of distinct keys into the full cache: it stores those
         the cache lacks (at positions `missing`; None: all of them), and
         scores the others as accessed. Of the missing keys, those the store
@@ -192,8 +192,7 @@ class CachedStorage(HashTableStorage):
         INSERTED or EVICTED, its row not yet written; the evicted keys).
         When a key finds no slot, every key placed here is taken out again
         (those fetched go back to the store with their rows) and the cache
-        too small error is raised; `context`: (keys, local tids, the
-        positions of these keys among them) of the whole step, for it."""
+        too small error is raised."""
         ht, _ = self.groups[g]
         if missing is None:
             fetched = self._take(g, keys, local_tids)
@@ -216,11 +215,6 @@ class CachedStorage(HashTableStorage):
                 placed &= torch.zeros_like(placed).index_fill_(0, missing, True)
             ht.erase(keys[placed], local_tids[placed])
             self._give_back(fetched, keys)
-            if context is not None:
-                all_keys, all_tids, at = context
-                all_failed = torch.zeros(all_keys.shape, dtype=torch.bool, device=all_keys.device)
-                all_failed[at] = failed
-                self._too_small(g, all_keys, all_tids, all_failed)
             self._too_small(g, keys, local_tids, failed)
         for t, (pos, rows, stored) in fetched.items():
             slot = idx.index_select(0, pos)
@@ -248,49 +242,37 @@ class CachedStorage(HashTableStorage):
         ht, tables = self.groups[g]
         if not self._group_cached[g]:
             return super()._insert(g, keys, local_tids, scores)
-        # After a prefetch (likely of this batch, which placed every key),
-        # one call finds the keys and scores them as accessed; else a lookup
-        # finds those to take from the store, and one insert stores the
-        # missing keys and scores the others.
+        # The slots of the keys: those its prefetch found (every key of the
+        # batch placed), else a lookup's.
         reuse = self._reuse.get(g) if self._reuse is not None else None
-        prefetched = bool(self._prefetch_pins)
-        if reuse is not None and reuse.numel() == keys.numel():  # every key placed by the batch's prefetch
-            slots, cached = reuse, torch.ones(keys.shape, dtype=torch.bool, device=keys.device)
-            ht.refresh(slots, scores)
+        if reuse is not None and reuse.numel() == keys.numel():
+            slots, missing = reuse, None
         else:
-            slots, cached = ht.lookup(keys, local_tids, update_score=prefetched,
-                                      scores=scores if prefetched else None)
+            slots, cached = ht.lookup(keys, local_tids)
+            missing = None if bool(cached.all()) else (~cached).nonzero().squeeze(1)
         fresh = self._fresh[g]
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
-        # batch's prefetch: stored from now on).
-        kind = (fresh.index_select(0, slots.clamp(min=0)) & cached).to(torch.int64) * 2
-        res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
-        evicted = None
-        if not prefetched:
-            at = (~cached).nonzero().squeeze(1)
-            # The batch's cached keys are held: none is evicted by its missing keys.
-            slots, res, evicted = self._place(g, keys, local_tids, scores, held=slots[cached], exact=False,
-                                              missing=at)
-            kind.index_copy_(0, at, torch.where(res.index_select(0, at) == InsertResult.ASSIGNED, 1, 2))
-        elif not bool(cached.all()):
-            at = (~cached).nonzero().squeeze(1)
-            sub = scores.index_select(0, at) if isinstance(scores, torch.Tensor) else scores
-            # The batch's cached keys are held: none is evicted by its missing keys.
-            idx, r, evicted = self._place(g, keys.index_select(0, at), local_tids.index_select(0, at), sub,
-                                          held=slots[cached], exact=False, context=(keys, local_tids, at))
-            slots.index_copy_(0, at, idx)
-            res.index_copy_(0, at, r)
-            kind.index_copy_(0, at, torch.where(r == InsertResult.ASSIGNED, 1, 2))
+        # batch's prefetch: stored from now on). A missing key's is set below.
+        kind = fresh.index_select(0, slots.clamp(min=0)).to(torch.int64) * 2
+        if missing is None:  # every key is there: scored where it is
+            ht.refresh(slots, scores)
+            res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
+            e = torch.zeros(0, dtype=torch.int64, device=keys.device)
+            evicted = EvictedKeys(e, e, e, e)
+        else:
+            # One insert stores the missing keys and scores the others, which
+            # it holds: none is evicted by the missing keys.
+            slots, res, evicted = self._place(g, keys, local_tids, scores, held=slots[slots >= 0], exact=False,
+                                              missing=missing)
+            kind.index_copy_(0, missing,
+                             torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
         if bool(kind.any()):
             fresh.index_fill_(0, slots[kind > 0], False)  # no longer provisional
         self._step_slots[g] = slots  # the forward's pin (find_or_insert)
         # Per table, the keys found in the cache, missed, new: one count.
         counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
         self.tier_counters.index_add_(0, self._group_tables[g], counts @ _KIND_TO_COUNTERS)
-        if evicted is None:
-            e = torch.zeros(0, dtype=torch.int64, device=keys.device)
-            evicted = EvictedKeys(e, e, e, e)
         return InsertOutput(slots, res, evicted)
 
     def _give_back(self, fetched, keys: torch.Tensor) -> None:
@@ -361,38 +343,14 @@ class CachedStorage(HashTableStorage):
             pin[g] = slots[cached]
             at = (~cached).nonzero().squeeze(1)
             k, lt = k.index_select(0, at), lt.index_select(0, at)
-            idx, res, _ = self._place(g, k, lt, self._new_scores(g, lt), held=None, exact=True)
+            # The insert scores of the keys it places (those fetched get their
+            # stored ones): LFU counts no access yet, the others score as usual.
+            idx, res, _ = self._place(g, k, lt, self._scores(g, lt, torch.zeros_like(k), ht.step), held=None,
+                                      exact=True)
             new = res != InsertResult.ASSIGNED
             self._fresh[g].index_copy_(0, idx, new)
-            if bool(new.any()):
-                sel = new.nonzero().squeeze(1)
-                lt_new = lt.index_select(0, sel)
-                tids = self._group_tables[g].to(keys.device).index_select(0, lt_new)
-                self._init_new_rows(idx.index_select(0, sel), tids, k.index_select(0, sel))
+            self._init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
             pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
-
-    def _init_new_rows(self, slots: torch.Tensor, table_ids: torch.Tensor, keys: torch.Tensor) -> None:
-        """The initial rows of new keys at their slots: on the CPU written in
-        the order of the rows (as a forward writes them: faster than at random)."""
-        if keys.device.type == "cpu":
-            ops.emb_row_order_init(self._weights, slots, self._table_slot_begin, table_ids, keys,
-                                   torch.ones(keys.shape, dtype=torch.bool), keys.new_empty(0), self.dims,
-                                   self.init_params, self.seed)
-        else:
-            ops.emb_init_rows(self._weights, slots - self._table_slot_begin.index_select(0, table_ids), table_ids,
-                              keys, self.dims, self.init_params, self.seed)
-
-    def _new_scores(self, g: int, local_tids: torch.Tensor):
-        """The insert scores of keys a prefetch places (those it fetches get
-        their stored ones): per key for the strategies that score with it
-        (CUSTOMIZED: the table's score; LFU: no access yet), else the call's."""
-        ht, tables = self.groups[g]
-        if ht.strategy == _S.CUSTOMIZED:
-            per_table = torch.tensor([self.custom_scores[t] for t in tables], dtype=torch.int64, device=self.device)
-            return per_table[local_tids]
-        if ht.strategy == _S.LFU:
-            return torch.zeros(local_tids.shape, dtype=torch.int64, device=self.device)
-        return None
 
     def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
         fresh = self._fresh[g]

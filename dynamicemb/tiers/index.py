@@ -72,7 +72,7 @@ class KeyIndex:
         # steps or counts of the caching table's own strategy).
         self.ht = ScoredHashTable(caps, bucket_capacity=self.bucket_capacity, num_tables=len(caps),
                                   score_strategy=DynamicEmbScoreStrategy.CUSTOMIZED, table_names=self.names)
-        self.pos = memory.zeros(sum(caps), torch.int64, "cpu").fill_(-1)  # read and written at random
+        self.pos = memory.full(sum(caps), -1, torch.int64, "cpu")  # read and written at random
         if old is None:
             return
         for b in old.export(batch_size=1 << 20):
@@ -167,7 +167,7 @@ class KeyIndex:
     def _grow(self, caps: Sequence[int]) -> None:
         slots = sum(caps)
         old_idx, new_idx = self.ht.grow(list(caps))
-        pos = memory.zeros(slots, torch.int64, "cpu").fill_(-1)
+        pos = memory.full(slots, -1, torch.int64, "cpu")
         pos[new_idx] = self.pos[old_idx]
         self.pos = pos
 
