@@ -506,10 +506,23 @@ def run(args) -> None:
 # ---- launching ------------------------------------------------------------------------------------
 
 
+def _exit_done() -> None:
+    """Ends a rank whose work is done and written without tearing the
+    interpreter down. Gloo's worker threads may still be releasing the last
+    collective's tensors; one that does so while Python shuts down is ended
+    inside C++ and aborts the process (std::terminate, SIGABRT: a torch race,
+    pytorch/pytorch#179291; it failed one CI run here, after every check had
+    passed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _spawned(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     run(args)
+    _exit_done()
 
 
 def main(argv=None) -> None:
@@ -517,7 +530,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         run(args)
-        return
+        _exit_done()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
