@@ -55,6 +55,13 @@ TORCH_LIBRARY(dynamicemb, m) {
   // Asks for 2 MiB pages behind a large CPU tensor not yet touched
   // (common/huge_pages_cpu.h); returns whether the kernel took the advice.
   m.def("advise_huge_pages(Tensor t) -> bool");
+  // A backing store's rows at positions its key index gave (tiers/): out[i] =
+  // store[positions[i]], store[positions[i]] = rows[i] (distinct positions).
+  // positions: int64 on the CPU; the store on the device of out / rows or,
+  // for a CUDA device, in pinned host memory that the kernels read and write
+  // in place (mapped).
+  m.def("store_gather(Tensor store, Tensor positions, Tensor(a!) out) -> ()");
+  m.def("store_scatter(Tensor(a!) store, Tensor positions, Tensor rows) -> ()");
   // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
   m.def("cpu_vector_paths() -> bool");
 

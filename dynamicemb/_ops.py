@@ -54,6 +54,16 @@ def _export_range_fake(slot_keys, slot_digests, filter_scores, table_buckets, be
     return tuple(slot_keys.new_empty(m) for _ in range(3))
 
 
+@torch.library.register_fake(_lib + "store_gather")
+def _store_gather_fake(store, positions, out):
+    return None
+
+
+@torch.library.register_fake(_lib + "store_scatter")
+def _store_scatter_fake(store, positions, rows):
+    return None
+
+
 @torch.library.register_fake(_lib + "table_clock")
 def _table_clock_fake(like):
     return like.new_empty(1, dtype=torch.int64)

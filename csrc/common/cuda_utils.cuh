@@ -1,7 +1,8 @@
 // The small CUDA building blocks shared by the kernels (table, embedding,
 // dist), one helper per concept:
 //  - launch shapes: blocks_for, and the thread / warp loop indices;
-//  - host <-> device copies: upload (kernel metadata), download;
+//  - host <-> device copies: upload (kernel metadata), download; kernel_ptr
+//    (pinned host memory, mapped);
 //  - errors found on the device: ErrorSlots + flag_min, which keep the
 //    smallest offending position (kNoError: none), so that the position a
 //    host check reports does not depend on scheduling;
@@ -120,6 +121,16 @@ std::vector<T> download(const T* src, int64_t count, cudaStream_t stream, bool o
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
+}
+
+// The address kernels use for a tensor on the device or in pinned host
+// memory: the device pointer of the latter (mapped; the same address under
+// unified addressing), so that kernels read and write it in place.
+inline void* kernel_ptr(const at::Tensor& t) {
+  if (t.is_cuda() || t.numel() == 0) return t.data_ptr();
+  void* dev = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&dev, t.data_ptr(), 0));
+  return dev;
 }
 
 // ---- errors found on the device -----------------------------------------------------

@@ -151,15 +151,6 @@ Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
   return r;
 }
 
-// The address the kernels use for a table's rows: the device pointer of
-// pinned host memory (mapped; the same address under unified addressing).
-void* kernel_ptr(const Tensor& w) {
-  if (w.is_cuda() || w.numel() == 0) return w.data_ptr();
-  void* dev = nullptr;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&dev, w.data_ptr(), 0));
-  return dev;
-}
-
 // init_params may live on the host (as the module keeps it) or on the device.
 std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables, cudaStream_t stream) {
   TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&

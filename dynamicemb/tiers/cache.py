@@ -81,6 +81,9 @@ class CachedStorage(HashTableStorage):
                                  f"(the backing store keeps one score per key)")
         self.store = store
         self.owns_store = owns_store  # made for this storage (storage_path, the default HostStore): close() closes it
+        # Where rows go between the tiers: the CPU, or the cache's device for a
+        # store it reads in place (a HostStore's pinned rows, on CUDA).
+        self._rows_dev = store.rows_device(device)
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
         for t, n in enumerate(names):
             if self.cached[t]:
@@ -171,7 +174,7 @@ class CachedStorage(HashTableStorage):
                 keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
             rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
-            parts[lt] = (keys.cpu(), rows.cpu(), scores.cpu())
+            parts[lt] = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
             written = [tables[lt] for lt in parts]
@@ -281,8 +284,9 @@ class CachedStorage(HashTableStorage):
             self._put(t, keys.index_select(0, pos), rows, scores)
 
     def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
-        """store.put of table t's rows; the keys it evicts are counted."""
-        self.tier_counters[t, 3] += self.store.put(self.names[t], keys.cpu(), rows.cpu(), scores.cpu())
+        """Puts table t's rows in the store; the keys it evicts are counted."""
+        part = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
+        self.tier_counters[t, 3] += self.store.put_group([self.names[t]], {0: part})[0]
 
     def _too_small(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, failed: torch.Tensor) -> None:
         _, tables = self.groups[g]

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.tiers.store import IndexedStore
+from dynamicemb.tiers.store import CPU, IndexedStore
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -337,8 +337,8 @@ class FileStore(IndexedStore):
         self._table(name)
         return self._tables[name]
 
-    def _gather(self, name, positions):
-        return self._tables[name].gather(positions)
+    def _gather(self, name, positions, device=CPU):
+        return self._tables[name].gather(positions).to(device)  # rows_device(): the CPU
 
     def _write(self, name, rows):
         return self._tables[name].append(rows)

@@ -4,8 +4,10 @@ each key at most once; the cache takes a key's row out when it needs it and
 puts it back when it evicts it, so a key is in exactly one place.
 
 `BackingStore` is the interface (implement it for, e.g., a parameter-server
-client); `HostStore` keeps rows in host memory; `FileStore` (file_store.py)
-in a memory-mapped file on local disk, for tables larger than RAM.
+client); `HostStore` keeps rows in host memory (pinned and mapped in front
+of a CUDA cache: the device's kernels read and write them in place);
+`FileStore` (file_store.py) in a memory-mapped file on local disk, for
+tables larger than RAM.
 """
 import abc
 from typing import Dict, Iterator, Optional, Sequence, Tuple
@@ -13,7 +15,10 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from dynamicemb import memory
+from dynamicemb._ops import ops
 from dynamicemb.tiers.index import KeyIndex
+
+CPU = torch.device("cpu")
 
 Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
 
@@ -50,7 +55,16 @@ def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tup
 
 class BackingStore(abc.ABC):
     """Per table (by name): distinct int64 keys -> a row [width] of the
-    table's dtype ([value | optimizer state]) and an int64 score."""
+    table's dtype ([value | optimizer state]) and an int64 score. Tensors
+    in and out are on the CPU, except the rows of take_group and put_group:
+    on rows_device()."""
+
+    def rows_device(self, cache_device: torch.device) -> torch.device:
+        """Where take_group returns rows and put_group takes them, for a
+        cache on `cache_device` (each storage asks once, before open_table):
+        the CPU by default. A store that the cache's device reads in place
+        answers that device (HostStore, in front of a CUDA cache)."""
+        return CPU
 
     @abc.abstractmethod
     def open_table(self, name: str, width: int, dtype: torch.dtype, max_rows: int) -> None:
@@ -83,8 +97,9 @@ class BackingStore(abc.ABC):
                    ) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """take_found of several tables in one call: key i is of table
         names[tids[i]] (distinct within a table). Per table j with keys
-        found: (their positions in keys, ascending, rows, scores). The cache
-        calls this one; by default it calls take_found per table."""
+        found: (their positions in keys, ascending, rows, scores), the rows
+        on rows_device(). The cache calls this one; by default it calls
+        take_found per table."""
         out = {}
         for j, sel in by_table(tids):
             at, rows, scores = self.take_found(names[j], keys if sel is None else keys.index_select(0, sel))
@@ -94,8 +109,9 @@ class BackingStore(abc.ABC):
 
     def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
         """put of several tables in one call: parts[j] = (keys, rows, scores)
-        of table names[j]. Per table j, the keys it evicted. The cache calls
-        this one; by default it calls put per table."""
+        of table names[j], the rows on rows_device(). Per table j, the keys
+        it evicted. The cache calls this one; by default it calls put per
+        table."""
         return {j: self.put(names[j], *part) for j, part in parts.items()}
 
     @abc.abstractmethod
@@ -151,16 +167,19 @@ class IndexedStore(BackingStore):
         self.bucket_capacity = bucket_capacity
         self._index: Optional[KeyIndex] = None
         self._tid: Dict[str, int] = {}  # table name -> its id in the index
+        self._rows_dev = CPU  # rows_device()
 
     # ---- what a subclass provides ------------------------------------------------------------
 
     @abc.abstractmethod
-    def _gather(self, name: str, positions: torch.Tensor) -> torch.Tensor:
-        """Table name's rows at positions."""
+    def _gather(self, name: str, positions: torch.Tensor, device: torch.device = CPU) -> torch.Tensor:
+        """Table name's rows at positions, on `device` (the CPU or
+        rows_device())."""
 
     @abc.abstractmethod
     def _write(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """Stores rows of table name; returns their positions."""
+        """Stores rows of table name (on the CPU or rows_device()); returns
+        their positions."""
 
     @abc.abstractmethod
     def _drop(self, name: str, positions: torch.Tensor) -> None:
@@ -219,7 +238,7 @@ class IndexedStore(BackingStore):
             return out
         for j, m in by_table(tids.index_select(0, at), len(names)):
             a, p, s = (at, pos, scores) if m is None else (x.index_select(0, m) for x in (at, pos, scores))
-            out[j] = (a, self._gather(names[j], p), s)
+            out[j] = (a, self._gather(names[j], p, self._rows_dev), s)
             self._drop(names[j], p)
         return out
 
@@ -260,7 +279,11 @@ class IndexedStore(BackingStore):
 
 class HostStore(IndexedStore):
     """Rows in host memory (a tensor per table with a free list), keys in
-    the store's KeyIndex."""
+    the store's KeyIndex. In front of a CUDA cache the rows are in pinned
+    host memory that the device's kernels gather and write in place
+    (store_gather, store_scatter: mapped), so rows go between the tiers
+    without a copy on the host; a HostStore then serves caches on that
+    device only."""
 
     def __init__(self, bucket_capacity: int = 128):
         super().__init__(bucket_capacity)
@@ -269,12 +292,41 @@ class HostStore(IndexedStore):
         self._n_free: Dict[str, int] = {}
         self._used: Dict[str, int] = {}  # positions ever handed out
 
+    def rows_device(self, cache_device):
+        cache_device = torch.device(cache_device)
+        if cache_device.type == "cuda" and cache_device.index is None:
+            cache_device = torch.device("cuda", torch.cuda.current_device())
+        want = cache_device if cache_device.type == "cuda" else CPU
+        if want != self._rows_dev:
+            if self._rows_dev.type == "cuda" or self._rows:
+                raise ValueError(f"a HostStore serves caches on one device: this one holds tables "
+                                 f"{sorted(self._rows)} for caches on {self._rows_dev}, not {cache_device}; "
+                                 f"give the caches on {cache_device} a HostStore of their own")
+            self._rows_dev = want
+        return want
+
+    def _pinned(self) -> bool:
+        return self._rows_dev.type == "cuda"
+
+    def _new_rows(self, rows: int, width: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        """Rows of a table: pinned in front of a CUDA cache; else zero-filled
+        on 2 MiB pages where offered, or left unwritten (written before read)."""
+        if self._pinned():
+            return (torch.zeros if zero else torch.empty)(rows, width, dtype=dtype, pin_memory=True)
+        return memory.zeros((rows, width), dtype, "cpu") if zero else torch.empty(rows, width, dtype=dtype)
+
+    def _host_access(self) -> None:
+        """Before the host reads or writes pinned rows: the device's gathers
+        and writes queued so far have run."""
+        if self._pinned():
+            torch.cuda.synchronize(self._rows_dev)
+
     def open_table(self, name, width, dtype, max_rows):
         if name in self._tid:  # opened again (a module built anew over this store): it starts empty
             self.clear(name)
         else:
             self._index_table(name, max_rows)
-        self._rows[name] = torch.zeros(0, width, dtype=dtype)
+        self._rows[name] = self._new_rows(0, width, dtype, zero=True)
         self._free[name] = torch.zeros(0, dtype=torch.int64)
         self._n_free[name] = 0
         self._used[name] = 0
@@ -283,19 +335,29 @@ class HostStore(IndexedStore):
         t, have = self._table(name), self._rows[name]
         rows = min(rows, self._index.max_slots[t])
         if rows > have.shape[0]:
-            # Zero-filled now (on 2 MiB pages where offered): puts later write
-            # rows whose pages are there already.
-            grown = memory.zeros((rows, have.shape[1]), have.dtype, "cpu")
+            # Zero-filled now: puts later write rows whose pages are there already.
+            grown = self._new_rows(rows, have.shape[1], have.dtype, zero=True)
+            self._host_access()
             grown[:self._used[name]] = have[:self._used[name]]
             self._rows[name] = grown
         self._index.reserve(t, rows)
 
-    def _gather(self, name, positions):
-        return self._rows[name].index_select(0, positions)
+    def _gather(self, name, positions, device=CPU):
+        rows = self._rows[name]
+        if device.type == "cuda":
+            out = torch.empty(positions.numel(), rows.shape[1], dtype=rows.dtype, device=device)
+            ops.store_gather(rows, positions, out)
+            return out
+        self._host_access()
+        return rows.index_select(0, positions)
 
     def _write(self, name, rows):
         pos, fresh = self._alloc(name, rows.shape[0])
         dest, rows = self._rows[name], rows.to(self._rows[name].dtype)
+        if rows.device.type == "cuda":
+            ops.store_scatter(dest, pos, rows.contiguous())
+            return pos
+        self._host_access()
         if fresh:  # a block, written in one copy
             start = int(pos[0])
             dest[start:start + fresh] = rows[:fresh]
@@ -328,7 +390,9 @@ class HostStore(IndexedStore):
         fresh = n - n_reuse
         if start + fresh > rows.shape[0]:
             # Rows past `used` are written (put) before they are read: no zero fill.
-            grown = torch.empty(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], dtype=rows.dtype)
+            grown = self._new_rows(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], rows.dtype,
+                                   zero=False)
+            self._host_access()
             grown[:start] = rows[:start]
             self._rows[name] = grown
         self._used[name] = start + fresh
