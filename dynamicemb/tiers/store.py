@@ -298,7 +298,7 @@ class HostStore(IndexedStore):
             cache_device = torch.device("cuda", torch.cuda.current_device())
         want = cache_device if cache_device.type == "cuda" else CPU
         if want != self._rows_dev:
-            if self._rows_dev.type == "cuda" or self._rows:
+            if self._rows:  # rows allocated for the other device
                 raise ValueError(f"a HostStore serves caches on one device: this one holds tables "
                                  f"{sorted(self._rows)} for caches on {self._rows_dev}, not {cache_device}; "
                                  f"give the caches on {cache_device} a HostStore of their own")
