@@ -62,6 +62,12 @@ TORCH_LIBRARY(dynamicemb, m) {
   // in place (mapped).
   m.def("store_gather(Tensor store, Tensor positions, Tensor(a!) out) -> ()");
   m.def("store_scatter(Tensor(a!) store, Tensor positions, Tensor rows) -> ()");
+  // Positions (int64, ascending) of mask's true entries; positions grouped by
+  // ids in [0, groups), ascending within a group, and each group's count. The
+  // tiers' bookkeeping on the CPU (common/positions_cpu.cpp); other devices
+  // use torch's ops (dynamicemb/positions.py).
+  m.def("positions_where(Tensor mask) -> Tensor");
+  m.def("positions_by_group(Tensor ids, int groups) -> (Tensor order, Tensor counts)");
   // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
   m.def("cpu_vector_paths() -> bool");
 

@@ -64,6 +64,16 @@ def _store_scatter_fake(store, positions, rows):
     return None
 
 
+@torch.library.register_fake(_lib + "positions_where")
+def _positions_where_fake(mask):
+    return mask.new_empty(_dynamic_len(), dtype=torch.int64)
+
+
+@torch.library.register_fake(_lib + "positions_by_group")
+def _positions_by_group_fake(ids, groups):
+    return torch.empty_like(ids), ids.new_empty(groups)
+
+
 @torch.library.register_fake(_lib + "table_clock")
 def _table_clock_fake(like):
     return like.new_empty(1, dtype=torch.int64)

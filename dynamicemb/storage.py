@@ -17,6 +17,7 @@ from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.positions import where_true
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
@@ -340,7 +341,7 @@ class HashTableStorage(EmbeddingStorage):
         of their rows, as find_or_insert does: faster than at random);
         returns every key's row."""
         rows = _slot_rows(slots, self._table_slot_begin[table_ids])
-        sel = is_new.nonzero().squeeze(1)
+        sel = where_true(is_new)
         if sel.numel():
             tids, new_keys = table_ids.index_select(0, sel), keys.index_select(0, sel)
             if keys.device.type == "cpu":
@@ -359,11 +360,11 @@ class HashTableStorage(EmbeddingStorage):
             ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
             c = counts if mask is None else counts[mask]
-            at = None if mask is None else mask.nonzero().squeeze(1)  # the inserted keys' positions; None: all
+            at = None if mask is None else where_true(mask)  # the inserted keys' positions; None: all
             keep = self._admit(g, k, lt, c, rejected)
             if keep is not None:
                 k, c, lt_ins = k[keep], c[keep], lt[keep]
-                at = keep.nonzero().squeeze(1) if at is None else at[keep]
+                at = where_true(keep) if at is None else at[keep]
             else:
                 lt_ins = lt
             out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))

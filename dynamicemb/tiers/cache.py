@@ -23,9 +23,10 @@ import torch
 
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.positions import where_true
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore, by_table
+from dynamicemb.tiers.store import BackingStore, by_table, scatter_rows
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
@@ -222,7 +223,7 @@ class CachedStorage(HashTableStorage):
         for t, (pos, rows, stored) in fetched.items():
             slot = idx.index_select(0, pos)
             w = self._weights[t]
-            w.index_copy_(0, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
+            scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if exact:
                 ht.slot_scores.index_copy_(0, slot, stored)
             elif ht.strategy == _S.LFU:  # counts accumulate across tiers
@@ -252,7 +253,7 @@ class CachedStorage(HashTableStorage):
             slots, missing = reuse, None
         else:
             slots, cached = ht.lookup(keys, local_tids)
-            missing = None if bool(cached.all()) else (~cached).nonzero().squeeze(1)
+            missing = None if bool(cached.all()) else where_true(~cached)
         fresh = self._fresh[g]
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
@@ -266,12 +267,12 @@ class CachedStorage(HashTableStorage):
         else:
             # One insert stores the missing keys and scores the others, which
             # it holds: none is evicted by the missing keys.
-            slots, res, evicted = self._place(g, keys, local_tids, scores, held=slots[slots >= 0], exact=False,
-                                              missing=missing)
+            held = slots.index_select(0, where_true(slots >= 0))
+            slots, res, evicted = self._place(g, keys, local_tids, scores, held=held, exact=False, missing=missing)
             kind.index_copy_(0, missing,
                              torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
-        if bool(kind.any()):
-            fresh.index_fill_(0, slots[kind > 0], False)  # no longer provisional
+        # No key of the step is provisional any more (a key found unfresh stays so).
+        fresh.index_fill_(0, slots, False)
         self._step_slots[g] = slots  # the forward's pin (find_or_insert)
         # Per table, the keys found in the cache, missed, new: one count.
         counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
@@ -321,7 +322,7 @@ class CachedStorage(HashTableStorage):
         # forward(i)) stays until that batch's forward.
         del self._prefetch_pins[:1 if mine is None else mine + 1]
         pin = _Pin()
-        pin.update({g: idx[idx >= 0] for g, idx in self._step_slots.items()})
+        pin.update(self._step_slots)  # every key of a cached group has its slot (else the step raised)
         self._forward_pins.append(pin)
         del self._forward_pins[:-_PENDING_FORWARDS]
         return res
@@ -344,8 +345,8 @@ class CachedStorage(HashTableStorage):
             if bool(cached.all()):
                 pin[g] = slots
                 continue
-            pin[g] = slots[cached]
-            at = (~cached).nonzero().squeeze(1)
+            pin[g] = slots.index_select(0, where_true(cached))
+            at = where_true(~cached)
             k, lt = k.index_select(0, at), lt.index_select(0, at)
             # The insert scores of the keys it places (those fetched get their
             # stored ones): LFU counts no access yet, the others score as usual.
@@ -371,14 +372,14 @@ class CachedStorage(HashTableStorage):
         local = torch.full_like(ukeys, -1)
         blocks = []
         for t in range(self.num_tables):
-            sel = (utids == t).nonzero().squeeze(1)
+            sel = where_true(utids == t)
             w = self._weights[t]
             block = torch.zeros(sel.numel(), w.shape[1], dtype=w.dtype, device=w.device)
             r = slots[sel]
             have = r >= 0
             block[have.to(w.device)] = w[r[have].to(w.device)]
             if self.cached[t] and bool((~have).any()):
-                miss = (~have).nonzero().squeeze(1)
+                miss = where_true(~have)
                 found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
                 block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
                 have[miss[found]] = True
@@ -398,7 +399,7 @@ class CachedStorage(HashTableStorage):
             if fresh is None or not bool(fresh.any()):
                 continue
             ht, _ = self.groups[g]
-            slots = fresh.nonzero().squeeze(1)
+            slots = where_true(fresh)
             bounds = (ht.table_buckets[1:-1] * ht.bucket_capacity).to(slots.device)
             ht.erase(ht.slot_keys.index_select(0, slots), torch.bucketize(slots, bounds, right=True))
             fresh.zero_()

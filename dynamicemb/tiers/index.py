@@ -10,6 +10,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from dynamicemb import memory
+from dynamicemb.positions import where_true
 from dynamicemb.table import ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 
@@ -112,7 +113,7 @@ class KeyIndex:
         ascending, their row positions, their scores)."""
         tids = self._tids(tids)
         slots, found = self.ht.lookup(keys, tids)
-        at = found.nonzero().squeeze(1)
+        at = where_true(found)
         if not at.numel():
             return at, at, at
         held = slots.index_select(0, at)
@@ -134,7 +135,7 @@ class KeyIndex:
         if not bool(failed.any()):  # the usual case: every key found a free slot
             self.pos.index_copy_(0, out.indices, positions)
             return _empty_entries()
-        ok = (~failed).nonzero().squeeze(1)
+        ok = where_true(~failed)
         self.pos[out.indices[ok]] = positions[ok]
         all_tids = torch.zeros_like(keys) if tids is None else tids
         while bool(failed.any()):  # grow (doubling) the tables below their maximum; positions move with the slots
@@ -143,7 +144,7 @@ class KeyIndex:
             if not grow:
                 break
             self._grow([2 * c if t in grow else c for t, c in enumerate(caps)])
-            sel = failed.nonzero().squeeze(1)
+            sel = where_true(failed)
             out = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=False,
                             same_call=True)
             ok = out.results != InsertResult.FAILED
@@ -152,7 +153,7 @@ class KeyIndex:
             failed[sel[ok]] = False
         evicted = []
         while bool(failed.any()):  # at the maximum: evict (a new call, so this add's own keys may go too)
-            sel = failed.nonzero().squeeze(1)
+            sel = where_true(failed)
             last = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=True)
             ev = last.evicted
             evicted.append(Entries(ev.keys, self.pos[ev.indices].clone(), ev.scores, ev.table_ids))

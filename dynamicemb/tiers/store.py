@@ -16,6 +16,7 @@ import torch
 
 from dynamicemb import memory
 from dynamicemb._ops import ops
+from dynamicemb.positions import by_group, where_true
 from dynamicemb.tiers.index import KeyIndex
 
 CPU = torch.device("cpu")
@@ -35,22 +36,35 @@ def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.
     return found, out, all_scores
 
 
+def scatter_rows(dest: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """dest[positions] = rows at distinct positions: on the CPU the store_scatter
+    kernel (rows copied in parallel, where index_copy_ copies on one thread),
+    elsewhere index_copy_."""
+    if dest.device.type == "cpu" and rows.device.type == "cpu":
+        ops.store_scatter(dest, positions, rows.contiguous())
+    else:
+        dest.index_copy_(0, positions, rows)
+
+
 def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Optional[torch.Tensor]]]:
     """(table id, positions of its entries in tids, ascending; None: all of
-    them) of each table present in tids, in table order. A mask per table: a
-    few small ops each, where a stable sort of the ids costs several times
-    more. `n_tables` == 1: every entry is of table 0 (nothing to count)."""
+    them) of each table present in tids, in table order (one grouping of
+    the positions: positions.by_group). `n_tables` (default: the largest id
+    + 1) == 1: every entry is of table 0 (nothing to count)."""
     if not tids.numel():
         return
     if n_tables == 1:
         yield 0, None
         return
-    present = torch.bincount(tids).nonzero().squeeze(1).tolist()
-    if len(present) == 1:
-        yield present[0], None
+    order, counts = by_group(tids, n_tables or int(tids.max()) + 1)
+    if sum(c > 0 for c in counts) == 1:
+        yield next(j for j, c in enumerate(counts) if c), None
         return
-    for j in present:
-        yield j, (tids == j).nonzero().squeeze(1)
+    start = 0
+    for j, c in enumerate(counts):
+        if c:
+            yield j, order[start:start + c]
+        start += c
 
 
 class BackingStore(abc.ABC):
@@ -90,7 +104,7 @@ class BackingStore(abc.ABC):
         their rows, their scores); they leave the store. The cache calls this
         one; override it when a store can skip the rows of missing keys."""
         found, rows, scores = self.take(name, keys)
-        at = found.nonzero().squeeze(1)
+        at = where_true(found)
         return at, rows[at], scores[at]
 
     def take_group(self, names: Sequence[str], keys: torch.Tensor, tids: torch.Tensor
@@ -214,7 +228,7 @@ class IndexedStore(BackingStore):
     def read(self, name, keys):
         t = self._table(name)  # first: a table not open is a KeyError naming it
         found, pos, scores = self._index.find(keys, torch.full_like(keys, t))
-        at = found.nonzero().squeeze(1)
+        at = where_true(found)
         rows = self._gather(name, pos.index_select(0, at))
         out = rows.new_zeros(keys.numel(), rows.shape[1])
         out.index_copy_(0, at, rows)
@@ -362,7 +376,7 @@ class HostStore(IndexedStore):
             start = int(pos[0])
             dest[start:start + fresh] = rows[:fresh]
         if fresh < pos.numel():  # freed positions, scattered
-            dest.index_copy_(0, pos[fresh:], rows[fresh:])
+            scatter_rows(dest, pos[fresh:], rows[fresh:])
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:

@@ -31,6 +31,18 @@ def test_gather_and_scatter_are_index_select_and_index_copy(dtype, width):
     assert torch.equal(store, want)
 
 
+def test_scatter_of_many_rows_in_parallel_ranges():
+    """Enough rows that the CPU scatter splits them over threads (and fetches
+    ahead within each range): the same as index_copy_."""
+    g = torch.Generator().manual_seed(3)
+    store = torch.randn(50_000, 65, generator=g)
+    positions = torch.randperm(50_000, generator=g)[:20_001]
+    rows = torch.randn(positions.numel(), 65, generator=g)
+    want = store.clone().index_copy_(0, positions, rows)
+    ops.store_scatter(store, positions, rows)
+    assert torch.equal(store, want)
+
+
 def test_no_positions_move_nothing():
     store, _ = store_and_positions(torch.float32, 4)
     before = store.clone()
