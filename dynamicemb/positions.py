@@ -1,12 +1,23 @@
-"""Positions that bookkeeping selects keys by: where a mask holds, and
-grouped by a small id (a table). On the CPU our kernels
-(csrc/common/positions_cpu.cpp: torch.nonzero mispredicts a branch per
-element of a random mask, several times slower); elsewhere torch's ops."""
+"""Positions that bookkeeping selects keys by (where a mask holds, grouped
+by a small id such as a table) and rows written at positions. On the CPU our
+kernels (csrc/common/positions_cpu.cpp: torch.nonzero mispredicts a branch
+per element of a random mask; csrc/tiers/rows_cpu.cpp: index_copy_ copies on
+one thread), several times faster; elsewhere torch's ops."""
 from typing import List, Tuple
 
 import torch
 
 from dynamicemb._ops import ops
+
+
+def scatter_rows(dest: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """dest[positions] = rows at distinct positions: on the CPU the store_scatter
+    kernel (rows copied in parallel, where index_copy_ copies on one thread),
+    elsewhere index_copy_."""
+    if dest.device.type == "cpu" and rows.device.type == "cpu":
+        ops.store_scatter(dest, positions, rows.contiguous())
+    else:
+        dest.index_copy_(0, positions, rows)
 
 
 def where_true(mask: torch.Tensor) -> torch.Tensor:

@@ -525,6 +525,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
     r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
   });
   auto evicted = [](const Rec& r) { return r.res == kEvicted; };
+  constexpr int64_t kFillAhead = 4;  // runs; within walk_runs' digest prefetch (kDigestAhead keys)
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
     RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
@@ -556,14 +557,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
         if (next_full)
           victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, ecall, runs.len(run + 1));
       }
-      // A bucket's new keys fill its free slots from the first kEmpty one on
-      // (the used slots are a prefix): the lines they write are fetched one
-      // run ahead, else each new key waits on four write misses.
-      if (b1 >= 0) {
-        const int f = first_digest_match(sd + b1, cap, kEmpty);
+      // A bucket's new keys fill its free slots from the first free one
+      // (kEmpty or a tombstone) on: the lines they write are fetched
+      // kFillAhead runs ahead (a run is about one key in a sparse call), else
+      // each new key waits on its write misses.
+      if (run + kFillAhead < runs.count) {
+        const int64_t bf = runs.bucket(run + kFillAhead) * L.cap;
+        const int f = first_free_slot(sd + bf, cap);
         if (f >= 0) {
           // Every line the run's keys could fill (up to its length, within the bucket).
-          const int64_t from = b1 + f, fill = std::min<int64_t>(cap - f, runs.len(run + 1));
+          const int64_t from = bf + f, fill = std::min<int64_t>(cap - f, runs.len(run + kFillAhead));
           prefetch_range<true>(sk + from, fill);
           prefetch_range<true>(sc + from, fill);
           if (ts) prefetch_range<true>(ts + from, fill);
@@ -645,39 +648,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
 
 // ---- erase -----------------------------------------------------------------------
 
+// A lookup (the parallel pipeline: no key's result depends on another's),
+// then the found slots marked erased in input order: a key repeated in the
+// input is erased (and reported) at its first occurrence only. The bucket
+// batches that inserts need (keys of a bucket in input order) cost about
+// twice as much per key, and an erase writes only the slots the lookup found.
 Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& table_buckets,
                  const Tensor& sizes, const Tensor& keys, const std::optional<Tensor>& table_ids,
                  int64_t bucket_capacity) {
-  const Layout L = make_layout(table_buckets, bucket_capacity);
-  check_slots(slot_keys, at::kLong, "slot_keys", L);
-  check_slots(slot_digests, at::kByte, "slot_digests", L);
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
   check_tensor(sizes, at::kLong, "sizes");
-  TORCH_CHECK(sizes.numel() == L.num_tables, "dynamicemb: sizes must hold one entry per table");
-  const int64_t n = check_keys(keys, table_ids, std::nullopt, kCpu);
+  TORCH_CHECK(sizes.numel() == c.view.L.num_tables, "dynamicemb: sizes must hold one entry per table");
+  const int64_t n = keys.numel();
+  check_table_ids(lookup_pipeline(c.view, n), c.view.tids, c.view.L);
   Tensor erased = new_tensor(n, at::kBool);
-  const int64_t* k = keys.data_ptr<int64_t>();
-  const int64_t* tids = opt_ptr(table_ids);
-  const int64_t* sk = slot_keys.data_ptr<int64_t>();
-  uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   bool* er = erased.data_ptr<bool>();
-  struct Rec {
-    int64_t key, bucket;
-    uint8_t digest;
-    bool erased;  // set by the walk
-  };
-  const BucketOf where{k, tids, L};
-  BucketBatch<Rec> bb = batch_by_bucket<Rec>(where, n, [k](int64_t i, uint8_t d, Rec& r) {
-    r.key = k[i];
-    r.digest = d;
-  });
-  find_each(bb, sd, sk, L.cap, [&](Rec& r, int64_t base, int s) {
-    if (s >= 0) sd[base + s] = kErased;
-    r.erased = s >= 0;
-  });
-  bb.scatter(where, [er](int64_t i, const Rec& r) { er[i] = r.erased; });
-  const std::vector<int64_t> cnt = tally_by_table(n, tids, L.num_tables, 1, [&](int64_t i) { return er[i] ? 0 : -1; });
+  uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   int64_t* sz = sizes.data_ptr<int64_t>();
-  for (int64_t t = 0; t < L.num_tables; ++t) sz[t] -= cnt[t];
+  const int64_t* slot = c.view.out;
+  const int64_t* tids = c.view.tids;
+  constexpr int64_t kAhead = 16;  // a large call's digests left the caches since its lookup
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && slot[i + kAhead] >= 0) prefetch_write(sd + slot[i + kAhead]);
+    const int64_t s = slot[i];
+    const bool now = s >= 0 && sd[s] != kErased;
+    if (now) {
+      sd[s] = kErased;
+      --sz[tids ? tids[i] : 0];
+    }
+    er[i] = now;
+  }
   return erased;
 }
 

@@ -174,6 +174,16 @@ DE_HD int lowest_bit(uint32_t m) {
 #endif
 }
 
+// The lowest kEmpty/kErased slot of a bucket (the slot an insert of a new key
+// takes), or -1 when it is full.
+DE_HD int first_free_slot(const uint8_t* digests, int capacity) {
+  for (int g = 0; g < capacity; g += kGroupSize) {
+    const uint32_t f = group_free(digests + g);
+    if (f) return g + lowest_bit(f);
+  }
+  return -1;
+}
+
 // Finds `key` (digest `d`) among the live slots of one bucket; returns its slot
 // or -1. With `first_free`, also reports the lowest kEmpty/kErased slot (-1 when
 // the bucket is full): the slot an insert takes.

@@ -23,10 +23,10 @@ import torch
 
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.positions import where_true
+from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore, by_table, scatter_rows
+from dynamicemb.tiers.store import BackingStore, by_table
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy

@@ -10,7 +10,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from dynamicemb import memory
-from dynamicemb.positions import where_true
+from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.table import ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 
@@ -133,7 +133,7 @@ class KeyIndex:
         out = ht.insert(keys, tids, scores=scores, evict=False)
         failed = out.results == InsertResult.FAILED
         if not bool(failed.any()):  # the usual case: every key found a free slot
-            self.pos.index_copy_(0, out.indices, positions)
+            scatter_rows(self.pos.view(-1, 1), out.indices, positions.view(-1, 1))
             return _empty_entries()
         ok = where_true(~failed)
         self.pos[out.indices[ok]] = positions[ok]

@@ -16,7 +16,7 @@ import torch
 
 from dynamicemb import memory
 from dynamicemb._ops import ops
-from dynamicemb.positions import by_group, where_true
+from dynamicemb.positions import by_group, scatter_rows, where_true
 from dynamicemb.tiers.index import KeyIndex
 
 CPU = torch.device("cpu")
@@ -34,16 +34,6 @@ def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.
     all_scores = torch.zeros(n, dtype=torch.int64)
     all_scores.index_copy_(0, at, scores)
     return found, out, all_scores
-
-
-def scatter_rows(dest: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-    """dest[positions] = rows at distinct positions: on the CPU the store_scatter
-    kernel (rows copied in parallel, where index_copy_ copies on one thread),
-    elsewhere index_copy_."""
-    if dest.device.type == "cpu" and rows.device.type == "cpu":
-        ops.store_scatter(dest, positions, rows.contiguous())
-    else:
-        dest.index_copy_(0, positions, rows)
 
 
 def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Optional[torch.Tensor]]]:
