@@ -26,7 +26,7 @@ from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore, by_table
+from dynamicemb.tiers.store import BackingStore, RowsAt, by_table
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
@@ -85,6 +85,7 @@ class CachedStorage(HashTableStorage):
         # Where rows go between the tiers: the CPU, or the cache's device for a
         # store it reads in place (a HostStore's pinned rows, on CUDA).
         self._rows_dev = store.rows_device(device)
+        self._rows_at = store.puts_rows_at and device.type == "cpu"  # evicted rows handed as RowsAt
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
         for t, n in enumerate(names):
             if self.cached[t]:
@@ -174,8 +175,9 @@ class CachedStorage(HashTableStorage):
             if part is not None:
                 keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
-            rows = w.index_select(0, (slots - self._cache_begin[t]).to(w.device))
-            parts[lt] = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
+            at = (slots - self._cache_begin[t]).to(w.device)
+            rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
+            parts[lt] = (keys.cpu(), rows, scores.cpu())
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
             written = [tables[lt] for lt in parts]

@@ -10,7 +10,7 @@ of a CUDA cache: the device's kernels read and write them in place);
 tables larger than RAM.
 """
 import abc
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,11 +57,30 @@ def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tup
         start += c
 
 
+class RowsAt(NamedTuple):
+    """Rows `rows` of `source` [R, width], not gathered yet: a CPU cache hands
+    its evicted rows so to a store that copies them once, into place
+    (BackingStore.puts_rows_at), instead of gathering them into a tensor
+    that the store then copies again."""
+
+    source: torch.Tensor
+    rows: torch.Tensor
+
+    def __len__(self) -> int:  # as a tensor of the rows: their number
+        return self.rows.numel()
+
+    def gather(self) -> torch.Tensor:
+        return self.source.index_select(0, self.rows)
+
+
 class BackingStore(abc.ABC):
     """Per table (by name): distinct int64 keys -> a row [width] of the
     table's dtype ([value | optimizer state]) and an int64 score. Tensors
     in and out are on the CPU, except the rows of take_group and put_group:
     on rows_device()."""
+
+    # Whether put_group takes RowsAt for rows on the CPU (of the store's dtype).
+    puts_rows_at = False
 
     def rows_device(self, cache_device: torch.device) -> torch.device:
         """Where take_group returns rows and put_group takes them, for a
@@ -113,7 +132,8 @@ class BackingStore(abc.ABC):
 
     def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
         """put of several tables in one call: parts[j] = (keys, rows, scores)
-        of table names[j], the rows on rows_device(). Per table j, the keys
+        of table names[j], the rows on rows_device() (or RowsAt, where
+        puts_rows_at). Per table j, the keys
         it evicted. The cache calls this one; by default it calls put per
         table."""
         return {j: self.put(names[j], *part) for j, part in parts.items()}
@@ -289,6 +309,8 @@ class HostStore(IndexedStore):
     without a copy on the host; a HostStore then serves caches on that
     device only."""
 
+    puts_rows_at = True
+
     def __init__(self, bucket_capacity: int = 128):
         super().__init__(bucket_capacity)
         self._rows: Dict[str, torch.Tensor] = {}
@@ -356,6 +378,15 @@ class HostStore(IndexedStore):
         return rows.index_select(0, positions)
 
     def _write(self, name, rows):
+        if isinstance(rows, RowsAt):  # a CPU cache's rows, copied once into place
+            pos, fresh = self._alloc(name, len(rows))
+            dest, src = self._rows[name], rows.source
+            if fresh:  # a block: gathered straight into it
+                start = int(pos[0])
+                ops.store_gather(src, rows.rows[:fresh], dest[start:start + fresh])
+            if fresh < pos.numel():
+                scatter_rows(dest, pos[fresh:], src.index_select(0, rows.rows[fresh:]))
+            return pos
         pos, fresh = self._alloc(name, rows.shape[0])
         dest, rows = self._rows[name], rows.to(self._rows[name].dtype)
         if rows.device.type == "cuda":

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dynamicemb.tiers import HostStore
+from dynamicemb.tiers.store import RowsAt
 
 WIDTH = 5
 
@@ -121,3 +122,27 @@ def test_rows_stay_within_twice_the_keys_held_as_keys_come_and_go():
     keys = torch.tensor(sorted(held))
     found, got, _ = store.read("t", keys)
     assert bool(found.all()) and torch.equal(got, rows_of(keys)) and store.size("t") == len(held)
+
+
+def test_rows_handed_as_rows_at_are_stored_as_the_gathered_rows():
+    """put_group with RowsAt (a CPU cache's evicted rows, copied once into
+    place) stores what the gathered rows would: into fresh positions (one
+    block) and, once takes freed some, into freed ones (scattered)."""
+    g = torch.Generator().manual_seed(4)
+    source = torch.randn(5000, WIDTH, generator=g)
+    stores = {kind: HostStore(bucket_capacity=128) for kind in ("rows_at", "tensor")}
+    for s in stores.values():
+        s.open_table("t", WIDTH, torch.float32, 1 << 14)
+        s.reserve("t", 2048)  # room for the first puts only: later ones reuse freed positions
+    keys = torch.randperm(1 << 20, generator=g)[:4000] + 1
+    for r in range(8):
+        k = keys[r * 500:(r + 1) * 500]
+        at = torch.randperm(5000, generator=g)[:500]
+        for kind, s in stores.items():
+            rows = RowsAt(source, at) if kind == "rows_at" else source.index_select(0, at)
+            assert s.put_group(["t"], {0: (k, rows, k % 13)}) == {0: 0}
+            s.take("t", keys[r * 500:r * 500 + 300])  # frees positions for the next puts
+    assert stores["rows_at"]._n_free["t"] < 8 * 300  # freed positions were reused
+    got = {kind: sorted((kk, rr.tolist(), ss) for ks, rs, ss in s.items("t")
+                        for kk, rr, ss in zip(ks.tolist(), rs, ss.tolist())) for kind, s in stores.items()}
+    assert got["rows_at"] == got["tensor"] and len(got["tensor"]) == 8 * 200
