@@ -49,9 +49,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dynamicemb._ops import ops
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.tiers.store import CPU, IndexedStore
+from dynamicemb.tiers.store import CPU, IndexedStore, RowsAt
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -111,11 +112,15 @@ class _RowsFile:
         # The old mapping goes with the last tensor over it (rows handed out are copies).
         self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.dtype).view(capacity, self.width)
 
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        end = start + rows.shape[0]
+    def write(self, start: int, rows) -> None:
+        """Rows (a tensor, or RowsAt: gathered straight into the map) at start on."""
+        end = start + len(rows)
         if end > self.capacity:
             self._map_rows(max(2 * self.capacity, end))
-        self.rows[start:end] = rows
+        if isinstance(rows, RowsAt):
+            ops.store_gather(rows.source, rows.rows, self.rows[start:end])
+        else:
+            self.rows[start:end] = rows
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rows.index_select(0, positions)
@@ -220,11 +225,11 @@ class _TableFile:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Appends rows; returns their positions."""
+    def append(self, rows) -> torch.Tensor:
+        """Appends rows (a tensor or RowsAt); returns their positions."""
         start = self.rows
         self.file.write(start, rows)
-        self.rows += rows.shape[0]
+        self.rows += len(rows)
         return torch.arange(start, self.rows, dtype=torch.int64)
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
@@ -292,6 +297,8 @@ class FileStore(IndexedStore):
     """Rows on local disk under `root` (a directory, created when missing);
     a store reopened on the same directory (in this process or another)
     holds what the last flush() committed (see the module's doc)."""
+
+    puts_rows_at = True  # appended: gathered straight into the file's map
 
     def __init__(self, root: str, bucket_capacity: int = 128):
         super().__init__(bucket_capacity)

@@ -146,3 +146,17 @@ def test_rows_handed_as_rows_at_are_stored_as_the_gathered_rows():
     got = {kind: sorted((kk, rr.tolist(), ss) for ks, rs, ss in s.items("t")
                         for kk, rr, ss in zip(ks.tolist(), rs, ss.tolist())) for kind, s in stores.items()}
     assert got["rows_at"] == got["tensor"] and len(got["tensor"]) == 8 * 200
+
+
+def test_a_file_store_appends_rows_handed_as_rows_at(tmp_path):
+    from dynamicemb.tiers import FileStore
+    g = torch.Generator().manual_seed(5)
+    source = torch.randn(3000, WIDTH, generator=g)
+    store = FileStore(str(tmp_path / "s"))
+    store.open_table("t", WIDTH, torch.float32, 1 << 14)
+    keys, at = torch.arange(1, 2001) * 31, torch.randperm(3000, generator=g)[:2000]
+    for s in range(0, 2000, 400):  # appended block after block
+        store.put_group(["t"], {0: (keys[s:s + 400], RowsAt(source, at[s:s + 400]), keys[s:s + 400] % 7)})
+    found, rows, scores = store.read("t", keys)
+    assert bool(found.all()) and torch.equal(rows, source[at]) and torch.equal(scores, keys % 7)
+    store.close()
