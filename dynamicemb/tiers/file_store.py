@@ -49,10 +49,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dynamicemb._ops import ops
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.tiers.store import CPU, IndexedStore, RowsAt
+from dynamicemb.tiers.store import CPU, IndexedStore, write_rows
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -117,10 +116,7 @@ class _RowsFile:
         end = start + len(rows)
         if end > self.capacity:
             self._map_rows(max(2 * self.capacity, end))
-        if isinstance(rows, RowsAt):
-            ops.store_gather(rows.source, rows.rows, self.rows[start:end])
-        else:
-            self.rows[start:end] = rows
+        write_rows(self.rows[start:end], rows)
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rows.index_select(0, positions)

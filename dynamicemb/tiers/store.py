@@ -10,7 +10,7 @@ of a CUDA cache: the device's kernels read and write them in place);
 tables larger than RAM.
 """
 import abc
-from typing import Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,8 +47,9 @@ def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tup
         yield 0, None
         return
     order, counts = by_group(tids, n_tables or int(tids.max()) + 1)
-    if sum(c > 0 for c in counts) == 1:
-        yield next(j for j, c in enumerate(counts) if c), None
+    present = [j for j, c in enumerate(counts) if c]
+    if len(present) == 1:
+        yield present[0], None
         return
     start = 0
     for j, c in enumerate(counts):
@@ -57,20 +58,34 @@ def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tup
         start += c
 
 
-class RowsAt(NamedTuple):
+class RowsAt:
     """Rows `rows` of `source` [R, width], not gathered yet: a CPU cache hands
     its evicted rows so to a store that copies them once, into place
     (BackingStore.puts_rows_at), instead of gathering them into a tensor
-    that the store then copies again."""
+    that the store then copies again. Like a tensor of the rows, it has a
+    length and slices."""
 
-    source: torch.Tensor
-    rows: torch.Tensor
+    __slots__ = ("source", "rows")
 
-    def __len__(self) -> int:  # as a tensor of the rows: their number
+    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
+        self.source, self.rows = source, rows
+
+    def __len__(self) -> int:
         return self.rows.numel()
+
+    def __getitem__(self, part: slice) -> "RowsAt":
+        return RowsAt(self.source, self.rows[part])
 
     def gather(self) -> torch.Tensor:
         return self.source.index_select(0, self.rows)
+
+
+def write_rows(out: torch.Tensor, rows) -> None:
+    """out[:] = rows: a tensor copied, or RowsAt gathered straight into out."""
+    if isinstance(rows, RowsAt):
+        ops.store_gather(rows.source, rows.rows, out)
+    else:
+        out.copy_(rows)
 
 
 class BackingStore(abc.ABC):
@@ -378,26 +393,20 @@ class HostStore(IndexedStore):
         return rows.index_select(0, positions)
 
     def _write(self, name, rows):
-        if isinstance(rows, RowsAt):  # a CPU cache's rows, copied once into place
-            pos, fresh = self._alloc(name, len(rows))
-            dest, src = self._rows[name], rows.source
-            if fresh:  # a block: gathered straight into it
-                start = int(pos[0])
-                ops.store_gather(src, rows.rows[:fresh], dest[start:start + fresh])
-            if fresh < pos.numel():
-                scatter_rows(dest, pos[fresh:], src.index_select(0, rows.rows[fresh:]))
-            return pos
-        pos, fresh = self._alloc(name, rows.shape[0])
-        dest, rows = self._rows[name], rows.to(self._rows[name].dtype)
-        if rows.device.type == "cuda":
-            ops.store_scatter(dest, pos, rows.contiguous())
-            return pos
+        pos, fresh = self._alloc(name, len(rows))
+        dest = self._rows[name]
+        if not isinstance(rows, RowsAt):  # (RowsAt: a CPU cache's rows, of the store's dtype)
+            rows = rows.to(dest.dtype)
+            if rows.device.type == "cuda":
+                ops.store_scatter(dest, pos, rows.contiguous())
+                return pos
         self._host_access()
-        if fresh:  # a block, written in one copy
+        if fresh:  # a block, written in one copy (RowsAt: gathered straight into it)
             start = int(pos[0])
-            dest[start:start + fresh] = rows[:fresh]
+            write_rows(dest[start:start + fresh], rows[:fresh])
         if fresh < pos.numel():  # freed positions, scattered
-            scatter_rows(dest, pos[fresh:], rows[fresh:])
+            rest = rows[fresh:]
+            scatter_rows(dest, pos[fresh:], rest.gather() if isinstance(rest, RowsAt) else rest)
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:
