@@ -109,6 +109,12 @@ class CachedStorage(HashTableStorage):
         # prefetch whose forward has not come yet (_settle).
         self._fresh = [torch.zeros(ht.slot_keys.numel(), dtype=torch.bool, device=device) if c else None
                        for (ht, _), c in zip(self.groups, self._group_cached)]
+        # On the CPU a prefetch runs inline with the step: its new keys' rows
+        # are left unwritten (no one reads a provisional row: find skips it,
+        # _settle and eviction drop it) and get their initial values in their
+        # forward's row-order pass, one pass over them instead of two. On a
+        # device the prefetch writes them, off the forward's stream.
+        self._init_in_forward = device.type == "cpu"
 
     # ---- pins ------------------------------------------------------------------------------
     # A pin (_Pin) is {group: slots of that group's cache}: the slots of a
@@ -273,6 +279,8 @@ class CachedStorage(HashTableStorage):
             slots, res, evicted = self._place(g, keys, local_tids, scores, held=held, exact=False, missing=missing)
             kind.index_copy_(0, missing,
                              torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
+        if self._init_in_forward:  # the keys a prefetch made new get their initial rows now
+            res.masked_fill_(kind == 2, InsertResult.INSERTED)
         # No key of the step is provisional any more (a key found unfresh stays so).
         fresh.index_fill_(0, slots, False)
         self._step_slots[g] = slots  # the forward's pin (find_or_insert)
@@ -333,8 +341,8 @@ class CachedStorage(HashTableStorage):
         """Places every key of a coming batch in the cache and pins it there
         until that forward, which then only finds and scores them: the stored
         ones come out of the store with their rows and scores, the new ones
-        get their initial rows and stay provisional until that forward stores
-        them (_settle)."""
+        get their initial rows (on the CPU: in that forward) and stay
+        provisional until that forward stores them (_settle)."""
         pin = _Pin(keys)
         self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
         del self._prefetch_pins[:-PENDING_PREFETCHES]
@@ -356,7 +364,8 @@ class CachedStorage(HashTableStorage):
                                       exact=True)
             new = res != InsertResult.ASSIGNED
             self._fresh[g].index_copy_(0, idx, new)
-            self._init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
+            if not self._init_in_forward:
+                self._init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
             pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
 
     def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
