@@ -40,6 +40,14 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "table_erase(Tensor slot_keys, Tensor(a!) slot_digests, Tensor table_buckets, "
       "Tensor(b!) sizes, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
+  // table_erase, returning what the erased keys held: their positions in keys
+  // (ascending; a repeated key at its first only) and their slots' entries of
+  // slot_values and slot_scores (int64 per slot). CPU (a backing store's key
+  // index); elsewhere ScoredHashTable.take looks up, then erases.
+  m.def(
+      "table_take(Tensor slot_keys, Tensor(a!) slot_digests, Tensor table_buckets, "
+      "Tensor(b!) sizes, Tensor keys, Tensor? table_ids, int bucket_capacity, Tensor slot_values, "
+      "Tensor slot_scores) -> (Tensor at, Tensor values, Tensor scores)");
   m.def(
       "table_export_range(Tensor slot_keys, Tensor slot_digests, Tensor? filter_scores, "
       "Tensor table_buckets, int begin, int end, int bucket_capacity, int threshold) "

@@ -47,6 +47,13 @@ def _erase_fake(slot_keys, slot_digests, table_buckets, sizes, keys, table_ids, 
     return torch.empty_like(keys, dtype=torch.bool)
 
 
+@torch.library.register_fake(_lib + "table_take")
+def _take_fake(slot_keys, slot_digests, table_buckets, sizes, keys, table_ids, bucket_capacity, slot_values,
+               slot_scores):
+    m = _dynamic_len()
+    return tuple(keys.new_empty(m) for _ in range(3))
+
+
 @torch.library.register_fake(_lib + "table_export_range")
 def _export_range_fake(slot_keys, slot_digests, filter_scores, table_buckets, begin, end,
                        bucket_capacity, threshold):

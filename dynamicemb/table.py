@@ -10,6 +10,7 @@ import torch
 
 from dynamicemb import memory
 from dynamicemb._ops import ops
+from dynamicemb.positions import where_true
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_device, strategy_code
 
 _S = DynamicEmbScoreStrategy
@@ -289,6 +290,24 @@ class ScoredHashTable:
         tids = self._table_ids(table_ids, keys.numel())
         return ops.table_erase(self.slot_keys, self.slot_digests, self._table_buckets, self.sizes, keys,
                                tids, self.bucket_capacity)
+
+    def take(self, keys: torch.Tensor, table_ids=None, slot_values: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Removes the keys (as erase); returns what the removed ones held:
+        their positions in keys (ascending; a repeated key at its first),
+        their slots' entries of ``slot_values`` (int64 per slot, e.g. a key
+        index's row positions; default: the slots) and their scores."""
+        keys = self._keys(keys)
+        tids = self._table_ids(table_ids, keys.numel())
+        if slot_values is None:
+            slot_values = torch.arange(self.slot_keys.numel(), device=self.device)
+        if self.device.type == "cpu":  # one lookup
+            return ops.table_take(self.slot_keys, self.slot_digests, self._table_buckets, self.sizes, keys, tids,
+                                  self.bucket_capacity, slot_values, self.slot_scores)
+        slots, _ = self.lookup(keys, tids)
+        at = where_true(self.erase(keys, tids))
+        held = slots.index_select(0, at)
+        return at, slot_values.index_select(0, held), self.slot_scores.index_select(0, held)
 
     def export(self, threshold: Optional[int] = None, batch_size: int = 1 << 16,
                table_id: Optional[int] = None) -> Iterator[ExportBatch]:

@@ -646,39 +646,80 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
-// ---- erase -----------------------------------------------------------------------
+// ---- erase, take -------------------------------------------------------------------
 
 // A lookup (the parallel pipeline: no key's result depends on another's),
 // then the found slots marked erased in input order: a key repeated in the
-// input is erased (and reported) at its first occurrence only. The bucket
-// batches that inserts need (keys of a bucket in input order) cost about
-// twice as much per key, and an erase writes only the slots the lookup found.
-Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& table_buckets,
-                 const Tensor& sizes, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                 int64_t bucket_capacity) {
-  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+// input is erased (and reported) at its first occurrence only; on(i, slot)
+// for each key erased, in input order. The bucket batches that inserts need
+// (keys of a bucket in input order) cost about twice as much per key, and an
+// erase writes only the slots the lookup found. `ahead`(slot): lines the
+// caller reads at a slot, fetched with its digest.
+template <class OnErased, class Ahead>
+void erase_found(const LookupCall& c, const Tensor& slot_digests, const Tensor& sizes, int64_t n, OnErased on,
+                 Ahead ahead) {
   check_tensor(sizes, at::kLong, "sizes");
   TORCH_CHECK(sizes.numel() == c.view.L.num_tables, "dynamicemb: sizes must hold one entry per table");
-  const int64_t n = keys.numel();
   check_table_ids(lookup_pipeline(c.view, n), c.view.tids, c.view.L);
-  Tensor erased = new_tensor(n, at::kBool);
-  bool* er = erased.data_ptr<bool>();
   uint8_t* sd = slot_digests.data_ptr<uint8_t>();
   int64_t* sz = sizes.data_ptr<int64_t>();
   const int64_t* slot = c.view.out;
   const int64_t* tids = c.view.tids;
   constexpr int64_t kAhead = 16;  // a large call's digests left the caches since its lookup
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && slot[i + kAhead] >= 0) prefetch_write(sd + slot[i + kAhead]);
+    if (i + kAhead < n && slot[i + kAhead] >= 0) {
+      prefetch_write(sd + slot[i + kAhead]);
+      ahead(slot[i + kAhead]);
+    }
     const int64_t s = slot[i];
-    const bool now = s >= 0 && sd[s] != kErased;
-    if (now) {
+    if (s >= 0 && sd[s] != kErased) {
       sd[s] = kErased;
       --sz[tids ? tids[i] : 0];
+      on(i, s);
     }
-    er[i] = now;
   }
+}
+
+Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& table_buckets,
+                 const Tensor& sizes, const Tensor& keys, const std::optional<Tensor>& table_ids,
+                 int64_t bucket_capacity) {
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  const int64_t n = keys.numel();
+  Tensor erased = new_tensor(n, at::kBool);
+  bool* er = erased.data_ptr<bool>();
+  std::memset(er, 0, n);
+  erase_found(c, slot_digests, sizes, n, [er](int64_t i, int64_t) { er[i] = true; }, [](int64_t) {});
   return erased;
+}
+
+// erase, returning what the erased keys held: their positions in keys
+// (ascending), and their slots' entries of slot_values and slot_scores (a
+// backing store's key index taking keys out: one lookup instead of a lookup
+// for the entries and another for the erase).
+std::tuple<Tensor, Tensor, Tensor> take_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
+                                            const Tensor& table_buckets, const Tensor& sizes, const Tensor& keys,
+                                            const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
+                                            const Tensor& slot_values, const Tensor& slot_scores) {
+  const LookupCall c = prepare_lookup(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity);
+  check_slots(slot_values, at::kLong, "slot_values", c.view.L);
+  check_slots(slot_scores, at::kLong, "slot_scores", c.view.L);
+  const int64_t n = keys.numel();
+  Tensor at_ = new_tensor(n, at::kLong), values = new_tensor(n, at::kLong), scores = new_tensor(n, at::kLong);
+  int64_t *ap = at_.data_ptr<int64_t>(), *vp = values.data_ptr<int64_t>(), *sp = scores.data_ptr<int64_t>();
+  const int64_t *sv = slot_values.data_ptr<int64_t>(), *ss = slot_scores.data_ptr<int64_t>();
+  int64_t m = 0;
+  erase_found(
+      c, slot_digests, sizes, n,
+      [&](int64_t i, int64_t s) {
+        ap[m] = i;
+        vp[m] = sv[s];
+        sp[m++] = ss[s];
+      },
+      [sv, ss](int64_t s) {
+        prefetch(sv + s);
+        prefetch(ss + s);
+      });
+  return {at_.narrow(0, 0, m), values.narrow(0, 0, m), scores.narrow(0, 0, m)};
 }
 
 // ---- export ----------------------------------------------------------------------
@@ -807,6 +848,7 @@ TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("table_refresh", &refresh_cpu);
   m.impl("table_insert", &insert_cpu);
   m.impl("table_erase", &erase_cpu);
+  m.impl("table_take", &take_cpu);
   m.impl("table_export_range", &export_range_cpu);
   m.impl("table_rehash", &rehash_cpu);
 }

@@ -111,15 +111,7 @@ class KeyIndex:
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Removes the keys the index holds; returns (their positions in keys,
         ascending, their row positions, their scores)."""
-        tids = self._tids(tids)
-        slots, found = self.ht.lookup(keys, tids)
-        at = where_true(found)
-        if not at.numel():
-            return at, at, at
-        held = slots.index_select(0, at)
-        pos, scores = self.pos.index_select(0, held), self.ht.slot_scores.index_select(0, held)
-        self.ht.erase(keys.index_select(0, at), None if tids is None else tids.index_select(0, at))
-        return at, pos, scores
+        return self.ht.take(keys, self._tids(tids), self.pos)
 
     def add(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor,
             tids: Optional[torch.Tensor] = None) -> Entries:

@@ -107,6 +107,14 @@ class Twin:
         self.check_state()
         return a
 
+    def take(self, keys, tids):
+        values = torch.arange(self.ref.slot_keys.numel()) * 7 - 3  # per-slot entries to return
+        a, b = self._both("take", keys, self._tids(tids), values)
+        for x, y in zip(a, b):
+            same(x, y)
+        self.check_state()
+        return a
+
     def export(self, threshold=None, batch_size=1 << 16, table_id=None):
         self.clock.now += 1_000
         a = list(self.ref.export(threshold, batch_size, table_id))
@@ -241,6 +249,7 @@ def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
     # Erase present and absent keys (tombstones), then insert into them.
     tw.erase(keys[::3], tids[::3])
     tw.erase(keys[::3], tids[::3])  # already gone
+    tw.take(keys[1::3], tids[1::3])  # erase returning what left (CPU: one op; CUDA: lookup, erase)
     keys, tids = _batch(gen, total // 2, 4 * total, T)
     tw.insert(keys, tids, scores=_scores(name, gen, keys.numel()) if name != "step" else None)
 

@@ -95,6 +95,29 @@ class Pair:
         self.check_state(before)
         return erased
 
+    def take(self, keys: List[int], tids=None, with_values: bool = True):
+        """erase through ScoredHashTable.take: the same keys leave, and it
+        returns what they held (per-slot values: random ones; default: the
+        slots)."""
+        before = self.live()
+        sizes0 = self.table.sizes.tolist()
+        ts = self.model._tids(tids, len(keys))
+        slots = [self.model._find(self.model.bucket_of(k, t) * self.cap, k) for k, t in zip(keys, ts)]
+        scores = list(self.model.scores)
+        erased = self.model.erase(keys, tids)
+        n_slots = self.table.slot_keys.numel()
+        values = torch.randint(-2**40, 2**40, (n_slots,), device=self.device) if with_values else None
+        at, got, got_scores = self.table.take(self._t(keys), self._t(tids), values)
+        want_at = [i for i, e in enumerate(erased) if e]
+        vals = values.tolist() if with_values else list(range(n_slots))
+        assert at.tolist() == want_at
+        assert got.tolist() == [vals[slots[i]] for i in want_at]
+        assert got_scores.tolist() == [scores[slots[i]] for i in want_at]
+        per_t = Counter(ts[i] for i in want_at)
+        assert self.table.sizes.tolist() == [s - per_t[t] for t, s in enumerate(sizes0)]
+        self.check_state(before)
+        return want_at
+
     def export(self, threshold: Optional[int] = None, batch_size: int = 1 << 16, table_id=None):
         got = []
         for b in self.table.export(threshold, batch_size, table_id):

@@ -55,7 +55,7 @@ def test_random_operations_match_model(strategy, device, data):
     p = Pair(strategy, counts, cap, device)
     for _ in range(data.draw(st.integers(1, 20), label="ops")):
         op = data.draw(st.sampled_from(
-            ["insert"] * 4 + ["lookup", "refresh", "erase", "export", "grow", "reset"]))
+            ["insert"] * 4 + ["lookup", "refresh", "erase", "take", "export", "grow", "reset"]))
         if op in ("grow", "export", "reset"):
             if op == "grow" and sum(p.model.bucket_counts) <= 12:
                 mult = data.draw(st.lists(st.integers(1, 3), min_size=len(counts), max_size=len(counts)))
@@ -96,7 +96,11 @@ def test_random_operations_match_model(strategy, device, data):
             pairs = data.draw(st.lists(st.sampled_from(live), max_size=12)) if live else []
             pairs += list(zip(p.model._tids(tids, n), keys))[: n // 2]
             et = [t for t, _ in pairs]
-            p.erase([k for _, k in pairs], et if len(counts) > 1 or data.draw(st.booleans()) else None)
+            et = et if len(counts) > 1 or data.draw(st.booleans()) else None
+            if op == "erase":
+                p.erase([k for _, k in pairs], et)
+            else:  # erase returning what the keys held
+                p.take([k for _, k in pairs], et, with_values=data.draw(st.booleans()))
     p.export()
 
 
@@ -132,7 +136,7 @@ def test_large_batches_match_model(strategy, threads, device):
         p.lookup(keys2, tids2)
         p.lookup(keys2, tids2, update_score=True, scores=freq if strategy in (CUSTOMIZED, LFU) else None,
                  now=step + 10, step=step + 10)
-        p.erase(keys2[:4500], tids2[:4500])
+        (p.take if step % 2 else p.erase)(keys2[:4500], tids2[:4500])  # take: erase returning what left
     p.export(batch_size=1000)
     # Every outcome happened (a call cannot evict its own keys: the first fails).
     assert seen == ({0, 1, 3} if strategy == NO_EVICTION else {0, 1, 2, 3})
@@ -148,6 +152,7 @@ def test_very_large_batch_matches_model(threads, device):
     keys, tids = _batch(rng, 40000, 9000, 2)
     p.insert(keys, tids, [rng.randrange(5) for _ in keys])
     p.erase(keys[:20000], tids[:20000])
+    p.take(keys[20000:], tids[20000:])
     p.export()
 
 

@@ -10,7 +10,7 @@ from dynamicemb import ScoredHashTable
 from dynamicemb._ops import ops
 
 TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_refresh", "table_insert",
-             "table_erase", "table_export_range", "table_rehash"]
+             "table_erase", "table_take", "table_export_range", "table_rehash"]
 
 
 def _table(strategy):
@@ -40,6 +40,8 @@ def _samples(t: ScoredHashTable, code: int):
         yield "table_refresh", (t.slot_scores, t.slot_timestamps, torch.tensor([0, 3, -1, 17, 40, 79]), ks, code, 77)
         yield "table_insert", ins + (tid, ks, code, bc, 78, 200)
         yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
+        yield "table_take", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc,
+                             torch.arange(t.slot_keys.numel()) * 3, t.slot_scores)
     yield "table_export_range", (t.slot_keys, t.slot_digests, None, tb, 0, 80, bc, 0)
     yield "table_export_range", (t.slot_keys, t.slot_digests, t.slot_scores, tb, 16, 48, bc, 3)
     yield "table_rehash", slots + (tb, torch.tensor([0, 4, 7]), bc)
@@ -131,8 +133,19 @@ def test_table_ids_out_of_range(t):
         with pytest.raises(RuntimeError, match=msg):
             t.erase(keys, torch.tensor([0, 1, bad]))
         with pytest.raises(RuntimeError, match=msg):
+            t.take(keys, torch.tensor([0, 1, bad]))
+        with pytest.raises(RuntimeError, match=msg):
             ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, keys, torch.tensor([0, 1, bad]), 16)
     assert t.size() == 0 and not t.slot_digests.any() and not t.counters.any()
+
+
+def test_take_slot_entries_of_the_wrong_shape(t):
+    t.insert(torch.tensor([1, 2, 3]), 0)
+    with pytest.raises(RuntimeError, match=r"slot_values must hold 48 slots, got shape \[47\]"):
+        t.take(torch.tensor([1]), 0, torch.zeros(47, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="slot_values must be Long, got Int"):
+        t.take(torch.tensor([1]), 0, torch.zeros(48, dtype=torch.int32))
+    assert t.size() == 3  # nothing erased
 
 
 def test_length_mismatches(t):
