@@ -30,6 +30,7 @@ from dynamicemb.tiers.store import BackingStore, RowsAt, by_table
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
+assert (InsertResult.INSERTED, InsertResult.ASSIGNED) == (0, 1)  # _insert's results from a bool mask
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
 # A forward's keys by kind (found in the cache, missed and stored, new) -> tier_counters' columns.
 _KIND_TO_COUNTERS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 1]], dtype=torch.int64)
@@ -266,10 +267,14 @@ class CachedStorage(HashTableStorage):
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
         # batch's prefetch: stored from now on). A missing key's is set below.
-        kind = fresh.index_select(0, slots.clamp(min=0)).to(torch.int64) * 2
+        made_new = fresh.index_select(0, slots.clamp(min=0))
+        kind = made_new.to(torch.int64) * 2
         if missing is None:  # every key is there: scored where it is
             ht.refresh(slots, scores)
-            res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
+            if self._init_in_forward:  # the keys the prefetch made new get their initial rows now
+                res = (~made_new).view(torch.int8)  # ASSIGNED (1), INSERTED (0) where made new
+            else:
+                res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
             e = torch.zeros(0, dtype=torch.int64, device=keys.device)
             evicted = EvictedKeys(e, e, e, e)
         else:
@@ -279,8 +284,8 @@ class CachedStorage(HashTableStorage):
             slots, res, evicted = self._place(g, keys, local_tids, scores, held=held, exact=False, missing=missing)
             kind.index_copy_(0, missing,
                              torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
-        if self._init_in_forward:  # the keys a prefetch made new get their initial rows now
-            res.masked_fill_(kind == 2, InsertResult.INSERTED)
+            if self._init_in_forward:
+                res.masked_fill_(kind == 2, InsertResult.INSERTED)
         # No key of the step is provisional any more (a key found unfresh stays so).
         fresh.index_fill_(0, slots, False)
         self._step_slots[g] = slots  # the forward's pin (find_or_insert)

@@ -122,11 +122,12 @@ class KeyIndex:
             return _empty_entries()
         tids = self._tids(tids)
         ht = self.ht
+        failures = int(ht.counters[:, 2].sum())  # the table's failed-insert counts: read, not a pass over keys
         out = ht.insert(keys, tids, scores=scores, evict=False)
-        failed = out.results == InsertResult.FAILED
-        if not bool(failed.any()):  # the usual case: every key found a free slot
+        if int(ht.counters[:, 2].sum()) == failures:  # the usual case: every key found a free slot
             scatter_rows(self.pos.view(-1, 1), out.indices, positions.view(-1, 1))
             return _empty_entries()
+        failed = out.results == InsertResult.FAILED
         ok = where_true(~failed)
         self.pos[out.indices[ok]] = positions[ok]
         all_tids = torch.zeros_like(keys) if tids is None else tids
