@@ -5,9 +5,10 @@ A store's directory (make_storage gives each rank its own,
 
     <t>.rows.<g>                 the rows of generation g: records of
                                  width x dtype bytes (native byte order) at
-                                 positions 0, 1, ...; appended, never
-                                 overwritten; read and written through a
-                                 memory map (the file grows sparse, by doubling)
+                                 positions 0, 1, ...; a row the committed
+                                 snapshot addresses is never overwritten;
+                                 read and written through a memory map (the
+                                 file grows sparse, by doubling)
     <t>.index.<s>.safetensors    snapshot s of the table's key index: keys,
                                  row positions and scores (int64), and in its
                                  metadata the generation, the rows it covers,
@@ -31,8 +32,14 @@ is ever overwritten. Opening a table removes what a crash left behind
 (uncommitted snapshots and generations); rows appended after the last flush
 are overwritten by the next appends.
 
-Rows taken out or evicted become garbage; a flush that finds more garbage
-than live rows in a table first copies its live rows into a new generation
+Rows taken out or evicted become garbage. Puts append while at most half
+of the rows file is garbage; beyond, they first overwrite garbage rows that
+the committed snapshot does not address (freed since this process opened
+the table: those written since the last flush at once, the others once the
+next flush commits). So between flushes the file stays within about twice
+the rows the table holds (appends write fresh pages in sequence: cheaper
+than rows scattered over the map). A flush that finds more garbage than
+live rows in a table first copies its live rows into a new generation
 (compaction). The key index lives in memory (26 bytes a slot); each
 flush writes it whole (24 bytes a key).
 """
@@ -51,7 +58,8 @@ from safetensors.torch import save_file
 
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.tiers.store import CPU, IndexedStore, write_rows
+from dynamicemb.positions import scatter_rows
+from dynamicemb.tiers.store import CPU, FreeList, IndexedStore, RowsAt, write_rows
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -153,6 +161,9 @@ class _TableFile:
             if entry is not None:
                 self._load(int(entry["index"]))
             self.garbage = self.rows - len(self.index)
+            # Reopened, the rows the snapshot does not address stay garbage
+            # (not reused) until a compaction.
+            self._forget_free(self.rows)
             self._remove_stale()
             self.file = _RowsFile(self._rows_path(self.generation), width, dtype, self.rows, fresh=False)
         except BaseException:
@@ -221,12 +232,35 @@ class _TableFile:
 
     # ---- rows ----------------------------------------------------------------------------------
 
-    def append(self, rows) -> torch.Tensor:
-        """Appends rows (a tensor or RowsAt); returns their positions."""
+    def write(self, rows) -> torch.Tensor:
+        """Stores rows (a tensor or RowsAt); returns their positions: once
+        more than half the file is garbage, free ones (that the committed
+        snapshot does not address) first, overwritten in place, then
+        appended ones."""
+        reuse = self.free.pop(len(rows) if self.garbage > _GARBAGE_SHARE * self.rows else 0)
+        k = reuse.numel()
+        if k:
+            part = rows[:k]
+            part = part.gather() if isinstance(part, RowsAt) else part.to(self.dtype)
+            scatter_rows(self.file.rows, reuse, part)
+            self.garbage -= k
+        if k == len(rows):
+            return reuse
         start = self.rows
-        self.file.write(start, rows)
-        self.rows += len(rows)
-        return torch.arange(start, self.rows, dtype=torch.int64)
+        self.file.write(start, rows[k:])
+        self.rows += len(rows) - k
+        return torch.cat([reuse, torch.arange(start, self.rows, dtype=torch.int64)])
+
+    def drop(self, positions: torch.Tensor) -> None:
+        """Rows no key addresses any more: garbage, free for reuse unless the
+        committed snapshot addresses them (positions below committed_rows:
+        free once the next flush commits)."""
+        self.garbage += positions.numel()
+        if self.committed_rows:
+            late = positions >= self.committed_rows
+            self.freed_since_commit.push(positions[~late])
+            positions = positions[late]
+        self.free.push(positions)
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Rows at positions ([n, width] of the table's dtype)."""
@@ -255,9 +289,12 @@ class _TableFile:
         return seq
 
     def committed(self, listing: List[str]) -> None:
-        """The snapshot written last is committed: the ones before go."""
+        """The snapshot written last is committed: the ones before go, and
+        the rows it does not address are free to overwrite."""
         self.seq, self.committed_state = self._pending
         self.state = None
+        self.committed_rows = self.rows
+        self.free.push(self.freed_since_commit.pop(self.freed_since_commit.count))
         self._remove_stale(listing)
 
     def _compact(self) -> None:
@@ -278,11 +315,18 @@ class _TableFile:
             raise
         self.file.close()
         self.file, self.generation, self.rows, self.garbage = new, gen, n, 0
+        self._forget_free(0)  # no committed snapshot addresses the new generation yet
         self.index.move(slots, torch.arange(n, dtype=torch.int64))
+
+    def _forget_free(self, committed_rows: int) -> None:
+        """No free positions (the garbage stays until a compaction), and the
+        rows the committed snapshot may address."""
+        self.free, self.freed_since_commit, self.committed_rows = FreeList(), FreeList(), committed_rows
 
     def clear(self) -> None:
         self.index.clear()
         self.garbage = self.rows  # every row written so far
+        self._forget_free(self.committed_rows)
 
     def close(self) -> None:
         self.file.close()
@@ -294,7 +338,7 @@ class FileStore(IndexedStore):
     a store reopened on the same directory (in this process or another)
     holds what the last flush() committed (see the module's doc)."""
 
-    puts_rows_at = True  # appended: gathered straight into the file's map
+    puts_rows_at = True  # gathered straight into the file's map
 
     def __init__(self, root: str, bucket_capacity: int = 128):
         super().__init__(bucket_capacity)
@@ -344,10 +388,10 @@ class FileStore(IndexedStore):
         return self._tables[name].gather(positions).to(device)  # rows_device(): the CPU
 
     def _write(self, name, rows):
-        return self._tables[name].append(rows)
+        return self._tables[name].write(rows)
 
     def _drop(self, name, positions):
-        self._tables[name].garbage += positions.numel()
+        self._tables[name].drop(positions)
 
     def clear(self, name):
         self._file(name).clear()

@@ -88,6 +88,33 @@ def write_rows(out: torch.Tensor, rows) -> None:
         out.copy_(rows)
 
 
+class FreeList:
+    """Row positions free for reuse: a stack (grown by doubling, not copied
+    per push); the last pushed are popped first."""
+
+    def __init__(self):
+        self._pos = torch.zeros(0, dtype=torch.int64)
+        self.count = 0
+
+    def push(self, positions: torch.Tensor) -> None:
+        n = self.count + positions.numel()
+        if n > self._pos.numel():
+            grown = torch.empty(max(2 * self._pos.numel(), n, 1024), dtype=torch.int64)
+            grown[:self.count] = self._pos[:self.count]
+            self._pos = grown
+        self._pos[self.count:n] = positions
+        self.count = n
+
+    def pop(self, k: int) -> torch.Tensor:
+        """The last k pushed (at most count), in a tensor of their own."""
+        k = min(k, self.count)
+        self.count -= k
+        return self._pos[self.count:self.count + k].clone()
+
+    def clear(self) -> None:
+        self.count = 0
+
+
 class BackingStore(abc.ABC):
     """Per table (by name): distinct int64 keys -> a row [width] of the
     table's dtype ([value | optimizer state]) and an int64 score. Tensors
@@ -329,8 +356,7 @@ class HostStore(IndexedStore):
     def __init__(self, bucket_capacity: int = 128):
         super().__init__(bucket_capacity)
         self._rows: Dict[str, torch.Tensor] = {}
-        self._free: Dict[str, torch.Tensor] = {}  # free positions: a stack, its first _n_free[name] entries
-        self._n_free: Dict[str, int] = {}
+        self._free: Dict[str, FreeList] = {}
         self._used: Dict[str, int] = {}  # positions ever handed out
 
     def rows_device(self, cache_device):
@@ -368,8 +394,7 @@ class HostStore(IndexedStore):
         else:
             self._index_table(name, max_rows)
         self._rows[name] = self._new_rows(0, width, dtype, zero=True)
-        self._free[name] = torch.zeros(0, dtype=torch.int64)
-        self._n_free[name] = 0
+        self._free[name] = FreeList()
         self._used[name] = 0
 
     def reserve(self, name, rows):
@@ -410,14 +435,7 @@ class HostStore(IndexedStore):
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:
-        """Pushes positions on the free stack (grown by doubling, not copied per push)."""
-        n, free = self._n_free[name], self._free[name]
-        if n + positions.numel() > free.numel():
-            grown = torch.empty(max(2 * free.numel(), n + positions.numel(), 1024), dtype=torch.int64)
-            grown[:n] = free[:n]
-            self._free[name] = free = grown
-        free[n:n + positions.numel()] = positions
-        self._n_free[name] = n + positions.numel()
+        self._free[name].push(positions)
 
     def _alloc(self, name: str, n: int) -> Tuple[torch.Tensor, int]:
         """n positions: first fresh ones (consecutive: written in one copy,
@@ -427,11 +445,8 @@ class HostStore(IndexedStore):
         keys held at once). Returns them, the fresh ones first, and how many
         are fresh."""
         start, rows = self._used[name], self._rows[name]
-        top = self._n_free[name]
-        n_reuse = min(max(0, n - (rows.shape[0] - start)), top)
-        reuse = self._free[name][top - n_reuse:top]
-        self._n_free[name] = top - n_reuse
-        fresh = n - n_reuse
+        reuse = self._free[name].pop(max(0, n - (rows.shape[0] - start)))
+        fresh = n - reuse.numel()
         if start + fresh > rows.shape[0]:
             # Rows past `used` are written (put) before they are read: no zero fill.
             grown = self._new_rows(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], rows.dtype,
@@ -441,11 +456,11 @@ class HostStore(IndexedStore):
             self._rows[name] = grown
         self._used[name] = start + fresh
         if not fresh:
-            return reuse.clone(), 0  # the stack's entries get overwritten by later pushes
+            return reuse, 0
         return torch.cat([torch.arange(start, start + fresh, dtype=torch.int64), reuse]), fresh
 
     def clear(self, name):
         t = self._table(name)
         self._index.clear(t)
-        self._n_free[name] = 0
+        self._free[name].clear()
         self._used[name] = 0

@@ -7,7 +7,7 @@ opens DIR (resuming what it holds), saves what it holds (--save-open),
 trains on batches A..B, flushes, saves (--save), then (--then):
   exit              closes the store and exits;
   forever           keeps training, printing "step i" after each step, until killed;
-  die-in-compaction trains on batches B..C and flushes, killing itself
+  die-in-compaction trains on batches B..C and flushes (compacting), killing itself
                     (SIGKILL) while that flush copies rows into a new generation;
   die-after-commit  the same, killed right after the manifest names the new snapshots.
 The module (Adam, STEP scores, a cache of about 10% of the rows) and the
@@ -80,6 +80,9 @@ class _DyingRowsFile(file_store._RowsFile):
 
 
 def _arm(what: str) -> None:
+    # The next flush compacts (puts overwrite garbage rows, so churn alone
+    # leaves too little of it).
+    file_store._GARBAGE_SHARE = 0.0
     if what == "die-in-compaction":
         file_store._COPY_BYTES = 4096  # several blocks
         file_store._RowsFile = _DyingRowsFile

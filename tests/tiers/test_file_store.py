@@ -190,6 +190,33 @@ def test_compaction_keeps_every_row_and_removes_the_old_generation(tmp_path):
     _assert_holds(_open(tmp_path), model.snapshot())
 
 
+def test_puts_overwrite_only_garbage_the_committed_flush_does_not_address(tmp_path):
+    """Once more than half of a rows file is garbage, puts overwrite garbage
+    rows before appending: those freed since the last flush that it did not
+    commit at once, those it committed only after the next flush. A store
+    closed unflushed (a crash) reopens at its last flush all the same."""
+    store, model = _open(tmp_path), Model()
+    t0 = store._file("t0")
+    model.put(store, "t0", torch.arange(0, 1000), 1)
+    model.take(store, "t0", torch.arange(0, 600))  # never committed: free at once
+    model.put(store, "t0", torch.arange(2000, 2100), 1)  # 600 of 1000 rows garbage: reused
+    assert (t0.rows, t0.garbage) == (1000, 500)
+    store.flush()  # 500 of 1000: no compaction
+    model.take(store, "t0", torch.arange(600, 1000))  # committed: not overwritten before the next flush
+    model.put(store, "t0", torch.arange(3000, 3600), 2)  # 500 reused, 100 appended
+    assert (t0.rows, t0.garbage) == (1100, 400)
+    _assert_holds(store, model.snapshot())
+    store.flush()  # 400 of 1100: no compaction; rows 600..999's are free now
+    b = model.snapshot()
+    model.take(store, "t0", torch.arange(3000, 3200))  # committed by this flush
+    model.put(store, "t1", torch.arange(0, 50), 2)  # (another table: its own rows)
+    model.put(store, "t0", torch.arange(4000, 4300), 3)  # into rows 600..999's
+    assert (t0.rows, t0.garbage) == (1100, 300)
+    _assert_holds(store, model.snapshot())
+    store.close()  # unflushed: as after a crash
+    _assert_holds(_open(tmp_path), b)
+
+
 def test_reads_follow_appends_across_remaps(tmp_path, monkeypatch):
     """The rows file's map grows (by doubling) while rows are appended; every
     read sees every row put before it."""

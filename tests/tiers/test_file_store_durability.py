@@ -92,8 +92,8 @@ def test_killed_while_training_it_reopens_at_its_last_flush(tmp_path, seed):
 
 @pytest.mark.parametrize("then,at", [("die-in-compaction", 30), ("die-after-commit", 100)])
 def test_killed_during_a_flush_it_reopens_at_the_last_completed_one(tmp_path, then, at):
-    """A second flush (at step 100, compacting: most rows since the first
-    are garbage) killed while it copies rows into a new generation leaves
+    """A second flush (at step 100, made to compact) killed while it
+    copies rows into a new generation leaves
     the first; killed right after its commit, the second. Either way the
     reopen removes what the dead flush left (no stale generation)."""
     out = _run(tmp_path, 0, 30, "--then", then, "--more", 100, check=False)

@@ -142,7 +142,7 @@ def test_rows_handed_as_rows_at_are_stored_as_the_gathered_rows():
             rows = RowsAt(source, at) if kind == "rows_at" else source.index_select(0, at)
             assert s.put_group(["t"], {0: (k, rows, k % 13)}) == {0: 0}
             s.take("t", keys[r * 500:r * 500 + 300])  # frees positions for the next puts
-    assert stores["rows_at"]._n_free["t"] < 8 * 300  # freed positions were reused
+    assert stores["rows_at"]._free["t"].count < 8 * 300  # freed positions were reused
     got = {kind: sorted((kk, rr.tolist(), ss) for ks, rs, ss in s.items("t")
                         for kk, rr, ss in zip(ks.tolist(), rs, ss.tolist())) for kind, s in stores.items()}
     assert got["rows_at"] == got["tensor"] and len(got["tensor"]) == 8 * 200
