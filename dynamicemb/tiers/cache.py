@@ -19,6 +19,7 @@ import dataclasses
 import warnings
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from dynamicemb._ops import ops
@@ -26,7 +27,7 @@ from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
-from dynamicemb.tiers.store import BackingStore, RowsAt, by_table
+from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
 
 _S = DynamicEmbScoreStrategy
@@ -94,7 +95,8 @@ class CachedStorage(HashTableStorage):
                 store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
         # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
-        self.tier_counters = torch.zeros(self.num_tables, 5, dtype=torch.int64)
+        # (numpy: a step adds to it a few times, which torch's small ops would make ~10x dearer)
+        self.tier_counters = np.zeros((self.num_tables, 5), dtype=np.int64)
         # Per group: whether its tables are cached (a group's tables all are
         # or none is) and its tables' ids; per table, a cache's first slot
         # (the cache never grows: its slots stay put).
@@ -176,20 +178,17 @@ class CachedStorage(HashTableStorage):
             if bool(provisional.any()):
                 evicted = EvictedKeys(*(x[~provisional] for x in evicted))
         parts = {}
-        for lt, part in by_table(evicted.table_ids, len(tables)):
+        for lt, keys, slots, scores in grouped(evicted.table_ids, len(tables), evicted.keys, evicted.indices,
+                                               evicted.scores):
             t = tables[lt]
-            keys, slots, scores = evicted.keys, evicted.indices, evicted.scores
-            if part is not None:
-                keys, slots, scores = (x.index_select(0, part) for x in (keys, slots, scores))
             w = self._weights[t]
             at = (slots - self._cache_begin[t]).to(w.device)
             rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
             parts[lt] = (keys.cpu(), rows, scores.cpu())
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
-            written = [tables[lt] for lt in parts]
-            self.tier_counters[written, 2:4] += torch.tensor([[p[0].numel(), lost[lt]] for lt, p in parts.items()],
-                                                             dtype=torch.int64)
+            for lt, p in parts.items():
+                self.tier_counters[tables[lt], 2:4] += (p[0].numel(), lost[lt])
 
     def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: Optional[torch.Tensor],
                exact: bool, missing: Optional[torch.Tensor] = None):
@@ -216,11 +215,12 @@ class CachedStorage(HashTableStorage):
             scores = scores.clone()  # CUSTOMIZED, LFU: the stored scores are the insert's scores
             for pos, _, stored in fetched.values():
                 scores.index_copy_(0, pos, stored)
+        failures = int(ht.counters[:, 2].sum())  # the cache's failed-insert count (not a pass over the results)
         out = self._cache_insert(g, keys, local_tids, scores, held=held)
         self._write_back(g, out.evicted)
         idx, res = out.indices, out.results
-        failed = res == InsertResult.FAILED
-        if bool(failed.any()):
+        if int(ht.counters[:, 2].sum()) != failures:
+            failed = res == InsertResult.FAILED
             # The step fails: undo its placements (the evicted rows are in the
             # store already) so that every key stays in one tier with its row.
             placed = ~failed
@@ -262,7 +262,8 @@ class CachedStorage(HashTableStorage):
             slots, missing = reuse, None
         else:
             slots, cached = ht.lookup(keys, local_tids)
-            missing = None if bool(cached.all()) else where_true(~cached)
+            missing = where_true(~cached)
+            missing = missing if missing.numel() else None
         fresh = self._fresh[g]
         # Per key: a hit (0, or taken from the store by the batch's prefetch),
         # a miss taken from the store (1), a new key (2, or made new by the
@@ -291,7 +292,7 @@ class CachedStorage(HashTableStorage):
         self._step_slots[g] = slots  # the forward's pin (find_or_insert)
         # Per table, the keys found in the cache, missed, new: one count.
         counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
-        self.tier_counters.index_add_(0, self._group_tables[g], counts @ _KIND_TO_COUNTERS)
+        self.tier_counters[tables] += (counts @ _KIND_TO_COUNTERS).numpy()  # a group's tables are distinct
         return InsertOutput(slots, res, evicted)
 
     def _give_back(self, fetched, keys: torch.Tensor) -> None:
@@ -357,11 +358,11 @@ class CachedStorage(HashTableStorage):
             ht, _ = self.groups[g]
             k = keys if mask is None else keys[mask]
             slots, cached = ht.lookup(k, lt)
-            if bool(cached.all()):
+            at = where_true(~cached)
+            if not at.numel():
                 pin[g] = slots
                 continue
             pin[g] = slots.index_select(0, where_true(cached))
-            at = where_true(~cached)
             k, lt = k.index_select(0, at), lt.index_select(0, at)
             # The insert scores of the keys it places (those fetched get their
             # stored ones): LFU counts no access yet, the others score as usual.

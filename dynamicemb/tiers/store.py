@@ -36,25 +36,29 @@ def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.
     return found, out, all_scores
 
 
-def by_table(tids: torch.Tensor, n_tables: Optional[int] = None) -> Iterator[Tuple[int, Optional[torch.Tensor]]]:
-    """(table id, positions of its entries in tids, ascending; None: all of
-    them) of each table present in tids, in table order (one grouping of
-    the positions: positions.by_group). `n_tables` (default: the largest id
-    + 1) == 1: every entry is of table 0 (nothing to count)."""
+def grouped(tids: torch.Tensor, n_tables: Optional[int], *entries: torch.Tensor
+            ) -> Iterator[Tuple[torch.Tensor, ...]]:
+    """(table id, then each of `entries` cut to that table's) per table
+    present in tids, in table order; `entries` are aligned with tids, and
+    a table's keep their order. One grouping of the positions
+    (positions.by_group) and one gather per tensor, none when a single
+    table is present. `n_tables` (default: the largest id + 1) == 1: every
+    entry is of table 0 (nothing to count)."""
     if not tids.numel():
         return
     if n_tables == 1:
-        yield 0, None
+        yield (0, *entries)
         return
     order, counts = by_group(tids, n_tables or int(tids.max()) + 1)
     present = [j for j, c in enumerate(counts) if c]
     if len(present) == 1:
-        yield present[0], None
+        yield (present[0], *entries)
         return
+    entries = tuple(x.index_select(0, order) for x in entries)
     start = 0
     for j, c in enumerate(counts):
         if c:
-            yield j, order[start:start + c]
+            yield (j, *(x[start:start + c] for x in entries))
         start += c
 
 
@@ -166,10 +170,10 @@ class BackingStore(abc.ABC):
         on rows_device(). The cache calls this one; by default it calls
         take_found per table."""
         out = {}
-        for j, sel in by_table(tids):
-            at, rows, scores = self.take_found(names[j], keys if sel is None else keys.index_select(0, sel))
+        for j, sel, k in grouped(tids, None, torch.arange(keys.numel()), keys):
+            at, rows, scores = self.take_found(names[j], k)
             if at.numel():
-                out[j] = (at if sel is None else sel.index_select(0, at), rows, scores)
+                out[j] = (sel.index_select(0, at), rows, scores)
         return out
 
     def put_group(self, names: Sequence[str], parts: Dict[int, Rows]) -> Dict[int, int]:
@@ -302,8 +306,7 @@ class IndexedStore(BackingStore):
         out = {}
         if not at.numel():
             return out
-        for j, m in by_table(tids.index_select(0, at), len(names)):
-            a, p, s = (at, pos, scores) if m is None else (x.index_select(0, m) for x in (at, pos, scores))
+        for j, a, p, s in grouped(tids.index_select(0, at), len(names), at, pos, scores):
             out[j] = (a, self._gather(names[j], p, self._rows_dev), s)
             self._drop(names[j], p)
         return out
@@ -324,9 +327,9 @@ class IndexedStore(BackingStore):
         ev = self._index.add(keys, torch.cat(positions), scores, tids)
         if ev.keys.numel():
             by_id = {t: j for j, t in zip(parts, ids)}  # an evicted key is of the table whose key took its bucket
-            for t, m in by_table(ev.table_ids):
-                self._drop(names[by_id[t]], ev.positions if m is None else ev.positions.index_select(0, m))
-                lost[by_id[t]] += ev.keys.numel() if m is None else m.numel()
+            for t, p in grouped(ev.table_ids, None, ev.positions):
+                self._drop(names[by_id[t]], p)
+                lost[by_id[t]] += p.numel()
         return lost
 
     def items(self, name, batch_size=1 << 16):
