@@ -387,6 +387,12 @@ class FileStore(IndexedStore):
     def _gather(self, name, positions, device=CPU):
         return self._tables[name].gather(positions).to(device)  # rows_device(): the CPU
 
+    def reserve(self, name, rows):
+        # The key index only (in memory, ~25 bytes a key: no growth, each a
+        # rehash of the table, while training); the rows file grows as rows come.
+        t = self._table(name)
+        self._index.reserve(t, min(rows, self._index.max_slots[t]))
+
     def _write(self, name, rows):
         return self._tables[name].write(rows)
 

@@ -403,13 +403,13 @@ class HostStore(IndexedStore):
     def reserve(self, name, rows):
         t, have = self._table(name), self._rows[name]
         rows = min(rows, self._index.max_slots[t])
+        self._index.reserve(t, rows)
         if rows > have.shape[0]:
             # Zero-filled now: puts later write rows whose pages are there already.
             grown = self._new_rows(rows, have.shape[1], have.dtype, zero=True)
             self._host_access()
             grown[:self._used[name]] = have[:self._used[name]]
             self._rows[name] = grown
-        self._index.reserve(t, rows)
 
     def _gather(self, name, positions, device=CPU):
         rows = self._rows[name]

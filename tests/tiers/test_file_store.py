@@ -217,6 +217,21 @@ def test_puts_overwrite_only_garbage_the_committed_flush_does_not_address(tmp_pa
     _assert_holds(_open(tmp_path), b)
 
 
+def test_a_reserved_table_does_not_grow_its_index(tmp_path):
+    store, model = _open(tmp_path), Model()
+    store.reserve("t0", 8192)  # (buckets of 16: 3000 keys would overflow some of 4096 slots)
+    slots = store._index.ht.capacities()
+    assert slots[store._tid["t0"]] >= 8192
+    model.put(store, "t0", torch.arange(0, 3000) * 7919, 1)
+    assert store._index.ht.capacities() == slots  # no rehash while the keys came
+    _assert_holds(store, model.snapshot())
+    store.flush()
+    store.close()
+    again = _open(tmp_path)
+    again.reserve("t0", 16384)  # holding keys: nothing to reserve, they stay
+    _assert_holds(again, model.snapshot())
+
+
 def test_reads_follow_appends_across_remaps(tmp_path, monkeypatch):
     """The rows file's map grows (by doubling) while rows are appended; every
     read sees every row put before it."""
