@@ -10,6 +10,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
@@ -444,3 +446,51 @@ def test_close_writes_the_cache_back_and_frees_the_store_the_module_opened(tmp_p
     m3.close()
     assert store.size("t0") > 0  # flushed into it, and still open: the user closes it
     store.close()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "take", "take", "flush", "crash", "clear"]),
+                          st.sampled_from(["t0", "t0", "t0", "t1"]), st.integers(0, 2**31 - 1)),
+                min_size=1, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS, share=st.sampled_from([0.0, 0.5]))
+def test_any_sequence_reopens_at_its_last_flush(tmp_path_factory, ops, share):
+    """Puts, takes (which free rows for reuse), flushes (some compacting),
+    clears and crashes (closed unflushed, then reopened) in any order: the
+    store always holds what the model says, and a reopen what the last
+    flush committed: no reused row was one the committed flush addresses.
+    share 0: puts reuse garbage rows whenever there are some."""
+    root = tmp_path_factory.mktemp("any")
+    old_share = fs._GARBAGE_SHARE
+    fs._GARBAGE_SHARE = share
+    try:
+        store, model = _open(root), Model()
+        committed = model.snapshot()
+        for version, (op, name, seed) in enumerate(ops, start=1):
+            g = torch.Generator().manual_seed(seed)
+            held = sorted(model.tables[name])
+            if op == "put":
+                keys = torch.randint(0, 3000, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g)
+                keys = keys.unique()
+                keys = keys[~torch.isin(keys, torch.tensor(held, dtype=torch.int64))]
+                if keys.numel():
+                    model.put(store, name, keys, version)
+            elif op == "take" and held:
+                pick = torch.randperm(len(held), generator=g)[:max(1, len(held) // 2)]
+                model.take(store, name, torch.tensor(held, dtype=torch.int64)[pick])
+            elif op == "flush":
+                store.flush()
+                committed = model.snapshot()
+            elif op == "clear":
+                store.clear(name)
+                model.tables[name] = {}
+            elif op == "crash":
+                store.close()
+                store = _open(root)
+                model.tables = {n: dict(t) for n, t in committed.items()}
+            _assert_holds(store, model.snapshot())
+        store.close()
+        _assert_holds(_open(root), committed)
+    finally:
+        fs._GARBAGE_SHARE = old_share
