@@ -32,6 +32,11 @@ is ever overwritten. Opening a table removes what a crash left behind
 (uncommitted snapshots and generations); rows appended after the last flush
 are overwritten by the next appends.
 
+Appends write pages a background thread faulted in ahead of them (up to
+8 MiB past the last append of each map: their blocks allocated, and written
+by the next flush as they are), so that a new page's allocation does not
+fall on the training step.
+
 Rows taken out or evicted become garbage. Puts append while at most half
 of the rows file is garbage; beyond, they first overwrite garbage rows that
 the committed snapshot does not address (freed since this process opened
@@ -44,11 +49,16 @@ live rows in a table first copies its live rows into a new generation
 flush writes it whole (24 bytes a key).
 """
 import contextlib
+import ctypes
+import errno
 import fcntl
 import json
 import mmap
 import os
+import queue
 import re
+import sys
+import threading
 import zlib
 from typing import Dict, Iterator, List, Optional
 
@@ -96,12 +106,69 @@ def read_manifest(root: str) -> Dict[str, dict]:
     return manifest["tables"]
 
 
+class _Prefaulter:
+    """A thread that faults in, ahead of the appends, the pages of a rows
+    file's map that they will write (madvise MADV_POPULATE_WRITE, Linux >=
+    5.14; the GIL is released during the call): a page's first write costs a
+    page-cache allocation and fault, which would otherwise fall on the
+    training step. Content is never changed. Each request names its map's
+    generation and runs under the file's lock, so a remap or close (which
+    bump the generation under that lock) never leaves it working on a map
+    that is gone."""
+
+    MADV_POPULATE_WRITE = 23
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._madvise = None
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._madvise = libc.madvise
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            threading.Thread(target=self._run, name="dynamicemb-prefault", daemon=True).start()
+
+    @property
+    def enabled(self) -> bool:
+        return self._madvise is not None
+
+    def submit(self, rows_file: "_RowsFile", generation: int, begin: int, end: int) -> None:
+        self._queue.put((rows_file, generation, begin, end))
+
+    def _run(self) -> None:
+        while True:
+            f, generation, begin, end = self._queue.get()
+            with f.lock:
+                if f.generation != generation:
+                    continue  # remapped or closed since
+                if self._madvise(f.address + begin, end - begin, self.MADV_POPULATE_WRITE) != 0:
+                    if ctypes.get_errno() == errno.EINVAL:  # a kernel without it: no more requests
+                        self._madvise = None
+                        return
+                    # else (out of memory, a signal): the appends fault those pages themselves
+
+
+_PREFAULT_AHEAD = 8 << 20  # bytes of each map kept faulted in past its last append
+_prefaulter: Optional[_Prefaulter] = None
+_prefaulter_pid = -1
+
+
+def _prefault() -> _Prefaulter:
+    """The process's prefaulter (a forked child starts its own)."""
+    global _prefaulter, _prefaulter_pid
+    if _prefaulter is None or _prefaulter_pid != os.getpid():
+        _prefaulter, _prefaulter_pid = _Prefaulter(), os.getpid()
+    return _prefaulter
+
+
 class _RowsFile:
     """One generation's rows file, mapped read-write; grows (sparse) by doubling."""
 
     def __init__(self, path: str, width: int, dtype: torch.dtype, min_rows: int, fresh: bool):
         self.path, self.width, self.dtype = path, width, dtype
         self.row_bytes = width * dtype.itemsize
+        self.lock = threading.RLock()  # the map's changes, and the prefaulter's work on it
+        self.generation = 0
+        self._faulted = 0  # bytes of the map faulted in (or requested) from its start
         self._file = open(path, "w+b" if fresh else "r+b" if os.path.exists(path) else "w+b")
         try:
             size = os.fstat(self._file.fileno()).st_size
@@ -112,12 +179,16 @@ class _RowsFile:
 
     def _map_rows(self, capacity: int) -> None:
         nbytes = capacity * self.row_bytes
-        if os.fstat(self._file.fileno()).st_size < nbytes:
-            self._file.truncate(nbytes)
-        self._mmap = mmap.mmap(self._file.fileno(), nbytes)
-        self.capacity = capacity
-        # The old mapping goes with the last tensor over it (rows handed out are copies).
-        self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.dtype).view(capacity, self.width)
+        with self.lock:
+            if os.fstat(self._file.fileno()).st_size < nbytes:
+                self._file.truncate(nbytes)
+            self._mmap = mmap.mmap(self._file.fileno(), nbytes)
+            self.capacity = capacity
+            # The old mapping goes with the last tensor over it (rows handed out are copies).
+            self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.dtype).view(capacity, self.width)
+            self.address = self.rows.data_ptr()
+            self.generation += 1
+            self._faulted = 0
 
     def write(self, start: int, rows) -> None:
         """Rows (a tensor, or RowsAt: gathered straight into the map) at start on."""
@@ -125,6 +196,19 @@ class _RowsFile:
         if end > self.capacity:
             self._map_rows(max(2 * self.capacity, end))
         write_rows(self.rows[start:end], rows)
+        self._fault_ahead(end * self.row_bytes)
+
+    def _fault_ahead(self, written: int) -> None:
+        """Requests the pages past `written` bytes faulted in, in steps of
+        _PREFAULT_AHEAD, before the appends reach them."""
+        p = _prefault()
+        if not p.enabled or self._faulted >= written + _PREFAULT_AHEAD // 2:
+            return
+        begin = max(self._faulted, written) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(begin + _PREFAULT_AHEAD, self.capacity * self.row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > begin:
+            p.submit(self, self.generation, begin, end)
+            self._faulted = end
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rows.index_select(0, positions)
@@ -134,6 +218,8 @@ class _RowsFile:
         os.fsync(self._file.fileno())  # and the file's size
 
     def close(self) -> None:
+        with self.lock:
+            self.generation += 1  # the prefaulter's pending requests are void
         self.rows = None
         try:
             self._mmap.close()

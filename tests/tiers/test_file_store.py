@@ -234,6 +234,39 @@ def test_a_reserved_table_does_not_grow_its_index(tmp_path):
     _assert_holds(again, model.snapshot())
 
 
+def test_appends_fault_in_the_pages_ahead_of_them_and_remaps_void_old_requests(tmp_path, monkeypatch):
+    """The prefaulter is asked for the pages past each append, within the
+    current map; a request for a map that was remapped (or closed) since is
+    dropped, not run on memory that may be gone."""
+    monkeypatch.setattr(fs, "_PREFAULT_AHEAD", 1 << 16)
+    monkeypatch.setattr(fs, "_MIN_MAP_BYTES", 64)
+    calls = []
+
+    def madvise(addr, length, advice):
+        calls.append((addr, length, advice))
+        return 0
+
+    p = fs._prefault()
+    if not p.enabled:
+        pytest.skip("no prefaulter on this platform")
+    monkeypatch.setattr(p, "_madvise", madvise)
+    f = fs._RowsFile(str(tmp_path / "rows"), 4, torch.float32, 1024, fresh=True)  # 16 KiB: 4 pages
+    with f.lock:  # the prefaulter waits: both requests are queued before it runs either
+        f.write(0, torch.ones(100, 4))  # a request for the map it has now: its pages 0-3
+        first = f.generation
+        f.write(100, torch.ones(1500, 4))  # grows to 2048 rows: remapped (the first request is void), pages 6-7
+        assert f.generation == first + 1 and f.capacity == 2048
+    deadline = time.time() + 10
+    while not calls and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert all(advice == fs._Prefaulter.MADV_POPULATE_WRITE for _, _, advice in calls)
+    # Only the request for the live map ran: its page of the last rows written, to its end.
+    assert [(a - f.address, n) for a, n, _ in calls] == [(6 * 4096, 2 * 4096)], calls
+    assert torch.equal(f.gather(torch.arange(1600)), torch.ones(1600, 4))
+    f.close()
+
+
 def test_reads_follow_appends_across_remaps(tmp_path, monkeypatch):
     """The rows file's map grows (by doubling) while rows are appended; every
     read sees every row put before it."""
