@@ -49,15 +49,11 @@ live rows in a table first copies its live rows into a new generation
 flush writes it whole (24 bytes a key).
 """
 import contextlib
-import ctypes
-import errno
 import fcntl
 import json
 import mmap
 import os
-import queue
 import re
-import sys
 import threading
 import zlib
 from typing import Dict, Iterator, List, Optional
@@ -67,6 +63,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dynamicemb.fsync import fsync_dir, fsync_file
+from dynamicemb.tiers import prefault
 from dynamicemb.tiers.index import KeyIndex, TableView
 from dynamicemb.positions import scatter_rows
 from dynamicemb.tiers.store import CPU, FreeList, IndexedStore, RowsAt, write_rows
@@ -104,60 +101,6 @@ def read_manifest(root: str) -> Dict[str, dict]:
         raise ValueError(f"{path} has file store format version {manifest.get('version')}; this dynamicemb "
                          f"reads version {FORMAT_VERSION}")
     return manifest["tables"]
-
-
-class _Prefaulter:
-    """A thread that faults in, ahead of the appends, the pages of a rows
-    file's map that they will write (madvise MADV_POPULATE_WRITE, Linux >=
-    5.14; the GIL is released during the call): a page's first write costs a
-    page-cache allocation and fault, which would otherwise fall on the
-    training step. Content is never changed. Each request names its map's
-    generation and runs under the file's lock, so a remap or close (which
-    bump the generation under that lock) never leaves it working on a map
-    that is gone."""
-
-    MADV_POPULATE_WRITE = 23
-
-    def __init__(self):
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._madvise = None
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(None, use_errno=True)
-            self._madvise = libc.madvise
-            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            threading.Thread(target=self._run, name="dynamicemb-prefault", daemon=True).start()
-
-    @property
-    def enabled(self) -> bool:
-        return self._madvise is not None
-
-    def submit(self, rows_file: "_RowsFile", generation: int, begin: int, end: int) -> None:
-        self._queue.put((rows_file, generation, begin, end))
-
-    def _run(self) -> None:
-        while True:
-            f, generation, begin, end = self._queue.get()
-            with f.lock:
-                if f.generation != generation:
-                    continue  # remapped or closed since
-                if self._madvise(f.address + begin, end - begin, self.MADV_POPULATE_WRITE) != 0:
-                    if ctypes.get_errno() == errno.EINVAL:  # a kernel without it: no more requests
-                        self._madvise = None
-                        return
-                    # else (out of memory, a signal): the appends fault those pages themselves
-
-
-_PREFAULT_AHEAD = 8 << 20  # bytes of each map kept faulted in past its last append
-_prefaulter: Optional[_Prefaulter] = None
-_prefaulter_pid = -1
-
-
-def _prefault() -> _Prefaulter:
-    """The process's prefaulter (a forked child starts its own)."""
-    global _prefaulter, _prefaulter_pid
-    if _prefaulter is None or _prefaulter_pid != os.getpid():
-        _prefaulter, _prefaulter_pid = _Prefaulter(), os.getpid()
-    return _prefaulter
 
 
 class _RowsFile:
@@ -200,12 +143,12 @@ class _RowsFile:
 
     def _fault_ahead(self, written: int) -> None:
         """Requests the pages past `written` bytes faulted in, in steps of
-        _PREFAULT_AHEAD, before the appends reach them."""
-        p = _prefault()
-        if not p.enabled or self._faulted >= written + _PREFAULT_AHEAD // 2:
+        prefault.AHEAD, before the appends reach them."""
+        p = prefault.prefaulter()
+        if not p.enabled or self._faulted >= written + prefault.AHEAD // 2:
             return
         begin = max(self._faulted, written) // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(begin + _PREFAULT_AHEAD, self.capacity * self.row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(begin + prefault.AHEAD, self.capacity * self.row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > begin:
             p.submit(self, self.generation, begin, end)
             self._faulted = end

@@ -17,6 +17,7 @@ from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
 from dynamicemb.tiers import FileStore
 from dynamicemb.tiers import file_store as fs
+from dynamicemb.tiers import prefault
 from tier_helpers import BUCKET, all_rows, batches, module, step
 
 TABLES = {"t0": (5, torch.float32), "t1": (3, torch.bfloat16)}
@@ -238,7 +239,7 @@ def test_appends_fault_in_the_pages_ahead_of_them_and_remaps_void_old_requests(t
     """The prefaulter is asked for the pages past each append, within the
     current map; a request for a map that was remapped (or closed) since is
     dropped, not run on memory that may be gone."""
-    monkeypatch.setattr(fs, "_PREFAULT_AHEAD", 1 << 16)
+    monkeypatch.setattr(prefault, "AHEAD", 1 << 16)
     monkeypatch.setattr(fs, "_MIN_MAP_BYTES", 64)
     calls = []
 
@@ -246,7 +247,7 @@ def test_appends_fault_in_the_pages_ahead_of_them_and_remaps_void_old_requests(t
         calls.append((addr, length, advice))
         return 0
 
-    p = fs._prefault()
+    p = prefault.prefaulter()
     if not p.enabled:
         pytest.skip("no prefaulter on this platform")
     monkeypatch.setattr(p, "_madvise", madvise)
@@ -260,7 +261,7 @@ def test_appends_fault_in_the_pages_ahead_of_them_and_remaps_void_old_requests(t
     while not calls and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)
-    assert all(advice == fs._Prefaulter.MADV_POPULATE_WRITE for _, _, advice in calls)
+    assert all(advice == prefault.Prefaulter.MADV_POPULATE_WRITE for _, _, advice in calls)
     # Only the request for the live map ran: its page of the last rows written, to its end.
     assert [(a - f.address, n) for a, n, _ in calls] == [(6 * 4096, 2 * 4096)], calls
     assert torch.equal(f.gather(torch.arange(1600)), torch.ones(1600, 4))
