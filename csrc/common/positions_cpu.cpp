@@ -6,22 +6,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "common/checks.h"
 #include "common/parallel_cpu.h"
 
 namespace dynamicemb {
 namespace {
 
-void check_1d(const at::Tensor& t, at::ScalarType dtype, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", op, ": ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", op, ": ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", op, ": ", name,
-              " must be a contiguous 1-D tensor, got shape ", t.sizes());
-}
-
 // Ascending positions of the true entries of mask.
 at::Tensor where_cpu(const at::Tensor& mask) {
-  check_1d(mask, at::kBool, "positions_where", "mask");
+  check_1d(mask, at::kBool, "positions_where: mask");
   const int64_t n = mask.numel();
   const bool* m = mask.data_ptr<bool>();
   const int64_t chunks = cpu::num_chunks(n, 32768);
@@ -51,7 +44,7 @@ at::Tensor where_cpu(const at::Tensor& mask) {
 // Positions grouped by ids[i] in [0, groups), ascending within a group
 // (a stable counting sort), and the number of each group.
 std::tuple<at::Tensor, at::Tensor> by_group_cpu(const at::Tensor& ids, int64_t groups) {
-  check_1d(ids, at::kLong, "positions_by_group", "ids");
+  check_1d(ids, at::kLong, "positions_by_group: ids");
   TORCH_CHECK(groups >= 1, "dynamicemb: positions_by_group: groups must be positive, got ", groups);
   const int64_t n = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/checks.h"
 #include "common/parallel_cpu.h"
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
@@ -30,12 +31,6 @@ using at::TensorList;
 using c10::IntArrayRef;
 
 enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
-
-inline void check_1d(const Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "dynamicemb: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
-}
 
 // Every inverse[i] names one of `keys` unique keys: the kernels index rows
 // and keys by it. One branch-free pass; the first bad position is searched

@@ -41,6 +41,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/checks.h"
 #include "common/cuda_utils.cuh"
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
@@ -82,12 +83,6 @@ __device__ __noinline__ float initial_value(const init::Args* a, uint64_t seed, 
 }
 
 // ---- validation (the CPU's checks, on a CUDA device) ----------------------------------------
-
-void check_1d(const Tensor& t, at::ScalarType dtype, const char* name, at::Device dev) {
-  TORCH_CHECK(t.device() == dev, "dynamicemb: ", name, " must be on ", dev, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "dynamicemb: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "dynamicemb: ", name, " must be a contiguous 1-D tensor");
-}
 
 struct Bags {
   const int64_t* off;  // device
