@@ -337,20 +337,14 @@ class HashTableStorage(EmbeddingStorage):
         return FindOrInsertResult(keys, table_ids, rows, inverse, failed, rejected)
 
     def _init_rows(self, slots, is_new, keys, table_ids) -> torch.Tensor:
-        """Writes the initial rows of the new keys (on the CPU in the order
-        of their rows, as find_or_insert does: faster than at random);
-        returns every key's row."""
+        """Writes the initial rows of the new keys; returns every key's row.
+        (A CPU step initialises its new rows in find_or_insert's row-order
+        pass; this serves other devices, and a step that fails.)"""
         rows = _slot_rows(slots, self._table_slot_begin[table_ids])
         sel = where_true(is_new)
         if sel.numel():
-            tids, new_keys = table_ids.index_select(0, sel), keys.index_select(0, sel)
-            if keys.device.type == "cpu":
-                ops.emb_row_order_init(self._weights, slots.index_select(0, sel), self._table_slot_begin, tids,
-                                       new_keys, torch.ones(sel.shape, dtype=torch.bool), keys.new_empty(0),
-                                       self.dims, self.init_params, self.seed)
-            else:
-                ops.emb_init_rows(self._weights, rows.index_select(0, sel), tids, new_keys, self.dims,
-                                  self.init_params, self.seed)
+            ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
+                              keys.index_select(0, sel), self.dims, self.init_params, self.seed)
         return rows
 
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:

@@ -215,11 +215,11 @@ class CachedStorage(HashTableStorage):
             scores = scores.clone()  # CUSTOMIZED, LFU: the stored scores are the insert's scores
             for pos, _, stored in fetched.values():
                 scores.index_copy_(0, pos, stored)
-        failures = int(ht.counters[:, 2].sum())  # the cache's failed-insert count (not a pass over the results)
+        failures = ht.get_counters()["failed"]  # read, not a pass over the results
         out = self._cache_insert(g, keys, local_tids, scores, held=held)
         self._write_back(g, out.evicted)
         idx, res = out.indices, out.results
-        if int(ht.counters[:, 2].sum()) != failures:
+        if ht.get_counters()["failed"] != failures:
             failed = res == InsertResult.FAILED
             # The step fails: undo its placements (the evicted rows are in the
             # store already) so that every key stays in one tier with its row.

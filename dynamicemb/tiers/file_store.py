@@ -65,8 +65,7 @@ from safetensors.torch import save_file
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers import prefault
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.positions import scatter_rows
-from dynamicemb.tiers.store import CPU, FreeList, IndexedStore, RowsAt, write_rows
+from dynamicemb.tiers.store import CPU, FreeList, IndexedStore, write_rows, write_rows_at
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -140,6 +139,10 @@ class _RowsFile:
             self._map_rows(max(2 * self.capacity, end))
         write_rows(self.rows[start:end], rows)
         self._fault_ahead(end * self.row_bytes)
+
+    def write_at(self, positions: torch.Tensor, rows) -> None:
+        """Rows (a tensor or RowsAt) at distinct positions within the map."""
+        write_rows_at(self.rows, positions, rows)
 
     def _fault_ahead(self, written: int) -> None:
         """Requests the pages past `written` bytes faulted in, in steps of
@@ -269,9 +272,7 @@ class _TableFile:
         reuse = self.free.pop(len(rows) if self.garbage > _GARBAGE_SHARE * self.rows else 0)
         k = reuse.numel()
         if k:
-            part = rows[:k]
-            part = part.gather() if isinstance(part, RowsAt) else part.to(self.dtype)
-            scatter_rows(self.file.rows, reuse, part)
+            self.file.write_at(reuse, rows[:k])
             self.garbage -= k
         if k == len(rows):
             return reuse
@@ -415,12 +416,6 @@ class FileStore(IndexedStore):
 
     def _gather(self, name, positions, device=CPU):
         return self._tables[name].gather(positions).to(device)  # rows_device(): the CPU
-
-    def reserve(self, name, rows):
-        # The key index only (in memory, ~25 bytes a key: no growth, each a
-        # rehash of the table, while training); the rows file grows as rows come.
-        t = self._table(name)
-        self._index.reserve(t, min(rows, self._index.max_slots[t]))
 
     def _write(self, name, rows):
         return self._tables[name].write(rows)

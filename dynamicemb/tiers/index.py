@@ -122,9 +122,9 @@ class KeyIndex:
             return _empty_entries()
         tids = self._tids(tids)
         ht = self.ht
-        failures = int(ht.counters[:, 2].sum())  # the table's failed-insert counts: read, not a pass over keys
+        failures = ht.get_counters()["failed"]  # read, not a pass over the results
         out = ht.insert(keys, tids, scores=scores, evict=False)
-        if int(ht.counters[:, 2].sum()) == failures:  # the usual case: every key found a free slot
+        if ht.get_counters()["failed"] == failures:  # the usual case: every key found a free slot
             scatter_rows(self.pos.view(-1, 1), out.indices, positions.view(-1, 1))
             return _empty_entries()
         failed = out.results == InsertResult.FAILED

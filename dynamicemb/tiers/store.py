@@ -92,6 +92,12 @@ def write_rows(out: torch.Tensor, rows) -> None:
         out.copy_(rows)
 
 
+def write_rows_at(dest: torch.Tensor, positions: torch.Tensor, rows) -> None:
+    """dest[positions] = rows at distinct positions: a tensor (cast to dest's
+    dtype), or RowsAt gathered first."""
+    scatter_rows(dest, positions, rows.gather() if isinstance(rows, RowsAt) else rows.to(dest.dtype))
+
+
 class FreeList:
     """Row positions free for reuse: a stack (grown by doubling, not copied
     per push); the last pushed are popped first."""
@@ -258,6 +264,13 @@ class IndexedStore(BackingStore):
     def _where(self) -> str:
         return "this backing store"
 
+    def reserve(self, name, rows):
+        """The key index's slots for the table's first `rows` keys (no
+        growth, each a rehash of the table, while training); a subclass
+        adds its rows."""
+        t = self._table(name)
+        self._index.reserve(t, min(rows, self._index.max_slots[t]))
+
     # ---- the index -------------------------------------------------------------------------------
 
     def _index_table(self, name: str, max_rows: int) -> int:
@@ -401,9 +414,9 @@ class HostStore(IndexedStore):
         self._used[name] = 0
 
     def reserve(self, name, rows):
-        t, have = self._table(name), self._rows[name]
-        rows = min(rows, self._index.max_slots[t])
-        self._index.reserve(t, rows)
+        super().reserve(name, rows)
+        have = self._rows[name]
+        rows = min(rows, self._index.max_slots[self._table(name)])
         if rows > have.shape[0]:
             # Zero-filled now: puts later write rows whose pages are there already.
             grown = self._new_rows(rows, have.shape[1], have.dtype, zero=True)
@@ -433,8 +446,7 @@ class HostStore(IndexedStore):
             start = int(pos[0])
             write_rows(dest[start:start + fresh], rows[:fresh])
         if fresh < pos.numel():  # freed positions, scattered
-            rest = rows[fresh:]
-            scatter_rows(dest, pos[fresh:], rest.gather() if isinstance(rest, RowsAt) else rest)
+            write_rows_at(dest, pos[fresh:], rows[fresh:])
         return pos
 
     def _drop(self, name: str, positions: torch.Tensor) -> None:
