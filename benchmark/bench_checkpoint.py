@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from _common import busy_warning, default_out, env_info, format_table, write_json
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbLoad, DynamicEmbTableOptions, EmbOptimType
-from dynamicemb.storage import RowBatch
+from dynamicemb.storage_protocol import RowBatch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

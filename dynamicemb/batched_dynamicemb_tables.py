@@ -18,7 +18,7 @@ from torch import nn
 from dynamicemb._ops import ops
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.storage import PENDING_PREFETCHES, EmbeddingStorage
+from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device
 

@@ -38,7 +38,7 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
     device. With `pg`, every rank receives the keys and values of all ranks
     (concatenated in rank order) on the CPU."""
     out, nxt = {}, {}
-    for name, ref in model_tables(model).items():
+    for name, ref in model_tables(model, what="incremental_dump").items():
         now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
         threshold = _per_table(score_threshold, name)
         storage, t = ref.storage, ref.index
@@ -68,7 +68,7 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
 def get_score(model: torch.nn.Module) -> Dict[str, int]:
     """Per STEP table its module's step; per CUSTOMIZED table its score."""
     scores = {}
-    for name, ref in model_tables(model).items():
+    for name, ref in model_tables(model, what="get_score").items():
         strategy = ref.storage.strategy(ref.index)
         if strategy == _S.STEP:
             scores[name] = ref.module.step
@@ -81,7 +81,7 @@ def set_score(model: torch.nn.Module, score: Threshold) -> None:
     """Sets the CUSTOMIZED score (given to keys accessed from now on) or the
     STEP counter, for every such table or per table name. Tables sharing a
     module share its step."""
-    tables = model_tables(model)
+    tables = model_tables(model, what="set_score")
     if isinstance(score, dict) and set(score) - set(tables):
         raise ValueError(f"set_score: the model has no dynamic tables named {sorted(set(score) - set(tables))}; "
                          f"it has {sorted(tables)}")

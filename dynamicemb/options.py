@@ -114,6 +114,14 @@ class DynamicEmbTableOptions:
         live in pinned host memory, read and updated in place by the kernels."""
         return self.global_hbm_for_values == 0 or value_bytes <= self.local_hbm_for_values
 
+    def cache_rows(self, width: int, itemsize: int) -> int:
+        """Rows of a cached table's cache on this rank (rows of `width`
+        elements of `itemsize` bytes): its share of global_hbm_for_values,
+        in whole buckets, at most max_capacity."""
+        rows = self.local_hbm_for_values // (width * itemsize)
+        rows = rows // self.bucket_capacity * self.bucket_capacity
+        return max(self.bucket_capacity, min(rows, self.max_capacity))
+
     def validate(self, name: str) -> None:
         """Raises ValueError naming the table for options that cannot work."""
         def bad(msg):

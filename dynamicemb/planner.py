@@ -21,9 +21,8 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
-from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
+from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
-from dynamicemb.tiers.cache import cache_rows
 
 __all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
 
@@ -131,7 +130,7 @@ class DynamicEmbeddingShardingPlanner:
         A file store's rows are on disk and a user's store is its own."""
         o = self.options[name]
         row = self._value_bytes(name) // o.max_capacity
-        cached = cache_rows(o, row, 1)
+        cached = o.cache_rows(row, 1)
         device = cached * (row + _TABLE_BYTES_PER_SLOT)
         if o.backing_store is not None:
             return device, 0
@@ -173,7 +172,7 @@ class DynamicEmbeddingShardingPlanner:
         blind to the dynamic tables, so native tables get exactly the plan
         that TorchRec's sharders would give them."""
         exclude = frozenset(self._dynamic)
-        return [s.planning_sharder(exclude) if isinstance(s, _DynamicSharderMixin) else s for s in sharders]
+        return [s.planning_sharder(exclude) if isinstance(s, DynamicSharderMixin) else s for s in sharders]
 
     def _has_native(self, module, sharders) -> bool:
         by_type = {s.module_type: s for s in sharders}
@@ -193,7 +192,7 @@ class DynamicEmbeddingShardingPlanner:
             for name, param in sharder.shardable_parameters(m).items():
                 if name not in self._dynamic:
                     continue
-                if not isinstance(sharder, _DynamicSharderMixin):
+                if not isinstance(sharder, DynamicSharderMixin):
                     raise ValueError(f"table {name!r} is dynamic but module {path or '<root>'!r} is sharded by "
                                      f"{type(sharder).__name__}; use dynamicemb.shard's sharders")
                 found.append((path, name, param, sharder))

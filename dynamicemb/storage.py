@@ -1,15 +1,14 @@
 """Where the rows of a module's tables live.
 
-`EmbeddingStorage` is the interface the embedding module uses: it asks for the
-rows of unique keys (finding, inserting and initialising them), and its
-kernels read and update those rows in place through `weights()`. A row is
-[value (dim) | optimizer state], in the table's storage dtype.
+`EmbeddingStorage` (storage_protocol.py) is the interface the embedding
+module and the checkpoints use: the module asks for the rows of unique keys
+(finding, inserting and initialising them), and its kernels read and update
+those rows in place through `weights()`. A row is [value (dim) | optimizer
+state], in the table's storage dtype.
 `HashTableStorage` keeps every row in one tier (host memory on CPU, device
 memory on CUDA); host-memory and cache tiers implement the same interface.
 """
-import abc
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,147 +17,17 @@ from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import where_true
+from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
+                                         RowBlocks)
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
 
 _S = DynamicEmbScoreStrategy
 
 
-PENDING_PREFETCHES = 2  # prefetched batches whose forward may still come (a pipeline's depth)
-
-
-class RowBatch(NamedTuple):
-    """Entries of one table as a checkpoint holds them."""
-
-    keys: torch.Tensor
-    values: torch.Tensor  # [n, dim], storage dtype
-    optimizer_state: Optional[torch.Tensor]  # [n, state width] or None
-    scores: torch.Tensor  # int64
-    timestamps: Optional[torch.Tensor]  # access times of the (TIMESTAMP, LFU) pair
-
-
-class RowBlocks:
-    """Rows `rows` of `source` ([slots, width]), gathered block by block on
-    demand: bounded memory for streaming a large export to disk."""
-
-    BLOCK_BYTES = 4 << 20
-
-    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
-        self.source, self.rows = source, rows.to(source.device)  # the host tier's rows are on the host
-        self.dtype = source.dtype
-        self.shape = (rows.numel(), source.shape[1])
-
-    def blocks(self) -> Iterator[torch.Tensor]:
-        """Contiguous CPU tensors whose concatenation is the rows, in order."""
-        step = max(1, self.BLOCK_BYTES // max(1, self.shape[1] * self.source.element_size()))
-        for i in range(0, self.shape[0], step):
-            yield self.source.index_select(0, self.rows[i:i + step]).cpu()
-
-    def materialize(self) -> torch.Tensor:
-        return self.source.index_select(0, self.rows)
-
-
-@dataclass
-class FindOrInsertResult:
-    """The keys of a find_or_insert call with their rows, in the order the
-    storage chose: on the CPU, that of the rows' addresses (kernels that then
-    write the rows at random run faster in it), else the input order."""
-
-    keys: torch.Tensor
-    table_ids: torch.Tensor
-    rows: torch.Tensor  # table-local row per key, -1 when the key has no row
-    inverse: Optional[torch.Tensor]  # the given inverse, renumbered to this order
-    failed: torch.Tensor  # per table: keys that could not be stored in this call
-    rejected: torch.Tensor  # per table: keys refused by admission in this call
-
-
 def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
     """A key's row: its hash table slot less its table's first slot (begin); -1 stays -1."""
     return torch.where(slots >= 0, slots - begin, slots)
-
-
-class EmbeddingStorage(abc.ABC):
-    """What the module needs of a storage. Besides the methods below, a
-    storage has the attributes the module's kernels read:
-
-    - ``init_params`` / ``eval_init_params``: the packed initializer of each
-      table (DynamicEmbInitializerArgs.packed) for training / eval reads;
-    - ``custom_scores``: per table, the CUSTOMIZED score set by ``set_score``;
-    - ``version``: an int that changes whenever a row returned earlier may now
-      belong to another key or have moved (eviction, growth, erasure, a
-      load). A backward whose forward saw another version finds its keys'
-      rows again instead of updating rows that are no longer theirs.
-    """
-
-    init_params: torch.Tensor
-    eval_init_params: torch.Tensor
-    custom_scores: List[int]
-    version: int = 0
-
-    @abc.abstractmethod
-    def weights(self) -> List[torch.Tensor]:
-        """Per table, the [rows, dim + state] tensor the kernels address."""
-
-    @abc.abstractmethod
-    def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the keys (-1 where missing); inserts nothing, scores unchanged."""
-
-    @abc.abstractmethod
-    def find_or_insert(self, keys: torch.Tensor, table_ids: torch.Tensor, counts: torch.Tensor, step: int,
-                       inverse: Optional[torch.Tensor] = None) -> FindOrInsertResult:
-        """Rows of distinct keys, storing the missing ones (admission and
-        capacity permitting) with their initial value and fresh optimizer
-        state; refreshes scores. `counts`: occurrences of each key (LFU);
-        `inverse`: key positions (of a batch's indices) to renumber along
-        with the keys."""
-
-    @abc.abstractmethod
-    def export(self, table_id: int, batch_size: int = 1 << 16, threshold: Optional[int] = None
-               ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Batches of (keys, rows [n, dim + state], scores) of one table."""
-
-    @abc.abstractmethod
-    def stats(self, table_id: int) -> Dict[str, int]:
-        """size, capacity, inserted, evicted, failed, admission_rejected."""
-
-    def lookup_forward(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table: List[int],
-                       per_sample_weights: Optional[torch.Tensor], pooling: int, output_dtype: torch.dtype
-                       ) -> Optional[torch.Tensor]:
-        """The eval forward (gather + pool, missing keys read their eval
-        initial value) fused with the lookup, without dedup; None when this
-        storage has no fused path (the module then dedups, finds and gathers)."""
-        return None
-
-    def prefetch(self, keys: torch.Tensor, table_ids: torch.Tensor) -> None:
-        """Readies a coming batch's distinct keys (a tiered storage moves their
-        rows into its cache); nothing by default. Of the batches prefetched,
-        the last PENDING_PREFETCHES count as coming (the older ones' forwards
-        are taken not to come)."""
-
-    def batch_done(self, newest: bool = False) -> None:
-        """A training batch's backward has run (its rows may move again);
-        `newest`: the batch of the last forward, which gets no backward."""
-
-    def flush(self, state: Optional[dict] = None) -> None:
-        """Writes every row to its last tier (a tiered storage); a persistent
-        tier also keeps `state` (the module's counters, JSON-able) for
-        saved_state(). Nothing by default."""
-
-    def close(self) -> None:
-        """Releases what the storage holds beyond its tensors (a backing store
-        it opened: files, locks); nothing by default."""
-
-    def saved_state(self) -> Optional[dict]:
-        """The state given to the last flush of a persistent tier that this
-        storage reopened (None: none)."""
-        return None
-
-    def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
-                    optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
-        """Stores distinct `keys` of one table with the given values (and
-        optimizer state, zero when None), bypassing admission (checkpoint
-        loads, tests); returns their rows, -1 where a key could not be stored."""
-        raise NotImplementedError(f"{type(self).__name__} does not support insert_rows")
 
 
 class HashTableStorage(EmbeddingStorage):
@@ -513,6 +382,9 @@ class HashTableStorage(EmbeddingStorage):
         """The score strategy code (types.strategy_code) of a table."""
         g, _ = self.group_of[table_id]
         return self.groups[g][0].strategy
+
+    def admission_counter(self, table_id: int) -> Optional[AdmissionCounter]:
+        return self.admission[table_id]
 
     def export_rows(self, table_id: int, batch_size: int = 1 << 16, lazy: bool = False) -> Iterator[RowBatch]:
         """Every entry of one table, in slot order: keys, values, optimizer

@@ -50,7 +50,7 @@ def _copy(v) -> torch.Tensor:
 
 
 def _counter_parts(ref, chunk_rows):
-    counter = ref.storage.admission[ref.index]
+    counter = ref.storage.admission_counter(ref.index)
     if counter is None:
         return
     for b in counter.counts.export(batch_size=chunk_rows):
@@ -211,7 +211,7 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     try:
         if os.path.exists(path) and not allow_overwrite:
             raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
-        tables = model_tables(model, table_names)
+        tables = model_tables(model, table_names, "DynamicEmbDump")
         # Steps, Adam's step count and CUSTOMIZED scores as at the call: a
         # non-blocking dump writes the manifest while training goes on.
         metas = {name: ref.meta() for name, ref in tables.items()}

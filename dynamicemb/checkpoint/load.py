@@ -27,7 +27,7 @@ from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_ten
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
 from dynamicemb.routing import owners
-from dynamicemb.storage import RowBatch
+from dynamicemb.storage_protocol import RowBatch
 
 
 def _check_table(name: str, ref, meta: dict, optim: bool, path: str) -> None:
@@ -112,8 +112,8 @@ def _mine(part: Dict[str, torch.Tensor], same: bool, meta: dict, world: int, ran
 def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
     """Phase 1: every check that needs no change to the model."""
     plan = _Plan()
+    plan.tables = tables = model_tables(model, table_names, "DynamicEmbLoad")
     plan.manifest = manifest = read_manifest(path)
-    plan.tables = tables = model_tables(model, table_names)
     # Every table is checked against the manifest before any file is read.
     for name, ref in tables.items():
         meta = manifest["tables"].get(name)
@@ -127,7 +127,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
                 raise CheckpointError(f"table {name!r}: the dump at {path} holds no admission counters")
             # Manifests before "admission_counter": a counter file says the table had one.
             dumped = meta.get("admission_counter", any(e["kind"] == "counter" for e in meta["files"]))
-            if dumped and ref.storage.admission[ref.index] is None:
+            if dumped and ref.storage.admission_counter(ref.index) is None:
                 raise CheckpointError(f"table {name!r}: counter=True, but the model's table has no admission "
                                       f"counter (admit_strategy / admission_counter); load with counter=False")
         # Keys go where the *model's* routing sends them. Same world size and
@@ -159,12 +159,12 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
                 c = _mine(read_tensors(path, entry, ["keys", "counts"]), same, meta, world, rank, num_embeddings)
                 ckeys.append(c["keys"])
                 ccounts.append(c["counts"])
-        cap = ref.storage.max_rows(ref.index) if hasattr(ref.storage, "max_rows") else None
+        cap = ref.storage.max_rows(ref.index)
         if cap is not None and rows > cap:
             raise CheckpointError(f"table {name!r}: {rows} keys of the dump at {path} go to rank {rank} of {world}, "
                                   f"more than the table's maximum capacity there ({cap} rows)")
-        if counter and ref.storage.admission[ref.index] is not None:
-            adm = ref.storage.admission[ref.index]
+        adm = ref.storage.admission_counter(ref.index) if counter else None
+        if adm is not None:
             keys = torch.cat(ckeys) if ckeys else torch.zeros(0, dtype=torch.int64)
             counts = torch.cat(ccounts) if ccounts else torch.zeros(0, dtype=torch.int64)
             if keys.numel() > adm.capacity():
@@ -207,7 +207,7 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
                 raise CheckpointError(f"table {name!r}: loading {os.path.join(path, entry['file'])} on rank {rank} "
                                       f"failed: {e}; this rank's tables are now partly loaded: load again") from e
         if name in plan.counters:
-            ref.storage.admission[ref.index].replace(plan.counters[name])
+            ref.storage.admission_counter(ref.index).replace(plan.counters[name])
         ref.storage.custom_scores[ref.index] = meta.get("custom_score", 0)
         steps.setdefault(id(ref.module), (ref.module, meta))
     for module, meta in steps.values():

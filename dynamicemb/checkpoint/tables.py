@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.stats import dynamic_modules
+from dynamicemb.storage_protocol import require_checkpoint_protocol
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
 
 _S = DynamicEmbScoreStrategy
@@ -45,7 +46,7 @@ class TableRef:
             "dist_type": o.dist_type,
             "num_embeddings": o.num_embeddings,
             "bucket_capacity": o.bucket_capacity,
-            "admission_counter": self.storage.admission[self.index] is not None,
+            "admission_counter": self.storage.admission_counter(self.index) is not None,
             # What serving needs (dynamicemb.inference.from_dump): the features
             # the table feeds, its pooling as the user configured it, and what a
             # missing key reads in eval (packed initializer, seed).
@@ -56,10 +57,14 @@ class TableRef:
         }
 
 
-def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = None) -> Dict[str, TableRef]:
-    """name -> TableRef for the model's dynamic tables (all, or the named ones)."""
+def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,
+                 what: str = "checkpoint") -> Dict[str, TableRef]:
+    """name -> TableRef for the model's dynamic tables (all, or the named
+    ones); raises for a module whose storage cannot be checkpointed (`what`
+    names the caller in the message)."""
     tables: Dict[str, TableRef] = {}
     for m in dynamic_modules(model):
+        require_checkpoint_protocol(m.storage, m.table_names, what)
         for i, name in enumerate(m.table_names):
             if name in tables:
                 raise ValueError(f"two dynamic tables are named {name!r}; checkpoints need unique table names")

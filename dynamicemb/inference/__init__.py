@@ -4,7 +4,8 @@ trained model. Importing it does not import torchrec."""
 from dynamicemb.inference.convert import to_inference
 from dynamicemb.inference.export import export, export_model, package
 from dynamicemb.inference.quantize import dequantize_rows_int8, quantize_rows_int8
-from dynamicemb.inference.table import FrozenTable, InferenceEmbeddingTable
+from dynamicemb.inference.frozen import FrozenTable
+from dynamicemb.inference.table import InferenceEmbeddingTable
 
 __all__ = [
     "FrozenTable",

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.inference.sources import module_tables
-from dynamicemb.inference.table import FrozenTable, InferenceEmbeddingTable
+from dynamicemb.inference.frozen import FrozenTable
+from dynamicemb.inference.table import InferenceEmbeddingTable
 from dynamicemb.stats import dynamic_modules
 from dynamicemb.types import DynamicEmbPoolingMode
 

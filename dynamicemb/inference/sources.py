@@ -10,7 +10,8 @@ import torch.distributed as dist
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.checkpoint.format import CheckpointError, check_file, check_tensors, read_manifest, read_tensors
 from dynamicemb.checkpoint.load import expected_tensors
-from dynamicemb.inference.table import ZEROS_INIT, FrozenTable
+from dynamicemb.storage_protocol import require_checkpoint_protocol
+from dynamicemb.inference.frozen import ZEROS_INIT, FrozenTable
 
 
 def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
@@ -78,6 +79,7 @@ def module_tables(module: BatchedDynamicEmbeddingTables, pg: Optional[dist.Proce
                   ) -> List[FrozenTable]:
     """The tables of a training module, with every rank's rows of `pg`
     (collective: every rank of `pg` calls it)."""
+    require_checkpoint_protocol(module.storage, module.table_names, "to_inference")
     out = []
     for t, name in enumerate(module.table_names):
         keys, values = [], []

@@ -7,7 +7,6 @@ slots in one tensor of the chosen precision. Nothing is inserted and no
 score changes: a missing key reads its table's eval initial value.
 """
 import math
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -16,34 +15,11 @@ from torch import nn
 from dynamicemb import memory
 from dynamicemb._ops import ops
 from dynamicemb.batched_dynamicemb_tables import pooling_code
+from dynamicemb.inference.frozen import FrozenTable
 from dynamicemb.inference.quantize import storage_width, to_storage, value_dtype
-from dynamicemb.options import DynamicEmbInitializerArgs, DynamicEmbInitializerMode
+from dynamicemb.inference.sources import dump_tables
 from dynamicemb.table import ScoredHashTable
 from dynamicemb.types import DynamicEmbPoolingMode, DynamicEmbScoreStrategy, InsertResult, canonical_device
-
-# The packed eval initializer of a table that reads zeros for a missing key.
-ZEROS_INIT = DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.CONSTANT, value=0.0).packed(None, 0)
-
-
-@dataclass
-class FrozenTable:
-    """One table's content for an InferenceEmbeddingTable.
-
-    ``eval_init``: the packed eval initializer (DynamicEmbInitializerArgs.packed
-    with the table's num_embeddings and random stream) that a missing key
-    reads; zeros by default.
-    """
-
-    name: str
-    keys: torch.Tensor  # int64 [n], distinct
-    values: torch.Tensor  # [n, dim] floating
-    feature_names: List[str]
-    eval_init: List[float] = field(default_factory=lambda: list(ZEROS_INIT))
-
-    @property
-    def dim(self) -> int:
-        return int(self.values.shape[1])
-
 
 def _capacity(n: int, bucket_capacity: int, load_factor: float) -> int:
     return bucket_capacity * max(1, math.ceil(n / (bucket_capacity * load_factor)))
@@ -189,7 +165,6 @@ class InferenceEmbeddingTable(nn.Module):
         order), from any number of ranks. Features, pooling, the eval
         initializer and its seed come from the dump's manifest; `pooling`
         and `feature_names` ({table: [features]}) override them."""
-        from dynamicemb.inference.sources import dump_tables
         found = dump_tables(path, table_names, feature_names)
         tables = [v["table"] for v in found.values()]
         seeds = {v["seed"] for v in found.values()}

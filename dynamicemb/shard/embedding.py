@@ -7,7 +7,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from dynamicemb.shard.common import check_row_wise, lookups_train, reset_native_parameters
-from dynamicemb.shard.embeddingbag import _DynamicSharderMixin
+from dynamicemb.shard.embeddingbag import DynamicSharderMixin
 from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
 
 
@@ -29,7 +29,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
         return self
 
 
-class DynamicEmbeddingCollectionSharder(_DynamicSharderMixin, EmbeddingCollectionSharder):
+class DynamicEmbeddingCollectionSharder(DynamicSharderMixin, EmbeddingCollectionSharder):
     """Drop-in for EmbeddingCollectionSharder (see the EBC sharder)."""
 
     def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,

@@ -29,7 +29,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self
 
 
-class _DynamicSharderMixin:
+class DynamicSharderMixin:
     """What our sharders add to TorchRec's: `shard()` builds our sharded
     collections. They offer TorchRec's own sharding types and compute kernels
     (no more, no less), so a planner enumerates native tables exactly as with
@@ -48,7 +48,7 @@ class _DynamicSharderMixin:
 
 def _stock_class(sharder) -> type:
     for cls in type(sharder).__mro__:
-        if not issubclass(cls, _DynamicSharderMixin) and cls.__module__.startswith("torchrec."):
+        if not issubclass(cls, DynamicSharderMixin) and cls.__module__.startswith("torchrec."):
             return cls
     raise TypeError(f"{type(sharder).__name__} extends no TorchRec sharder")
 
@@ -62,7 +62,7 @@ def _planning_sharder(sharder, exclude: frozenset):
     return out
 
 
-class DynamicEmbeddingBagCollectionSharder(_DynamicSharderMixin, EmbeddingBagCollectionSharder):
+class DynamicEmbeddingBagCollectionSharder(DynamicSharderMixin, EmbeddingBagCollectionSharder):
     """Drop-in for EmbeddingBagCollectionSharder: dynamic tables (planned by
     DynamicEmbeddingShardingPlanner) get our kernel, the others TorchRec's.
     The optimizer and its hyper-parameters come from `fused_params`."""

@@ -25,7 +25,8 @@ import torch
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
-from dynamicemb.storage import PENDING_PREFETCHES, HashTableStorage, RowBatch
+from dynamicemb.storage import HashTableStorage
+from dynamicemb.storage_protocol import PENDING_PREFETCHES, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
@@ -51,14 +52,6 @@ class _Pin(dict):
         self.keys = keys
 
 
-def cache_rows(o: DynamicEmbTableOptions, width: int, itemsize: int) -> int:
-    """Rows of a cached table's cache on this rank: its share of
-    global_hbm_for_values, in whole buckets, at most max_capacity."""
-    rows = o.local_hbm_for_values // (width * itemsize)
-    rows = rows // o.bucket_capacity * o.bucket_capacity
-    return max(o.bucket_capacity, min(rows, o.max_capacity))
-
-
 class CachedStorage(HashTableStorage):
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]],
@@ -72,7 +65,7 @@ class CachedStorage(HashTableStorage):
                 if o.admit_strategy is not None:
                     raise ValueError(f"table {n!r}: admission with caching=True is not supported (keys in the "
                                      f"backing store would be refused again)")
-                rows = cache_rows(o, o.dim + w, itemsize)
+                rows = o.cache_rows(o.dim + w, itemsize)
                 # The cache never grows (its slots stay put while evicted rows are written back).
                 o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
                                         num_embeddings=o.num_embeddings or o.max_capacity, global_hbm_for_values=0)
