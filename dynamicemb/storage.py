@@ -30,13 +30,32 @@ def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
     return torch.where(slots >= 0, slots - begin, slots)
 
 
+class Placement:
+    """Where a HashTableStorage's step stores keys it lacks, for a storage
+    that holds it (a tiered storage: the key's row may come from another
+    tier, and the evicted rows go there). The table calls these instead of
+    its own rules when built with `placement=`."""
+
+    def insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+        """Stores distinct keys of group g (HashTableStorage.insert_growing's contract)."""
+        raise NotImplementedError
+
+    def stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
+        """find's slots of group g, -1 for a key that is there but not stored yet."""
+        return slots
+
+
 class HashTableStorage(EmbeddingStorage):
     """Rows addressed by a ScoredHashTable slot: one physical hash table per
     (score strategy, bucket capacity) group of tables (usually one for all)."""
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
-                 dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]] = None):
+                 dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]] = None,
+                 placement: Optional["Placement"] = None):
         self.names = list(names)
+        # Who stores a step's new keys (find_or_insert, insert_rows, load_rows): this table itself
+        # (insert_growing) or, for a tiered storage that holds this one, that storage (Placement).
+        self.placement = placement
         self.options = list(options)
         self.dims = [o.dim for o in options]
         self.num_tables = len(options)
@@ -117,6 +136,11 @@ class HashTableStorage(EmbeddingStorage):
         """The most keys table t may hold on this rank."""
         return self.max_caps[t]
 
+    def first_slot(self, t: int) -> int:
+        """Table t's first slot in its group's hash table (the slot of its row 0)."""
+        g, lt = self.group_of[t]
+        return int(self._slot_begin[g][lt])
+
     def capacity(self, t: int) -> int:
         g, lt = self.group_of[t]
         return self.groups[g][0].capacity(lt)
@@ -127,7 +151,7 @@ class HashTableStorage(EmbeddingStorage):
 
     # ---- lookups ----------------------------------------------------------------------
 
-    def _split(self, table_ids: torch.Tensor):
+    def split(self, table_ids: torch.Tensor):
         """Per group: (mask of its keys or None when it has them all, local table ids)."""
         if len(self.groups) == 1:
             tables = self.groups[0][1]
@@ -146,21 +170,18 @@ class HashTableStorage(EmbeddingStorage):
 
     def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:
         rows = torch.full_like(keys, -1)
-        for g, mask, lt in self._split(table_ids):
+        for g, mask, lt in self.split(table_ids):
             ht = self.groups[g][0]
             k = keys if mask is None else keys[mask]
             slots, _ = ht.lookup(k, lt)
-            r = self._rows(g, self._stored(g, slots), lt)
+            if self.placement is not None:
+                slots = self.placement.stored(g, slots)
+            r = self._rows(g, slots, lt)
             if mask is None:
                 rows = r
             else:
                 rows[mask] = r
         return rows
-
-    def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
-        """find's slots of group g, -1 for a key that is there but not
-        stored yet (a tiered storage's provisional keys); all of them here."""
-        return slots
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
         hts = [ht for ht, _ in self.groups]
@@ -170,7 +191,8 @@ class HashTableStorage(EmbeddingStorage):
                                       feature_table, self.dims, per_sample_weights, pooling, self.eval_init_params,
                                       self.seed, output_dtype)
 
-    def _scores(self, g: int, local_tids: torch.Tensor, counts: torch.Tensor, step: int):
+    def insert_scores(self, g: int, local_tids: torch.Tensor, counts: torch.Tensor, step: int):
+        """The scores an insert into group g gives its keys (ScoredHashTable.insert's `scores`)."""
         ht, tables = self.groups[g]
         if ht.strategy == _S.STEP:
             return step
@@ -192,7 +214,7 @@ class HashTableStorage(EmbeddingStorage):
             # A group failed (a cache too small for the step) after earlier
             # groups placed new keys: those get their initial rows, so that
             # every key stored holds a proper row when the step raises.
-            self._init_rows(slots, is_new, keys, table_ids)
+            self.init_rows(slots, is_new, keys, table_ids)
             raise
         self.rejected += rejected
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
@@ -202,10 +224,10 @@ class HashTableStorage(EmbeddingStorage):
                 self.init_params, self.seed)
             inverse = None if inverse is None else renumbered
         else:
-            rows = self._init_rows(slots, is_new, keys, table_ids)
+            rows = self.init_rows(slots, is_new, keys, table_ids)
         return FindOrInsertResult(keys, table_ids, rows, inverse, failed, rejected)
 
-    def _init_rows(self, slots, is_new, keys, table_ids) -> torch.Tensor:
+    def init_rows(self, slots, is_new, keys, table_ids) -> torch.Tensor:
         """Writes the initial rows of the new keys; returns every key's row.
         (A CPU step initialises its new rows in find_or_insert's row-order
         pass; this serves other devices, and a step that fails.)"""
@@ -219,7 +241,7 @@ class HashTableStorage(EmbeddingStorage):
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:
         """find_or_insert's inserts, group by group: fills slots, is_new,
         failed and rejected in place."""
-        for g, mask, lt in self._split(table_ids):
+        for g, mask, lt in self.split(table_ids):
             ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
             c = counts if mask is None else counts[mask]
@@ -230,7 +252,7 @@ class HashTableStorage(EmbeddingStorage):
                 at = where_true(keep) if at is None else at[keep]
             else:
                 lt_ins = lt
-            out = self._insert(g, k, lt_ins, self._scores(g, lt_ins, c, step))
+            out = self._store(g, k, lt_ins, self.insert_scores(g, lt_ins, c, step))
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
             if keep is not None:  # stored keys leave the admission counters
                 for lt, t in enumerate(tables):
@@ -308,7 +330,12 @@ class HashTableStorage(EmbeddingStorage):
         self.version += 1
         return old_idx, new_idx
 
-    def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+    def _store(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+        if self.placement is not None:
+            return self.placement.insert(g, keys, local_tids, scores)
+        return self.insert_growing(g, keys, local_tids, scores)
+
+    def insert_growing(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
         """Inserts into group g, growing rather than evicting: first by load
         factor, then a table below its maximum fails a key whose bucket is
         full instead of evicting; such tables double and their failed keys are
@@ -361,7 +388,7 @@ class HashTableStorage(EmbeddingStorage):
             raise ValueError(f"table {self.names[table_id]!r}: values must have shape ({keys.numel()}, {dim}), "
                              f"got {tuple(values.shape)}")
         lts = torch.full_like(keys, lt)
-        out = self._insert(g, keys, lts, self._scores(g, lts, torch.ones_like(keys), step))
+        out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), step))
         rows = self._rows(g, out.indices, lts)
         ok = rows >= 0
         w = self._weights[table_id]
@@ -413,7 +440,7 @@ class HashTableStorage(EmbeddingStorage):
         ht, _ = self.groups[g]
         keys = batch.keys.to(device=self.device, dtype=torch.int64).contiguous()
         lts = torch.full_like(keys, lt)
-        out = self._insert(g, keys, lts, self._scores(g, lts, torch.ones_like(keys), 0))
+        out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
         failed = int((out.results == InsertResult.FAILED).sum())
         if failed or out.evicted.keys.numel():
             raise RuntimeError(

@@ -25,8 +25,8 @@ import torch
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
-from dynamicemb.storage import HashTableStorage
-from dynamicemb.storage_protocol import PENDING_PREFETCHES, RowBatch
+from dynamicemb.storage import HashTableStorage, Placement
+from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
 from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
@@ -52,7 +52,12 @@ class _Pin(dict):
         self.keys = keys
 
 
-class CachedStorage(HashTableStorage):
+class CachedStorage(EmbeddingStorage, Placement):
+    """The tiers over a HashTableStorage of each table's cache (`tables`), which
+    it holds: the table calls back `insert` and `stored` (Placement) to
+    store a step's keys, so that a cached group's missing keys come from the
+    store and its evicted rows go there."""
+
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]],
                  store: BackingStore, owns_store: bool = False):
@@ -70,7 +75,16 @@ class CachedStorage(HashTableStorage):
                 o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
                                         num_embeddings=o.num_embeddings or o.max_capacity, global_hbm_for_values=0)
             cache_opts.append(o)
-        super().__init__(names, cache_opts, state_widths, dtype, device, seed, streams)
+        self.tables = HashTableStorage(names, cache_opts, state_widths, dtype, device, seed, streams, placement=self)
+        # The held storage's layout and state, by reference: none of them is
+        # ever replaced (a growth replaces items of these lists, and a cache
+        # never grows).
+        tb = self.tables
+        self.names, self.options, self.dims, self.num_tables = tb.names, tb.options, tb.dims, tb.num_tables
+        self.device, self.dtype, self.seed = device, dtype, seed
+        self.groups, self.group_of, self._weights = tb.groups, tb.group_of, tb.weights()
+        self.init_params, self.eval_init_params = tb.init_params, tb.eval_init_params
+        self.custom_scores, self.admission = tb.custom_scores, tb.admission
         for t, (n, o) in enumerate(zip(names, options)):
             if o.caching and self.strategy(t) == TIMESTAMP_LFU:
                 raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
@@ -96,7 +110,7 @@ class CachedStorage(HashTableStorage):
         self._group_cached = [self.cached[tables[0]] for _, tables in self.groups]
         self._group_tables = [torch.tensor(tables, dtype=torch.int64) for _, tables in self.groups]
         self._group_names = [[names[t] for t in tables] for _, tables in self.groups]
-        self._cache_begin = [int(self._slot_begin[g][lt]) for g, lt in self.group_of]
+        self._cache_begin = [self.tables.first_slot(t) for t in range(self.num_tables)]
         self._forward_pins: List[_Pin] = []
         self._prefetch_pins: List[_Pin] = []
         self._reuse: Optional[_Pin] = None  # the prefetch pin of the running forward's batch
@@ -111,6 +125,40 @@ class CachedStorage(HashTableStorage):
         # forward's row-order pass, one pass over them instead of two. On a
         # device the prefetch writes them, off the forward's stream.
         self._init_in_forward = device.type == "cpu"
+
+    # ---- what the held storage answers ------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.tables.version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.tables.version = v
+
+    def weights(self):
+        return self._weights
+
+    def find(self, keys, table_ids):
+        return self.tables.find(keys, table_ids)
+
+    def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
+        return self.tables.insert_rows(table_id, keys, values, optimizer_state, step)
+
+    def strategy(self, table_id: int) -> int:
+        return self.tables.strategy(table_id)
+
+    def now(self, table_id: int) -> int:
+        return self.tables.now(table_id)
+
+    def admission_counter(self, table_id: int):
+        return self.tables.admission_counter(table_id)
+
+    def capacity(self, t: int) -> int:
+        return self.tables.capacity(t)
+
+    def size(self, t: int) -> int:
+        return self.tables.size(t)
 
     # ---- pins ------------------------------------------------------------------------------
     # A pin (_Pin) is {group: slots of that group's cache}: the slots of a
@@ -244,10 +292,10 @@ class CachedStorage(HashTableStorage):
             self.version += 1  # the evicted keys' rows now hold other keys
         return out
 
-    def _insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+    def insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
         ht, tables = self.groups[g]
         if not self._group_cached[g]:
-            return super()._insert(g, keys, local_tids, scores)
+            return self.tables.insert_growing(g, keys, local_tids, scores)
         # The slots of the keys: those its prefetch found (every key of the
         # batch placed), else a lookup's.
         reuse = self._reuse.get(g) if self._reuse is not None else None
@@ -321,7 +369,7 @@ class CachedStorage(HashTableStorage):
         mine = next((i for i, p in enumerate(self._prefetch_pins) if p.keys is keys), None)
         self._reuse = None if mine is None else self._prefetch_pins[mine]
         try:
-            res = super().find_or_insert(keys, table_ids, counts, step, inverse)
+            res = self.tables.find_or_insert(keys, table_ids, counts, step, inverse)
         finally:
             self._reuse = None
         # This batch's keys are pinned from now on as a forward's: the pin of
@@ -345,7 +393,7 @@ class CachedStorage(HashTableStorage):
         pin = _Pin(keys)
         self._prefetch_pins.append(pin)  # its cached keys are held in the moves below
         del self._prefetch_pins[:-PENDING_PREFETCHES]
-        for g, mask, lt in self._split(table_ids):
+        for g, mask, lt in self.tables.split(table_ids):
             if not self._group_cached[g]:
                 continue
             ht, _ = self.groups[g]
@@ -359,15 +407,15 @@ class CachedStorage(HashTableStorage):
             k, lt = k.index_select(0, at), lt.index_select(0, at)
             # The insert scores of the keys it places (those fetched get their
             # stored ones): LFU counts no access yet, the others score as usual.
-            idx, res, _ = self._place(g, k, lt, self._scores(g, lt, torch.zeros_like(k), ht.step), held=None,
-                                      exact=True)
+            scores = self.tables.insert_scores(g, lt, torch.zeros_like(k), ht.step)
+            idx, res, _ = self._place(g, k, lt, scores, held=None, exact=True)
             new = res != InsertResult.ASSIGNED
             self._fresh[g].index_copy_(0, idx, new)
             if not self._init_in_forward:
-                self._init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
+                self.tables.init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
             pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
 
-    def _stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
+    def stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
         fresh = self._fresh[g]
         if fresh is None or not bool(fresh.any()):
             return slots
@@ -468,7 +516,7 @@ class CachedStorage(HashTableStorage):
             w = self._weights[t]
             for b in self.groups[g][0].export(table_id=lt):
                 self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
-            HashTableStorage.clear_table(self, t)
+            self.tables.clear_table(t)
             self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
                                                   "clock": self.now(t), "layout": self._layout(t)})
         self.store.flush()
@@ -479,7 +527,7 @@ class CachedStorage(HashTableStorage):
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
         self._settle()
-        yield from super().export_rows(table_id, batch_size, lazy)
+        yield from self.tables.export_rows(table_id, batch_size, lazy)
         if self.cached[table_id]:
             dim = self.dims[table_id]
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
@@ -487,7 +535,7 @@ class CachedStorage(HashTableStorage):
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
         self._settle()
-        yield from super().export(table_id, batch_size, threshold)
+        yield from self.tables.export(table_id, batch_size, threshold)
         if self.cached[table_id]:
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
                 if threshold is not None:
@@ -499,7 +547,7 @@ class CachedStorage(HashTableStorage):
     def load_rows(self, table_id, batch: RowBatch) -> None:
         self._settle()
         if not self.cached[table_id]:
-            return super().load_rows(table_id, batch)
+            return self.tables.load_rows(table_id, batch)
         dim = self.dims[table_id]
         state = batch.optimizer_state
         if state is None or state.shape[1] == 0:
@@ -514,17 +562,17 @@ class CachedStorage(HashTableStorage):
         self._settle()
         self._forward_pins.clear()  # pins are slots: of keys no longer there
         self._prefetch_pins.clear()
-        removed = super().clear_table(table_id)
+        removed = self.tables.clear_table(table_id)
         if self.cached[table_id]:
             removed += self.store.size(self.names[table_id])
             self.store.clear(self.names[table_id])
         return removed
 
     def max_rows(self, table_id: int) -> int:
-        return self.table_max_rows[table_id] if self.cached[table_id] else super().max_rows(table_id)
+        return self.table_max_rows[table_id] if self.cached[table_id] else self.tables.max_rows(table_id)
 
     def stats(self, table_id):
-        s = super().stats(table_id)
+        s = self.tables.stats(table_id)
         if not self.cached[table_id]:
             return s
         hits, misses, write_backs, lost, new = self.tier_counters[table_id].tolist()
