@@ -15,9 +15,9 @@ devices, which optionals are given, and the values of its mode arguments
 (strategy, pooling, ...). To stay cheap, a twin runs only the first case of
 each parametrize, and the twins of a module check each kind once and at most
 MAX_KINDS kinds per op. A test marked @opcheck_every_call (one that calls ops
-on chosen samples) keeps every case, and its twin checks each kind of call
-that the test file's code makes in each case. A call that raises is not checked (an error test's),
-nor one made while compiling or on fake tensors.
+on chosen samples) keeps every case, and its twin checks every kind of call
+that the test file's code makes, past that limit. A call that raises is not
+checked (an error test's), nor one made while compiling or on fake tensors.
 """
 import functools
 import os
@@ -57,9 +57,9 @@ def no_opcheck(reason: str):
 
 
 def opcheck_every_call(fn):
-    """The twin runs every parametrize case and checks each kind of call that
-    the test file's own code makes in the case (the library's calls inside it
-    count as in other twins): for tests that call ops on chosen samples."""
+    """The twin runs every parametrize case and checks each new kind of call
+    that the test file's own code makes, past MAX_KINDS (the library's calls
+    inside count as in other twins): for tests that call ops on samples."""
     fn._opcheck_every_call = True
     return fn
 
@@ -169,24 +169,19 @@ def _first_cases(marks):
 def _twin(fn, test_name, seen, max_kinds):
     """seen: op -> kinds the twins of the module checked. A twin checks the
     kinds not seen while the op has fewer than max_kinds; an every-call twin
-    also checks each kind that its case's own code calls (once per case)."""
+    checks the unseen kinds that the test file's code calls, beyond that."""
     every = getattr(fn, "_opcheck_every_call", False)
 
     @functools.wraps(fn)  # the same signature: pytest passes the same fixtures and parameters
     def twin(*args, **kwargs):
-        mine = {}  # op -> kinds this case checked
-
         def wanted(op, kind, from_test):
-            if every and from_test:
-                return kind not in mine.get(op, ())
-            done = seen.get(op, set())
-            return kind not in done and len(done) < max_kinds
+            done = seen.get(op, ())
+            return kind not in done and ((every and from_test) or len(done) < max_kinds)
 
         with _Recorder(fn.__code__.co_filename, wanted) as rec:
             fn(*args, **kwargs)
         for op, kind, from_test, op_args, op_kwargs in rec.calls:
             if wanted(op, kind, from_test):
-                mine.setdefault(op, set()).add(kind)
                 seen.setdefault(op, set()).add(kind)
                 _opcheck(op, op_args, op_kwargs, test_name)
 
