@@ -148,3 +148,29 @@ def _emb_backward_update_fake(grad_output, weights, rows, unique_table_ids, inve
                               per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, step,
                               weight_decay_mode):
     return None
+
+
+# ---- input distribution (csrc/dist) ------------------------------------------------------
+
+
+@torch.library.register_fake(_lib + "route_keys")
+def _route_keys_fake(lengths, values, weights, rules, params, world):
+    # Every value goes to exactly one rank, so only the lengths grow (one per
+    # rank and bag); no weights: an empty float32 tensor.
+    out_w = values.new_empty(values.shape[0] if weights is not None else 0, dtype=torch.float32)
+    return lengths.new_empty(world * lengths.shape[0]), torch.empty_like(values), out_w, torch.empty_like(values)
+
+
+@torch.library.register_fake(_lib + "route_owners")
+def _route_owners_fake(keys, rule, param, world):
+    return torch.empty_like(keys)
+
+
+# A fixed flag of the host (read once in C++); read here before any fake
+# kernel exists, since calling the op from its own fake kernel would recurse.
+_HOST_VECTOR_PATHS = ops.cpu_vector_paths()
+
+
+@torch.library.register_fake(_lib + "cpu_vector_paths")
+def _cpu_vector_paths_fake():
+    return _HOST_VECTOR_PATHS

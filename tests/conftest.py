@@ -14,3 +14,8 @@ DEVICES = [
 @pytest.fixture(scope="session", params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+def pytest_collection_modifyitems(items):
+    # Tests marked `last` read what the others recorded; the sort is stable.
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)

@@ -4,8 +4,10 @@ the serving quantizer (dynamicemb.inference.quantize_rows_int8) checked
 byte for byte against FBGEMM's, the op against a float64
 reference over the dequantized rows (every pooling, per-sample weights,
 missing keys with a zero and a CONSTANT eval init, empty bags, dims 8 and 12
-in one call), the width check, and opcheck."""
+in one call), the width check; opchecked by the generated twin of every test
+(tests/op_checks.py)."""
 import re
+import sys
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import pytest
@@ -14,6 +16,7 @@ import torch
 from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbInitializerMode, DynamicEmbPoolingMode, ScoredHashTable
 from dynamicemb._ops import ops
 from dynamicemb.inference import quantize_rows_int8
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 P = DynamicEmbPoolingMode
 DIMS = [8, 12]  # 12: not a multiple of 8 (a vector tail, unaligned scale and bias)
@@ -166,11 +169,14 @@ def test_training_forward_refuses_uint8(device):
                         int(P.SUM), _init_params(INITS[0]), 0, torch.float32)
 
 
+@opcheck_every_call
 @pytest.mark.parametrize("pooling", list(P), ids=lambda p: p.name)
-def test_opcheck(pooling):
+def test_op_samples(pooling):
     ht, weights, stored = _tables("cpu")
     feature_table = [1, 1] if pooling == P.NONE else [0, 1]
     idx, off = _batch(stored, feature_table, 3, torch.Generator().manual_seed(3), "cpu")
     psw = None if pooling == P.NONE else torch.rand(idx.numel())
-    torch.library.opcheck(ops.emb_lookup_forward,
-                          _op_args(ht, weights, idx, off, feature_table, psw, pooling, INITS[1]))
+    ops.emb_lookup_forward(*_op_args(ht, weights, idx, off, feature_table, psw, pooling, INITS[1]))
+
+
+generate_opcheck_tests(sys.modules[__name__])

@@ -2,7 +2,10 @@
 pass, no dedup) against the unfused path it replaces (emb_unique ->
 storage.find -> emb_forward with the eval initial values): bit-identical,
 over several tables and hash-table groups, mixed dims, every pooling,
-per-sample weights, half/bfloat16 storage, missing keys; plus opcheck."""
+per-sample weights, half/bfloat16 storage, missing keys; opchecked by the
+generated twin of every test (tests/op_checks.py)."""
+import sys
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from dynamicemb import (
 )
 from dynamicemb._ops import ops
 from emb_helpers import random_batch
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 P = DynamicEmbPoolingMode
 
@@ -128,8 +132,10 @@ def _op_args(m, idx, off, psw, dtype):
             m.feature_table_map, m.dims, psw, m.pooling, st.eval_init_params, m.seed, dtype)
 
 
+@opcheck_every_call
 @pytest.mark.parametrize("pooling", list(P), ids=lambda p: p.name)
-def test_opcheck(pooling):
+def test_op_samples(pooling):
+    """The op after a training step, per output dtype (its twin opchecks them)."""
     S = DynamicEmbScoreStrategy
     m = _module([4, 4], pooling, strategies=[S.TIMESTAMP, S.LFU], feature_table_map=[0, 1])
     gen = torch.Generator().manual_seed(6)
@@ -138,7 +144,7 @@ def test_opcheck(pooling):
     idx, off = random_batch(gen, m.feature_table_map, [100, 100], 3, 4, min_len=1)
     psw = None if pooling == P.NONE else torch.rand(idx.numel(), generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
-        torch.library.opcheck(ops.emb_lookup_forward, _op_args(m, idx, off, psw, dtype))
+        ops.emb_lookup_forward(*_op_args(m, idx, off, psw, dtype))
 
 
 def test_rejects_mismatched_placement():
@@ -152,3 +158,6 @@ def test_rejects_mismatched_placement():
     args[6] = [torch.zeros(8, 4)]  # rows do not match the slots
     with pytest.raises(RuntimeError, match="rows for"):
         ops.emb_lookup_forward(*args)
+
+
+generate_opcheck_tests(sys.modules[__name__])

@@ -1,5 +1,8 @@
-"""torch.library.opcheck of the emb_* ops (schema, fake kernels, dynamic-shape
-tracing), and the fake kernels' shapes against the real kernels."""
+"""The emb_* ops on sample inputs, opchecked (schema, fake kernels, dynamic-shape
+tracing) by the generated twin of every test (tests/op_checks.py), and the fake
+kernels' shapes against the real kernels."""
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -8,6 +11,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from dynamicemb import DynamicEmbPoolingMode
 from dynamicemb._ops import ops
 from emb_helpers import bags, make_module, random_batch
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 FEATURE_TABLE = [0, 1, 0]
 DIMS = [4, 8]
@@ -23,36 +27,37 @@ def _inputs(pooling=DynamicEmbPoolingMode.SUM):
     return m, indices, offsets, res.keys, res.table_ids, res.inverse, res.rows
 
 
-def test_opcheck_emb_unique():
-    _, indices, offsets, *_ = _inputs()
-    torch.library.opcheck(ops.emb_unique, (indices, offsets, FEATURE_TABLE, 2))
+# The samples below are opchecked by their twins; _inputs() calls emb_unique.
 
 
-def test_opcheck_emb_init_rows():
+@opcheck_every_call
+def test_emb_init_rows_sample():
     m, _, _, ukeys, utids, _, rows = _inputs()
     weights = [w.clone() for w in m.storage.weights()]
-    torch.library.opcheck(ops.emb_init_rows, (weights, rows, utids, ukeys, m.dims, m.storage.init_params, 0))
+    ops.emb_init_rows(weights, rows, utids, ukeys, m.dims, m.storage.init_params, 0)
 
 
+@opcheck_every_call
 @pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
-def test_opcheck_emb_forward(pooling):
+def test_emb_forward_samples(pooling):
     m, _, offsets, ukeys, _, inverse, rows = _inputs(pooling)
     psw = None if pooling == DynamicEmbPoolingMode.NONE else torch.rand(inverse.numel())
     for dtype in (torch.float32, torch.bfloat16):
         args = (m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, psw, int(pooling),
                 m.storage.init_params, 0, dtype)
-        torch.library.opcheck(ops.emb_forward, args)
+        ops.emb_forward(*args)
 
 
+@opcheck_every_call
 @pytest.mark.parametrize("pooling", list(DynamicEmbPoolingMode), ids=lambda p: p.name)
-def test_opcheck_emb_backward_update(pooling):
+def test_emb_backward_update_samples(pooling):
     m, _, offsets, ukeys, utids, inverse, rows = _inputs(pooling)
     out = ops.emb_forward(m.storage.weights(), rows, ukeys, inverse, offsets, FEATURE_TABLE, m.dims, None,
                           int(pooling), m.storage.init_params, 0, torch.float32)
     weights = [w.clone() for w in m.storage.weights()]
     args = (torch.randn(out.shape), weights, rows, utids, inverse, offsets, FEATURE_TABLE, m.dims, None,
             int(pooling), 3, 0.1, 1e-8, 0.9, 0.999, 0.0, 1, 0)
-    torch.library.opcheck(ops.emb_backward_update, args)
+    ops.emb_backward_update(*args)
 
 
 def _many_uniques():
@@ -81,12 +86,13 @@ def _row_order(m, rows, utids):
                                   rows.new_empty(0), m.dims, m.storage.init_params, 0)[0]
 
 
-def test_opcheck_emb_row_order_init():
+@opcheck_every_call
+def test_emb_row_order_init_sample():
     m, ukeys, utids, inverse, rows = _many_uniques()
     is_new = torch.arange(ukeys.numel()) % 3 == 0
     weights = [w.clone() for w in m.storage.weights()]
-    torch.library.opcheck(ops.emb_row_order_init, (weights, rows, _no_shift(m), utids, ukeys, is_new, inverse,
-                                                   m.dims, m.storage.init_params, 0))
+    ops.emb_row_order_init(weights, rows, _no_shift(m), utids, ukeys, is_new, inverse, m.dims,
+                           m.storage.init_params, 0)
 
 
 def test_row_order_sorts_by_row_within_blocks():
@@ -269,3 +275,6 @@ def test_unique_order_matches_a_python_model(n_bags):
     assert counts.tolist() == [cnt[p] for p in want]
     pos = {p: u for u, p in enumerate(want)}
     assert inverse.tolist() == [pos[p] for p in pairs]
+
+
+generate_opcheck_tests(sys.modules[__name__])

@@ -1,13 +1,17 @@
 """The dynamicemb::table_* ops: registration (opcheck: schema, fake kernels,
-compilation) and clear errors for bad inputs, through Python and the raw ops."""
+compilation; generated for every test, tests/op_checks.py) and clear errors for
+bad inputs, through Python and the raw ops."""
+import sys
 import time
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import ScoredHashTable
 from dynamicemb._ops import ops
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_refresh", "table_insert",
              "table_erase", "table_take", "table_export_range", "table_rehash"]
@@ -47,22 +51,23 @@ def _samples(t: ScoredHashTable, code: int):
     yield "table_rehash", slots + (tb, torch.tensor([0, 4, 7]), bc)
 
 
+@opcheck_every_call
 @pytest.mark.parametrize("strategy,code", [(S.STEP, 1), ((S.TIMESTAMP, S.LFU), 5)])
-def test_opcheck_every_table_op(strategy, code):
+def test_every_table_op_on_samples(strategy, code):
+    """Each table op on samples that give and omit its optional inputs; the
+    generated twin opchecks these calls (tests/op_checks.py). Each call runs on
+    copies, so every sample sees the same table and the table never changes.
+    test_autograd_registration passes vacuously: integer tensors cannot
+    require grad, and these ops have no autograd formula."""
     t = _table(strategy)
     state = [x.clone() for x in (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, t.sizes)]
-    checked = set()
+    called = set()
     for name, args in _samples(t, code):
-        # opcheck clones the inputs for each of its checks, so the mutating ops
-        # (insert, erase, lookup_refresh) see the same fresh state every time
-        # and the table itself is never changed. The default test_utils all
-        # apply: test_autograd_registration passes vacuously since integer
-        # tensors cannot require grad, and these ops have no autograd formula.
-        torch.library.opcheck(getattr(ops, name).default, args)
-        checked.add(name)
-    assert checked == set(TABLE_OPS)
+        getattr(ops, name)(*pytree.tree_map_only(torch.Tensor, torch.clone, args))
+        called.add(name)
+    assert called == set(TABLE_OPS)
     now = (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, t.sizes)
-    assert all(torch.equal(a, b) for a, b in zip(state, now))  # opcheck ran on copies
+    assert all(torch.equal(a, b) for a, b in zip(state, now))  # the ops ran on copies
 
 
 def test_every_table_op_is_covered():
@@ -73,11 +78,9 @@ def test_every_table_op_is_covered():
 def test_table_clock_is_the_monotonic_clock_on_cpu():
     """The clock strategies score with the table's clock: on the CPU,
     CLOCK_MONOTONIC (time.monotonic_ns), so a TIMESTAMP insert's scores lie
-    between two readings taken around it. (opcheck without the AOT test:
-    a clock gives a new value on every call.)"""
+    between two readings taken around it. (Its opcheck twin leaves out the
+    AOT test: a clock gives a new value on every call; op_checks.NO_AOT.)"""
     t = ScoredHashTable(64, 16, S.TIMESTAMP)
-    torch.library.opcheck(ops.table_clock.default, (t.slot_scores,),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     before = time.monotonic_ns()
     now = t.now()
     t.insert(torch.arange(10))
@@ -251,3 +254,6 @@ def test_raw_ops_refuse_a_bad_layout_or_strategy():
     bad[8] = 9
     with pytest.raises(RuntimeError, match="unknown score strategy code 9"):
         ops.table_lookup_refresh(*bad)
+
+
+generate_opcheck_tests(sys.modules[__name__])

@@ -1,11 +1,15 @@
 """positions.where_true / by_group: the tiers' bookkeeping positions, on the
 CPU by our kernels (positions_where, positions_by_group), checked against
-torch.nonzero and a stable sort; their registration (opcheck) and errors."""
+torch.nonzero and a stable sort, and their errors; their registration is
+opchecked by the generated twin of every test (tests/op_checks.py)."""
+import sys
+
 import pytest
 import torch
 
 from dynamicemb._ops import ops
 from dynamicemb.positions import by_group, where_true
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 70_001])  # 70_001: several chunks (threads) with a ragged end
@@ -36,9 +40,13 @@ def test_by_group_counts_absent_groups():
     assert order.tolist() == [1, 0, 2] and counts == [1, 0, 0, 2, 0]
 
 
-def test_opcheck():
-    torch.library.opcheck(ops.positions_where, (torch.tensor([True, False, True]),))
-    torch.library.opcheck(ops.positions_by_group, (torch.tensor([1, 0, 1]), 2))
+@opcheck_every_call
+def test_op_samples():
+    mask, ids = torch.tensor([True, False, True]), torch.tensor([1, 0, 1])
+    assert torch.equal(ops.positions_where(mask), mask.nonzero().squeeze(1))
+    order, counts = ops.positions_by_group(ids, 2)
+    assert torch.equal(order, torch.sort(ids, stable=True).indices)
+    assert torch.equal(counts, torch.bincount(ids, minlength=2))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -52,3 +60,6 @@ def test_opcheck():
 def test_bad_input_is_named(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+generate_opcheck_tests(sys.modules[__name__])

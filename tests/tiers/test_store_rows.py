@@ -1,13 +1,17 @@
 """store_gather / store_scatter: a backing store's rows at the positions its
 key index gave, checked against torch's index_select / index_copy_ (the CPU
 kernels; tests/cuda/test_cuda_parity_store.py runs the CUDA ones, with the
-store pinned in host memory), their registration (opcheck) and their errors.
+store pinned in host memory) and their errors; their registration is
+opchecked by the generated twin of every test (tests/op_checks.py).
 HostStore.rows_device: where a store exchanges rows with its cache."""
+import sys
+
 import pytest
 import torch
 
 from dynamicemb._ops import ops
 from dynamicemb.tiers import FileStore, HostStore
+from op_checks import generate_opcheck_tests, opcheck_every_call
 
 
 def store_and_positions(dtype, width, rows=300, n=120, seed=0):
@@ -52,10 +56,11 @@ def test_no_positions_move_nothing():
     assert torch.equal(store, before)
 
 
-def test_opcheck():
+@opcheck_every_call
+def test_op_samples():
     store, positions = store_and_positions(torch.float32, 6)
-    torch.library.opcheck(ops.store_gather, (store, positions, torch.empty(positions.numel(), 6)))
-    torch.library.opcheck(ops.store_scatter, (store, positions, torch.randn(positions.numel(), 6)))
+    ops.store_gather(store, positions, torch.empty(positions.numel(), 6))
+    ops.store_scatter(store, positions, torch.randn(positions.numel(), 6))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -93,3 +98,6 @@ def test_a_host_store_exchanges_rows_on_the_cpu_in_front_of_a_cpu_cache(tmp_path
                                          r"for caches on cpu, not cuda:0"):
         store.rows_device(torch.device("cuda", 0))
     assert FileStore(str(tmp_path / "f")).rows_device(torch.device("cuda", 0)) == torch.device("cpu")
+
+
+generate_opcheck_tests(sys.modules[__name__])

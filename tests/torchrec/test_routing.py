@@ -1,8 +1,11 @@
 """Routing keys to ranks: dynamicemb.routing.owners against a pure-Python
 reference of every dist_type, route_keys against fbgemm's
 block_bucketize_sparse_features for native (block) features, and where a
-2-rank model actually stores each key after a training step."""
+2-rank model actually stores each key after a training step; the ops under
+torch.compile and torch.export, and opchecked by the generated twin of every
+test (tests/op_checks.py)."""
 import random
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import models
 from dynamicemb.routing import DIST_TYPES, ROUTE_BLOCK, owners, route_param, route_rule
 from dynamicemb._ops import ops
 from multiprocess import run_ranks
+from op_checks import generate_opcheck_tests, no_opcheck
 from table.reference import fmix64  # the table's Python model: the same hash rule
 
 MASK = (1 << 64) - 1
@@ -155,6 +159,7 @@ def _placement(rank, world):
     return placed
 
 
+@no_opcheck("its ops run in the spawned ranks")
 def test_keys_stored_on_their_owner_rank():
     placed, _ = run_ranks(_placement, 2)
     for table, dist_type in DIST_TABLES.items():
@@ -163,6 +168,34 @@ def test_keys_stored_on_their_owner_rank():
     assert strided == [reference_owner(k, "hash_roundrobin", 2, NUM_EMBEDDINGS) for k in STRIDED]
     share = strided.count(0) / len(strided)
     assert 0.35 <= share <= 0.65, f"hash_roundrobin put {share:.0%} of strided keys on rank 0"
+
+
+def test_route_ops_compile_and_export_with_dynamic_shapes():
+    """Both ops trace (their fake kernels): torch.compile(fullgraph) and
+    torch.export, dynamic in the bag and value counts, equal eager."""
+    rules = [ROUTE_BLOCK, route_rule("hash_roundrobin"), route_rule("continuous")]
+    params = [10, 1, 50]
+
+    class Route(torch.nn.Module):
+        def forward(self, lengths, values, weights):
+            routed = ops.route_keys(lengths, values, weights, rules, params, 3)
+            return routed + (owners(values, "continuous", 3, 50),)
+
+    def batch(B, seed):
+        lengths, values, weights = _random_kjt(len(rules), B, seed, key_range=(-60, 120))
+        return torch.tensor(lengths), torch.tensor(values), torch.tensor(weights)
+
+    f = Route()
+    batches = [batch(4, 0), batch(7, 1)]
+    expected = [f(*b) for b in batches]
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    # lengths: F * B (B >= 2: export specializes 0 and 1); values: any count.
+    bags, n = 3 * torch.export.Dim("b", min=2), torch.export.Dim("n", min=2)
+    exported = torch.export.export(f, batches[0], dynamic_shapes=({0: bags}, {0: n}, {0: n})).module()
+    for b, want in zip(batches, expected):
+        for run in (compiled, exported):
+            for got, w in zip(run(*b), want):
+                assert torch.equal(got, w)
 
 
 def test_route_ops_refuse_bad_input():
@@ -182,3 +215,6 @@ def test_route_ops_refuse_bad_input():
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+generate_opcheck_tests(sys.modules[__name__])
