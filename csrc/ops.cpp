@@ -78,6 +78,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def("positions_by_group(Tensor ids, int groups) -> (Tensor order, Tensor counts)");
   // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
   m.def("cpu_vector_paths() -> bool");
+  // The rules the kernels follow (optimizers, score strategies, counter
+  // columns, the packed initializer), as JSON for dynamicemb/rules.py (rules.cpp).
+  m.def("rules() -> str");
 
   // Embedding layer (csrc/embedding): bags in TBE layout (offsets [F * B + 1]),
   // rows are table-local (-1: no row; the key reads its initial value).

@@ -174,3 +174,4 @@ _HOST_VECTOR_PATHS = ops.cpu_vector_paths()
 @torch.library.register_fake(_lib + "cpu_vector_paths")
 def _cpu_vector_paths_fake():
     return _HOST_VECTOR_PATHS
+

@@ -13,13 +13,11 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from dynamicemb import rules
 from dynamicemb.checkpoint.tables import model_tables, rank_world
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
+from dynamicemb.types import strategy_label
 
 __all__ = ["get_score", "incremental_dump", "set_score"]
-
-_S = DynamicEmbScoreStrategy
-_CLOCKED = (int(_S.TIMESTAMP), int(_S.NO_EVICTION), TIMESTAMP_LFU)
 
 Threshold = Union[int, Dict[str, int]]
 
@@ -51,9 +49,9 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
                      torch.cat(values).to(dev) if values
                      else torch.empty(0, dim, dtype=ref.module.embedding_dtype, device=dev))
         strategy = storage.strategy(t)
-        if strategy in _CLOCKED:
+        if rules.access_time_is_clock(strategy):
             nxt[name] = now
-        elif strategy == _S.STEP:
+        elif rules.scored_by_step(strategy):
             nxt[name] = ref.module.step + 1  # the next training step's score
         else:
             nxt[name] = threshold
@@ -70,9 +68,9 @@ def get_score(model: torch.nn.Module) -> Dict[str, int]:
     scores = {}
     for name, ref in model_tables(model, what="get_score").items():
         strategy = ref.storage.strategy(ref.index)
-        if strategy == _S.STEP:
+        if rules.scored_by_step(strategy):
             scores[name] = ref.module.step
-        elif strategy == _S.CUSTOMIZED:
+        elif rules.scored_by_caller(strategy):
             scores[name] = ref.storage.custom_scores[ref.index]
     return scores
 
@@ -90,10 +88,10 @@ def set_score(model: torch.nn.Module, score: Threshold) -> None:
             continue
         value = _per_table(score, name)
         strategy = ref.storage.strategy(ref.index)
-        if strategy == _S.CUSTOMIZED:
+        if rules.scored_by_caller(strategy):
             ref.storage.custom_scores[ref.index] = value
-        elif strategy == _S.STEP:
+        elif rules.scored_by_step(strategy):
             ref.module.step = value
         elif isinstance(score, dict):
-            raise ValueError(f"table {name!r} scores by strategy {_S(strategy).name if strategy < 5 else strategy}; "
+            raise ValueError(f"table {name!r} scores by strategy {strategy_label(strategy)}; "
                              f"only STEP and CUSTOMIZED scores can be set")

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from dynamicemb import rules
 from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
 
@@ -33,8 +34,8 @@ class DynamicEmbInitializerArgs:
     value: float = 0.0
 
     def packed(self, num_embeddings: Optional[int], stream: int) -> list:
-        """[mode, mean, std_dev, lower, upper, value, stream] for the kernels
-        (init::Args); `stream` is the table's random stream id."""
+        """The float64 row the kernels take (init::Args), its columns in
+        rules.INIT_ARGS order; `stream` is the table's random stream id."""
         lower, upper = self.lower, self.upper
         if self.mode == DynamicEmbInitializerMode.UNIFORM:
             bound = math.sqrt(1.0 / num_embeddings) if num_embeddings else 0.0
@@ -45,7 +46,9 @@ class DynamicEmbInitializerArgs:
             upper = self.mean + 2 * self.std_dev if upper is None else upper
         if lower is not None and upper is not None and lower > upper:
             raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}")
-        return [float(int(self.mode)), self.mean, self.std_dev, lower or 0.0, upper or 0.0, self.value, float(stream)]
+        row = dict(mode=float(int(self.mode)), mean=self.mean, std_dev=self.std_dev, lower=lower or 0.0,
+                   upper=upper or 0.0, value=self.value, stream=float(stream))
+        return [row[name] for name in rules.INIT_ARGS]
 
 
 @dataclass

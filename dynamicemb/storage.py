@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from dynamicemb import memory
+from dynamicemb import memory, rules
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
@@ -20,9 +20,7 @@ from dynamicemb.positions import where_true
 from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
                                          RowBlocks)
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
-from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult, strategy_code
-
-_S = DynamicEmbScoreStrategy
+from dynamicemb.types import InsertResult, strategy_code, strategy_of
 
 
 def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
@@ -77,8 +75,7 @@ class HashTableStorage(EmbeddingStorage):
         self.groups = []  # (ScoredHashTable, global table ids)
         self.group_of = [None] * self.num_tables  # t -> (group index, table id in the group)
         for gi, ((code, bc, _), tables) in enumerate(groups.items()):
-            strategy = (_S.TIMESTAMP, _S.LFU) if code == 5 else _S(code)
-            ht = ScoredHashTable([init_caps[t] for t in tables], bucket_capacity=bc, score_strategy=strategy,
+            ht = ScoredHashTable([init_caps[t] for t in tables], bucket_capacity=bc, score_strategy=strategy_of(code),
                                  num_tables=len(tables), device=device, table_names=[names[t] for t in tables])
             self.groups.append((ht, tables))
             for lt, t in enumerate(tables):
@@ -194,14 +191,14 @@ class HashTableStorage(EmbeddingStorage):
     def insert_scores(self, g: int, local_tids: torch.Tensor, counts: torch.Tensor, step: int):
         """The scores an insert into group g gives its keys (ScoredHashTable.insert's `scores`)."""
         ht, tables = self.groups[g]
-        if ht.strategy == _S.STEP:
+        if rules.scored_by_step(ht.strategy):
             return step
-        if ht.strategy == _S.CUSTOMIZED:
+        if rules.scored_by_caller(ht.strategy):
             per_table = torch.tensor([self.custom_scores[t] for t in tables], dtype=torch.int64, device=self.device)
             return per_table[local_tids]
-        if ht.strategy in (_S.LFU, 5):
+        if rules.counts_accesses(ht.strategy):
             return counts
-        return None  # TIMESTAMP, NO_EVICTION: the table's clock
+        return None  # the table's clock
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
         slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
@@ -361,7 +358,7 @@ class HashTableStorage(EmbeddingStorage):
                     self.version += 1  # the evicted keys' rows now hold other keys
                 return out
             for lt in retry:  # the retry counts its own failures
-                ht.counters[lt, 2] -= per_table[lt]
+                ht.counters[lt, rules.TableCounter.FAILED] -= per_table[lt]
             caps = ht.capacities()
             old_slots = ht.slot_keys.numel()
             moved_from, moved_to = self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c

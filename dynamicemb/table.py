@@ -8,12 +8,11 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dynamicemb import memory
+from dynamicemb import memory, rules
 from dynamicemb._ops import ops
 from dynamicemb.positions import where_true
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, canonical_device, strategy_code
+from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, strategy_code
 
-_S = DynamicEmbScoreStrategy
 # Insert calls are numbered 1.._MAX_EPOCH in each slot's one-byte epoch (the
 # call that last wrote it); on wrapping every slot's epoch is cleared.
 _EPOCH_DTYPE = torch.uint8
@@ -104,8 +103,8 @@ class ScoredHashTable:
         self._table_buckets = self._bucket_offsets([c // bucket_capacity for c in caps])
         self._alloc_slots(sum(caps))
         self.sizes = torch.zeros(num_tables, dtype=torch.int64, device=self.device)
-        # Per table: inserted (new keys stored), evicted, failed.
-        self.counters = torch.zeros(num_tables, 3, dtype=torch.int64, device=self.device)
+        # Per table, columns rules.TableCounter: inserted (new keys stored), evicted, failed.
+        self.counters = torch.zeros(num_tables, len(rules.TableCounter), dtype=torch.int64, device=self.device)
 
     # ---- layout --------------------------------------------------------------------
 
@@ -125,7 +124,7 @@ class ScoredHashTable:
         self.slot_keys = memory.zeros(num_slots, torch.int64, self.device)
         self.slot_digests = memory.zeros(num_slots, torch.uint8, self.device)  # all kEmpty
         self.slot_scores = memory.zeros(num_slots, torch.int64, self.device)
-        n_ts = num_slots if self.strategy == TIMESTAMP_LFU else 0
+        n_ts = num_slots if rules.keeps_timestamps(self.strategy) else 0
         self.slot_timestamps = memory.zeros(n_ts, torch.int64, self.device)
         self.slot_epochs = memory.zeros(num_slots, _EPOCH_DTYPE, self.device)
 
@@ -183,20 +182,19 @@ class ScoredHashTable:
     def _scores(self, scores: Scores, n: int) -> Tuple[int, Optional[torch.Tensor]]:
         """(call score, per-key scores) for the kernels, per the strategy."""
         s = self.strategy
-        if s in (_S.TIMESTAMP, _S.NO_EVICTION):
-            return self.now(), None
-        if s == _S.STEP:
+        if rules.scored_by_step(s):
             if isinstance(scores, torch.Tensor):
                 raise TypeError("STEP scores take one step number (an int) per call")
             return (self.step if scores is None else int(scores)), None
-        if s == _S.CUSTOMIZED:
+        if rules.scored_by_caller(s):
             if scores is None:
                 raise ValueError("the CUSTOMIZED score strategy needs scores (an int or a tensor per key)")
             if isinstance(scores, int):
                 return scores, None
             return 0, self._per_key(scores, n, "scores")
-        # LFU, (TIMESTAMP, LFU): frequencies; the call score is the clock.
-        return self.now(), self._per_key(scores, n, "scores")
+        if rules.counts_accesses(s):  # frequencies; the call score is the clock (the access time)
+            return self.now(), self._per_key(scores, n, "scores")
+        return self.now(), None  # the clock
 
     def now(self) -> int:
         """The table's clock in ns, which the clock strategies score with:
@@ -319,7 +317,7 @@ class ScoredHashTable:
         begin, end = (0, self.slot_keys.numel()) if table_id is None else self.table_slot_range(table_id)
         filt = None
         if threshold is not None:
-            filt = self.slot_timestamps if self.strategy == TIMESTAMP_LFU else self.slot_scores
+            filt = self.slot_timestamps if rules.keeps_timestamps(self.strategy) else self.slot_scores
         for b in range(begin, end, batch_size):
             keys, tids, idx = ops.table_export_range(self.slot_keys, self.slot_digests, filt,
                                                      self._table_buckets, b, min(end, b + batch_size),
@@ -377,7 +375,7 @@ class ScoredHashTable:
     def get_counters(self, table_id: Optional[int] = None) -> dict:
         """{"inserted", "evicted", "failed"} since the last reset, of one table or all."""
         c = self.counters.sum(0) if table_id is None else self.counters[self._table_id(table_id)]
-        return dict(zip(("inserted", "evicted", "failed"), c.tolist()))
+        return dict(zip(rules.TABLE_COUNTERS, c.tolist()))
 
     def reset_counters(self, table_id: Optional[int] = None) -> None:
         """Zeroes the counters of one table, or of all."""
@@ -392,6 +390,6 @@ class ScoredHashTable:
     def timestamps_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Access times of (TIMESTAMP, LFU) tables; for other strategies the
         score already is the access time or step."""
-        if self.strategy != TIMESTAMP_LFU:
+        if not rules.keeps_timestamps(self.strategy):
             raise ValueError("timestamps are kept only by the (TIMESTAMP, LFU) strategy")
         return self.slot_timestamps[indices]

@@ -3,6 +3,8 @@ import enum
 
 import torch
 
+from dynamicemb import rules
+
 
 class DynamicEmbScoreStrategy(enum.IntEnum):
     """How a row's score is set; eviction takes the lowest score of a bucket.
@@ -19,14 +21,15 @@ class DynamicEmbScoreStrategy(enum.IntEnum):
 
 
 # Internal code of the (TIMESTAMP, LFU) pair (table_rules.h: kTimestampLfu).
-TIMESTAMP_LFU = 5
+TIMESTAMP_LFU = rules.TIMESTAMP_LFU
+_PAIR = (DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU)
 
 
 def strategy_code(strategy) -> int:
     """The kernel code of a strategy: one enum member or the (TIMESTAMP, LFU) pair."""
     if isinstance(strategy, (tuple, list, set, frozenset)):
         members = {DynamicEmbScoreStrategy(s) for s in strategy}
-        if members == {DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU}:
+        if members == set(_PAIR):
             return TIMESTAMP_LFU
         if len(members) == 1:
             return int(next(iter(members)))
@@ -37,6 +40,18 @@ def strategy_code(strategy) -> int:
         return int(DynamicEmbScoreStrategy(strategy))
     except ValueError:
         raise ValueError(f"unknown score_strategy {strategy!r}") from None
+
+
+def strategy_of(code: int):
+    """The score strategy of a kernel code, as strategy_code takes it: an
+    enum member, or the (TIMESTAMP, LFU) pair."""
+    return _PAIR if code == TIMESTAMP_LFU else DynamicEmbScoreStrategy(code)
+
+
+def strategy_label(code: int) -> str:
+    """A strategy code for people: TIMESTAMP, ..., (TIMESTAMP, LFU)."""
+    s = strategy_of(code)
+    return f"({', '.join(m.name for m in s)})" if isinstance(s, tuple) else s.name
 
 
 class InsertResult(enum.IntEnum):

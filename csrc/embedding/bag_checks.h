@@ -56,12 +56,40 @@ inline void check_row_width(size_t t, at::ScalarType dtype, int64_t width, int64
               " bytes wide (codes, then float32 scale and bias), got ", width);
 }
 
+enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
+
 // The fused update's codes: an optimizer and a weight decay mode the rules know.
 inline void check_optimizer(int64_t optimizer, int64_t weight_decay_mode) {
-  TORCH_CHECK(optimizer >= optim::kSgd && optimizer <= optim::kRowwiseAdagrad, "dynamicemb: unknown optimizer ",
-              optimizer);
-  TORCH_CHECK(weight_decay_mode >= optim::kDecayNone && weight_decay_mode <= optim::kDecayDecoupled,
+  TORCH_CHECK(optim::known(optimizer), "dynamicemb: unknown optimizer ", optimizer);
+  TORCH_CHECK(weight_decay_mode >= 0 && weight_decay_mode < optim::kDecayModes,
               "dynamicemb: unknown weight_decay_mode ", weight_decay_mode, " (0 NONE, 1 L2, 2 DECOUPLE)");
+}
+
+// Where each feature's gradient is in grad_output: col[f] its first column
+// (pooled; col[F] = width), width the row width of grad_output.
+struct GradColumns {
+  std::vector<int64_t> col;
+  int64_t width;
+};
+
+// emb_backward_update's checks once its tensors' own are done: the codes,
+// each table's room for its optimizer state (rows [rows, stride]) and the
+// shape of grad_output for n indices in bags of B per feature.
+inline GradColumns check_backward(const at::Tensor& grad_output, int64_t n, int64_t B,
+                                  const std::vector<int64_t>& feature_table, const std::vector<int64_t>& dim,
+                                  const std::vector<int64_t>& stride, int64_t pooling, int64_t optimizer,
+                                  int64_t weight_decay_mode) {
+  check_optimizer(optimizer, weight_decay_mode);
+  for (size_t t = 0; t < dim.size(); ++t)
+    TORCH_CHECK(stride[t] >= dim[t] + optim::state_width(optimizer, dim[t]), "dynamicemb: table ", t,
+                " rows have no room for the optimizer state");
+  const int64_t F = static_cast<int64_t>(feature_table.size());
+  GradColumns g{std::vector<int64_t>(F + 1, 0), 0};
+  for (int64_t f = 0; f < F; ++f) g.col[f + 1] = g.col[f] + dim[feature_table[f]];
+  g.width = pooling == kNone ? dim[feature_table[0]] : g.col[F];
+  TORCH_CHECK(grad_output.size(1) == g.width && grad_output.size(0) == (pooling == kNone ? n : B),
+              "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
+  return g;
 }
 
 }  // namespace embedding

@@ -387,34 +387,25 @@ Tensor forward_cpu(TensorList weights, const Tensor& rows, const Tensor& unique_
 
 // ---- backward + fused optimizer ------------------------------------------------------------
 
-template <class W>
-void update_row(W* row, int64_t D, float* g, int64_t kind, const optim::Params& p, const optim::AdamBias& bias) {
-  switch (kind) {
-    case optim::kSgd:
-      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kSgd>(row, D, d, g[d], p, bias);
-      break;
-    case optim::kAdagrad:
-      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kAdagrad>(row, D, d, g[d], p, bias);
-      break;
-    case optim::kRowwiseAdagrad: {
-      float sum_sq = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float gs = optim::rowwise_adagrad_state_grad(g[d], static_cast<float>(row[d]), p);
-        sum_sq += gs * gs;
-      }
-      const float m = optim::rowwise_adagrad_state(static_cast<float>(row[D]), sum_sq, D);
-      row[D] = static_cast<W>(m);
-      const float mult = optim::rowwise_adagrad_multiplier(m, p);
-      const float corr = optim::rowwise_adagrad_correction(mult, p);
-      for (int64_t d = 0; d < D; ++d)
-        row[d] = static_cast<W>(optim::rowwise_adagrad_update(static_cast<float>(row[d]), g[d], mult, corr));
-      break;
-    }
-    case optim::kAdam:
-      for (int64_t d = 0; d < D; ++d) optim::update_element<optim::kAdam>(row, D, d, g[d], p, bias);
-      break;
+// A row's reduced gradient g[0, D), visited in element order (optim::update_row's walk).
+struct RowWalk {
+  const float* g;
+  int64_t D;
+  template <class Fn>
+  void for_each(Fn fn) const {
+    for (int64_t d = 0; d < D; ++d) fn(d, g[d]);
   }
-}
+  template <class Term>
+  float sum(Term term) const {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s += term(d, g[d]);
+    return s;
+  }
+  template <class Fn>
+  void once(Fn fn) const {
+    fn();
+  }
+};
 
 void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Tensor& rows,
                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
@@ -432,18 +423,11 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   const float* psw = opt_weights(per_sample_weights, n);
   TORCH_CHECK(grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() && grad_output.dim() == 2,
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor");
-  check_optimizer(optimizer, weight_decay_mode);
-  for (int64_t t = 0; t < (int64_t)R.w.size(); ++t)
-    TORCH_CHECK(R.stride[t] >= R.dim[t] + optim::state_width(optimizer, R.dim[t]), "dynamicemb: table ", t,
-                " rows have no room for the optimizer state");
-  std::vector<int64_t> doff(bags.F + 1, 0);
-  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
-  const int64_t total_d = pooling == kNone ? R.dim[bags.table[0]] : doff[bags.F];
-  TORCH_CHECK(grad_output.size(1) == total_d && grad_output.size(0) == (pooling == kNone ? n : bags.B),
-              "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
-  const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
-                        static_cast<float>(beta2), static_cast<float>(weight_decay), step, weight_decay_mode};
-  const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
+  const GradColumns cols = check_backward(grad_output, n, bags.B, bags.table, R.dim, R.stride, pooling, optimizer,
+                                          weight_decay_mode);
+  const std::vector<int64_t>& doff = cols.col;
+  const int64_t total_d = cols.width;
+  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode);
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();
@@ -523,7 +507,10 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
         sum_rows(g.data(), occ_g.get() + begin[u], occ_s.get() + begin[u], begin[u + 1] - begin[u], D, 0);
-        update_row(w[t] + r[u] * R.stride[t], D, g.data(), optimizer, p, bias);
+        RowWalk walk{g.data(), D};
+        optim::dispatch(optimizer, [&](auto rule) {
+          optim::update_row<decltype(rule)>(w[t] + r[u] * R.stride[t], D, walk, p);
+        });
       }
     });
   });

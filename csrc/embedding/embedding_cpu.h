@@ -30,8 +30,6 @@ using at::Tensor;
 using at::TensorList;
 using c10::IntArrayRef;
 
-enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
-
 // Every inverse[i] names one of `keys` unique keys: the kernels index rows
 // and keys by it. One branch-free pass; the first bad position is searched
 // only when there is one.

@@ -16,14 +16,11 @@
 //   table_rules.h's scalar bucket scan, then emb_forward's kernels run with
 //   each index as its own key (inverse = identity). It also reads uint8 rows
 //   (bag_checks.h), dequantized per element by load_value.
-// - emb_backward_update: occurrences grouped per unique key by a stable sort
-//   of inverse; one warp per unique key sums its gradient in input order,
-//   then applies the optimizer rule to the row in place. Row-wise Adagrad
-//   sums the squared gradient in element order (warp_sum_in_order), as the
-//   CPU's sequential loop.
+// - emb_backward_update: backward_cuda.cu.
 //
-// Validation matches the CPU's checks and messages; checks of device data
-// (offsets, row ranges) cost one synchronizing copy of an error record.
+// Validation (embedding_cuda.cuh) matches the CPU's checks and messages;
+// checks of device data (offsets, row ranges) cost one synchronizing copy of
+// an error record.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
@@ -41,11 +38,8 @@
 #include <tuple>
 #include <vector>
 
-#include "common/checks.h"
-#include "common/cuda_utils.cuh"
-#include "embedding/bag_checks.h"
+#include "embedding/embedding_cuda.cuh"
 #include "embedding/init_rules.h"
-#include "embedding/optimizer_rules.h"
 #include "embedding/unique_rules.h"
 #include "table/table_rules.h"
 
@@ -53,133 +47,11 @@ namespace dynamicemb {
 namespace embedding {
 namespace {
 
-using at::Tensor;
-using at::TensorList;
-using c10::IntArrayRef;
-using namespace dynamicemb::cuda;
-
-enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
-
-// Elements per lane of a row chunk: a warp covers kChunk dims at a time.
-constexpr int kPerLane = 8;
-constexpr int64_t kChunk = kPerLane * kWarp;
-
-// Per-table facts the kernels need (uploaded per call).
-struct TableDev {
-  void* w;  // [rows, stride] in the storage dtype
-  int64_t dim, stride, rows;
-  init::Args init;
-};
-// Per feature: its table and first column in the pooled output.
-struct FeatureDev {
-  int64_t table, col;
-};
-
 // The initial value of one element: one out-of-line copy of init::value (a
 // rare path; inlined into every kernel instantiation it would dominate the
 // code size and compile time).
 __device__ __noinline__ float initial_value(const init::Args* a, uint64_t seed, int64_t key, int64_t d, int64_t D) {
   return init::value(*a, seed, key, d, D);
-}
-
-// ---- validation (the CPU's checks, on a CUDA device) ----------------------------------------
-
-struct Bags {
-  const int64_t* off;  // device
-  int64_t F, B, n;
-  std::vector<int64_t> table;  // per feature
-  int64_t num_bags() const { return F * B; }
-};
-
-__global__ void check_offsets_kernel(const int64_t* off, int64_t nb, int64_t* err) {
-  if (thread_begin() == 0) {
-    err[1] = off[0];
-    err[2] = off[nb];
-  }
-  for (int64_t j = thread_begin(); j < nb; j += thread_stride())
-    if (off[j + 1] < off[j]) flag_min(&err[0], j);
-}
-
-Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables, at::Device dev,
-                cudaStream_t stream) {
-  check_1d(offsets, at::kLong, "offsets", dev);
-  const auto [F, B] = check_bag_shape(offsets, feature_table, num_tables);
-  Bags bags{offsets.data_ptr<int64_t>(), F, B, n, std::vector<int64_t>(feature_table.begin(), feature_table.end())};
-  const int64_t nb = bags.num_bags();
-  ErrorSlots err(3, dev, stream);  // first non-decreasing violation, off[0], off[nb]
-  check_offsets_kernel<<<blocks_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const std::vector<int64_t> e = err.read();
-  check_offset_values(e[1], e[2], n, e[0] == kNoError ? -1 : e[0], [&](int64_t j) {
-    const auto v = download(bags.off + j, 2, stream);
-    return std::make_pair(v[0], v[1]);
-  });
-  return bags;
-}
-
-struct Rows {
-  std::vector<Tensor> w;
-  std::vector<int64_t> dim, stride;
-  at::ScalarType dtype;
-  at::Device device;
-};
-
-// The op runs on the device of `rows`. A table's weights are on that device,
-// or in pinned host memory (the host tier, storage.py): the kernels then read
-// and update the rows in place through the mapped device pointer.
-Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
-  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
-              " weight tensors for ", dims.size(), " tables");
-  Rows r{{}, {}, {}, weights[0].scalar_type(), rows.device()};
-  TORCH_CHECK(r.device.is_cuda(), "dynamicemb: rows must be on a CUDA device, got ", r.device);
-  for (size_t t = 0; t < weights.size(); ++t) {
-    const Tensor& w = weights[t];
-    TORCH_CHECK((w.device() == r.device || (w.is_cpu() && w.is_pinned())) && w.dim() == 2 && w.is_contiguous() &&
-                    w.scalar_type() == r.dtype,
-                "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
-                r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
-    check_row_width(t, r.dtype, w.size(1), dims[t]);
-    r.w.push_back(w);
-    r.dim.push_back(dims[t]);
-    r.stride.push_back(w.size(1));
-  }
-  return r;
-}
-
-// init_params may live on the host (as the module keeps it) or on the device.
-std::vector<init::Args> init_args(const Tensor& params, int64_t num_tables, cudaStream_t stream) {
-  TORCH_CHECK(params.scalar_type() == at::kDouble && params.dim() == 2 && params.is_contiguous() &&
-                  params.size(0) == num_tables && params.size(1) == init::kArgsWidth,
-              "dynamicemb: init_params must be a contiguous float64 [num_tables, ", init::kArgsWidth, "] tensor");
-  TORCH_CHECK(params.device().is_cpu() || params.device().is_cuda(),
-              "dynamicemb: init_params must be on the CPU or a CUDA device");
-  const std::vector<double> host =
-      download(params.data_ptr<double>(), params.numel(), stream, params.device().is_cuda());
-  std::vector<init::Args> a;
-  for (int64_t t = 0; t < num_tables; ++t) a.push_back(init::args_from(host.data() + t * init::kArgsWidth));
-  return a;
-}
-
-std::vector<TableDev> table_facts(const Rows& R, const std::vector<init::Args>& args) {
-  std::vector<TableDev> tabs;
-  for (size_t t = 0; t < R.w.size(); ++t)
-    tabs.push_back(TableDev{kernel_ptr(R.w[t]), R.dim[t], R.stride[t], R.w[t].size(0),
-                            args.empty() ? init::Args{} : args[t]});
-  return tabs;
-}
-
-std::vector<FeatureDev> feature_facts(const Bags& bags, const std::vector<int64_t>& col) {
-  std::vector<FeatureDev> feats;
-  for (int64_t f = 0; f < bags.F; ++f) feats.push_back(FeatureDev{bags.table[f], col[f]});
-  return feats;
-}
-
-const float* opt_weights(const std::optional<Tensor>& psw, int64_t n, at::Device dev) {
-  if (!psw) return nullptr;
-  check_1d(*psw, at::kFloat, "per_sample_weights", dev);
-  TORCH_CHECK(psw->numel() == n, "dynamicemb: per_sample_weights has ", psw->numel(), " entries for ", n,
-              " indices");
-  return psw->data_ptr<float>();
 }
 
 // ---- unique ------------------------------------------------------------------------------------
@@ -350,12 +222,6 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
 }
 
 // ---- forward ---------------------------------------------------------------------------------------
-
-// acc + scale * v, rounded after each operation (the CPU's -ffp-contract=off).
-__device__ __forceinline__ float mul_add(float acc, float scale, float v) {
-  return __fadd_rn(acc, __fmul_rn(scale, v));
-}
-
 // Element d of a row of D elements, as a float.
 template <class W>
 __device__ __forceinline__ float load_value(const W* row, int64_t d, int64_t /*D*/) {
@@ -625,198 +491,12 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
                       pooling, init_params, seed, output_dtype, true);
 }
 
-// ---- backward + fused optimizer ------------------------------------------------------------------
-
-// The bag of every index (pooled backward).
-__global__ void index_bags_kernel(const int64_t* off, int64_t nb, int64_t n, int64_t* bag) {
-  for (int64_t i = thread_begin(); i < n; i += thread_stride()) bag[i] = bag_of(off, nb, i);
-}
-
-// Where the gradient of one occurrence comes from, as backward_update_cpu.
-struct GradSource {
-  const float* grad;
-  const int64_t* occ;  // positions of the indices, grouped by unique key, input order within
-  const int64_t* bag;  // bag of every index (pooled)
-  const int64_t* off;
-  const FeatureDev* feats;
-  const float* psw;
-  int64_t B, total_d;
-  bool none, mean;
-
-  // g[k] (element d0 + k * 32 + lane) = sum over occurrences [beg, end) in
-  // order of scale * (their output gradient), from 0, rounded per step.
-  __device__ __forceinline__ void sum(float (&g)[kPerLane], int64_t d0, int64_t D, int64_t beg, int64_t end,
-                                      int lane) const {
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) g[k] = 0.0f;
-    for (int64_t j0 = beg; j0 < end; j0 += kWarp) {
-      int64_t go = 0;
-      float s = 0.0f;
-      if (j0 + lane < end) {
-        const int64_t i = occ[j0 + lane];
-        s = psw ? psw[i] : 1.0f;
-        if (none) {
-          go = i * D;
-        } else {
-          const int64_t jb = bag[i];
-          go = (jb % B) * total_d + feats[jb / B].col;
-          if (mean) s = __fdiv_rn(s, static_cast<float>(off[jb + 1] - off[jb]));
-        }
-      }
-      const int cnt = end - j0 < kWarp ? static_cast<int>(end - j0) : kWarp;
-      for (int q = 0; q < cnt; ++q) {
-        const int64_t gq = __shfl_sync(kFullMask, go, q);
-        const float sq = __shfl_sync(kFullMask, s, q);
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int64_t d = d0 + k * kWarp + lane;
-          if (d < D) g[k] = mul_add(g[k], sq, grad[gq + d]);
-        }
-      }
-    }
-  }
-};
-
-// One warp per unique key with a row: its gradient chunk by chunk, then the
-// optimizer rule on the row in place (update_row of the CPU).
-template <class W>
-__global__ void backward_update_kernel(GradSource src, const TableDev* tabs, const int64_t* rows, const int64_t* utids,
-                                       const int64_t* occ_begin, int64_t U, int64_t kind, optim::Params p,
-                                       optim::AdamBias bias) {
-  const int lane = lane_id();
-  for (int64_t u = warp_begin(); u < U; u += warp_stride()) {
-    const int64_t r = rows[u];
-    if (r < 0) continue;
-    const TableDev& tab = tabs[utids[u]];
-    const int64_t D = tab.dim, beg = occ_begin[u], end = occ_begin[u + 1];
-    W* row = static_cast<W*>(tab.w) + r * tab.stride;
-    float g[kPerLane];
-    if (kind == optim::kRowwiseAdagrad) {
-      // Pass 1: the squares of the state's gradient (L2: decayed), summed in
-      // element order. A row wider than one chunk sums its gradient again in
-      // pass 2 (same order, same values) instead of staging it.
-      float sum_sq = 0.0f;
-      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-        src.sum(g, d0, D, beg, end, lane);
-        float sq[kPerLane];
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int64_t d = d0 + k * kWarp + lane;
-          const float gs = d < D ? optim::rowwise_adagrad_state_grad(g[k], static_cast<float>(row[d]), p) : 0.0f;
-          sq[k] = __fmul_rn(gs, gs);
-        }
-        sum_sq = warp_sum_in_order(sum_sq, sq, d0, D);
-      }
-      const float m = optim::rowwise_adagrad_state(static_cast<float>(row[D]), sum_sq, D);
-      const float mult = optim::rowwise_adagrad_multiplier(m, p);
-      const float corr = optim::rowwise_adagrad_correction(mult, p);
-      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-        if (D > kChunk) src.sum(g, d0, D, beg, end, lane);
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int64_t d = d0 + k * kWarp + lane;
-          if (d < D)
-            row[d] = static_cast<W>(optim::rowwise_adagrad_update(static_cast<float>(row[d]), g[k], mult, corr));
-        }
-      }
-      __syncwarp();  // every lane has read row[D]
-      if (lane == 0) row[D] = static_cast<W>(m);
-      continue;
-    }
-    for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-      src.sum(g, d0, D, beg, end, lane);
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int64_t d = d0 + k * kWarp + lane;
-        if (d >= D) continue;
-        switch (kind) {
-          case optim::kSgd:
-            optim::update_element<optim::kSgd>(row, D, d, g[k], p, bias);
-            break;
-          case optim::kAdagrad:
-            optim::update_element<optim::kAdagrad>(row, D, d, g[k], p, bias);
-            break;
-          case optim::kAdam:
-            optim::update_element<optim::kAdam>(row, D, d, g[k], p, bias);
-            break;
-        }
-      }
-    }
-  }
-}
-
-void backward_update_cuda(const Tensor& grad_output, TensorList weights, const Tensor& rows,
-                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
-                          IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
-                          int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                          double weight_decay, int64_t step, int64_t weight_decay_mode) {
-  const Rows R = check_rows(weights, dims, rows);
-  const at::Device dev = R.device;
-  const c10::cuda::CUDAGuard guard(dev);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
-  check_1d(rows, at::kLong, "rows", dev);
-  check_1d(unique_table_ids, at::kLong, "unique_table_ids", dev);
-  check_1d(inverse, at::kLong, "inverse", dev);
-  const int64_t U = rows.numel(), n = inverse.numel();
-  TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
-  const float* psw = opt_weights(per_sample_weights, n, dev);
-  TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
-                  grad_output.dim() == 2,
-              "dynamicemb: grad_output must be a contiguous float32 2-D tensor on ", dev);
-  check_optimizer(optimizer, weight_decay_mode);
-  for (int64_t t = 0; t < (int64_t)R.w.size(); ++t)
-    TORCH_CHECK(R.stride[t] >= R.dim[t] + optim::state_width(optimizer, R.dim[t]), "dynamicemb: table ", t,
-                " rows have no room for the optimizer state");
-  std::vector<int64_t> doff(bags.F + 1, 0);
-  for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
-  const int64_t total_d = pooling == kNone ? R.dim[bags.table[0]] : doff[bags.F];
-  TORCH_CHECK(grad_output.size(1) == total_d && grad_output.size(0) == (pooling == kNone ? n : bags.B),
-              "dynamicemb: grad_output has shape ", grad_output.sizes(), ", the output had another");
-  const optim::Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
-                        static_cast<float>(beta2), static_cast<float>(weight_decay), step, weight_decay_mode};
-  // Host-side, as the CPU: device powf may differ from the host's in the last bit.
-  const optim::AdamBias bias = optimizer == optim::kAdam ? optim::adam_bias(p) : optim::AdamBias{1.0f, 1.0f};
-  if (U == 0) return;
-
-  // The occurrences of each unique key, in input order (stable sort of inverse).
-  const auto L = inverse.options();
-  Tensor occ = at::empty({0}, L), sorted_inv = at::empty({0}, L), bag = at::empty({0}, L);
-  if (n > 0) std::tie(sorted_inv, occ) = stable_sort(inverse);
-  const Tensor occ_begin = segment_begins(sorted_inv, U, stream);
-  if (pooling != kNone && n > 0) {
-    bag = at::empty({n}, L);
-    index_bags_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(bags.off, bags.num_bags(), n,
-                                                                       bag.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  const Tensor tabs = upload(table_facts(R, {}), dev, stream);
-  const Tensor feats = upload(feature_facts(bags, doff), dev, stream);
-  const GradSource src{grad_output.data_ptr<float>(),
-                       occ.data_ptr<int64_t>(),
-                       bag.data_ptr<int64_t>(),
-                       bags.off,
-                       device_ptr<FeatureDev>(feats),
-                       psw,
-                       bags.B,
-                       total_d,
-                       pooling == kNone,
-                       pooling == kMean};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward_cuda", [&] {
-    backward_update_kernel<scalar_t><<<blocks_for(U, kWarpsPerBlock), kThreads, 0, stream>>>(
-        src, device_ptr<TableDev>(tabs), rows.data_ptr<int64_t>(), unique_table_ids.data_ptr<int64_t>(),
-        occ_begin.data_ptr<int64_t>(), U, optimizer, p, bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("emb_unique", &unique_cuda);
   m.impl("emb_init_rows", &init_rows_cuda);
   m.impl("emb_forward", &forward_cuda);
-  m.impl("emb_backward_update", &backward_update_cuda);
   m.impl("emb_lookup_forward", &lookup_forward_cuda);
 }
 

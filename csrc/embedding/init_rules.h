@@ -17,23 +17,27 @@ namespace dynamicemb {
 namespace init {
 
 // Values match dynamicemb.DynamicEmbInitializerMode.
-enum Mode : int64_t { kNormal = 0, kTruncatedNormal = 1, kUniform = 2, kConstant = 3, kDebug = 4 };
+enum Mode : int64_t { kNormal = 0, kTruncatedNormal = 1, kUniform = 2, kConstant = 3, kDebug = 4, kModes = 5 };
+constexpr const char* kModeNames[kModes] = {"NORMAL", "TRUNCATED_NORMAL", "UNIFORM", "CONSTANT", "DEBUG"};
 
-// One table's initializer; mirrors DynamicEmbInitializerArgs (packed by the
-// Python side into a float64 row: mode, mean, std_dev, lower, upper, value,
-// stream). `stream` names the table's random stream: a stable id of the table
-// (not its position in a module), so that grouping tables differently on
-// another world size keeps every key's initial row.
+// One table's initializer; mirrors DynamicEmbInitializerArgs. `stream` names
+// the table's random stream: a stable id of the table (not its position in a
+// module), so that grouping tables differently on another world size keeps
+// every key's initial row.
 struct Args {
   int64_t mode;
   double mean, std_dev, lower, upper, value;
   int64_t stream;
 };
-constexpr int kArgsWidth = 7;
+
+// The packed form the kernels take: a float64 row per table whose columns are
+// these (Python packs by kArgNames, dynamicemb.rules.INIT_ARGS).
+enum ArgColumn : int { kArgMode, kArgMean, kArgStdDev, kArgLower, kArgUpper, kArgValue, kArgStream, kArgsWidth };
+constexpr const char* kArgNames[kArgsWidth] = {"mode", "mean", "std_dev", "lower", "upper", "value", "stream"};
 
 DE_HD Args args_from(const double* row) {
-  return Args{static_cast<int64_t>(row[0]), row[1], row[2], row[3], row[4], row[5],
-              static_cast<int64_t>(row[6])};
+  return Args{static_cast<int64_t>(row[kArgMode]), row[kArgMean], row[kArgStdDev], row[kArgLower], row[kArgUpper],
+              row[kArgValue], static_cast<int64_t>(row[kArgStream])};
 }
 
 // ---- Philox4x32-10 -------------------------------------------------------------

@@ -9,10 +9,12 @@ import os
 import sys
 import time
 
+from dynamicemb import rules
 from dynamicemb.checkpoint.format import MANIFEST, CheckpointError, read_manifest, stale_siblings, verify_files
+from dynamicemb.types import strategy_label
 
-_OPTIMIZERS = {0: "EXACT_SGD", 1: "ADAM", 2: "EXACT_ADAGRAD", 3: "EXACT_ROWWISE_ADAGRAD"}
-_STRATEGIES = {0: "TIMESTAMP", 1: "STEP", 2: "CUSTOMIZED", 3: "LFU", 4: "NO_EVICTION", 5: "(TIMESTAMP, LFU)"}
+_OPTIMIZERS = {o.code: o.name for o in rules.OPTIMIZERS}
+_STRATEGIES = {code: strategy_label(code) for code in rules.STRATEGIES}
 
 
 def _list_stale(path: str) -> None:

@@ -21,9 +21,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from dynamicemb import rules
 from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
-from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
+from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.fsync import fsync_dir
 
 DEFAULT_CHUNK_ROWS = 1 << 18
@@ -36,10 +37,10 @@ def _shard_parts(name, ref, optim, chunk_rows):
     now = ref.storage.now(ref.index)
     for b in ref.storage.export_rows(ref.index, chunk_rows, lazy=True):  # rows streamed by write_part
         part = {"keys": b.keys, "values": b.values,
-                "scores": now - b.scores if clock_scored(strategy) else b.scores}
+                "scores": now - b.scores if rules.score_is_clock(strategy) else b.scores}
         if optim:
             part["optimizer_state"] = b.optimizer_state
-        if b.timestamps is not None and has_timestamps(strategy):
+        if b.timestamps is not None and rules.keeps_timestamps(strategy):
             part["timestamps"] = now - b.timestamps
         yield part
 

@@ -22,10 +22,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dynamicemb import rules
 from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_tensors, dtype_code, read_manifest,
                                           read_part, read_tensors)
 from dynamicemb.checkpoint.rank_errors import raise_any, status
-from dynamicemb.checkpoint.tables import clock_scored, has_timestamps, model_tables, rank_world
+from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage_protocol import RowBatch
 
@@ -74,7 +75,7 @@ def expected_tensors(meta: dict, entry: dict) -> Dict[str, tuple]:
     out = {"keys": ("I64", (n,)), "values": (vdt, (n, meta["dim"])), "scores": ("I64", (n,))}
     if meta["has_optimizer_state"]:
         out["optimizer_state"] = (vdt, (n, meta["optimizer_state_width"]))
-    if has_timestamps(meta["score_strategy"]):
+    if rules.keeps_timestamps(meta["score_strategy"]):
         out["timestamps"] = ("I64", (n,))
     return out
 
@@ -199,8 +200,8 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
                 keys = part["keys"]
                 if not keys.numel():
                     continue
-                scores = now - part["scores"] if clock_scored(strategy) else part["scores"]
-                ts = now - part["timestamps"] if has_timestamps(strategy) and "timestamps" in part else None
+                scores = now - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
+                ts = now - part["timestamps"] if rules.keeps_timestamps(strategy) and "timestamps" in part else None
                 ref.storage.load_rows(ref.index, RowBatch(keys, part["values"], part.get("optimizer_state")
                                                           if optim else None, scores, ts))
             except Exception as e:  # noqa: BLE001 - re-raised naming the table and the file

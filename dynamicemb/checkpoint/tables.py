@@ -5,14 +5,10 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dynamicemb import rules
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.stats import dynamic_modules
 from dynamicemb.storage_protocol import require_checkpoint_protocol
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy
-
-_S = DynamicEmbScoreStrategy
-# Strategies whose score is a clock reading (stored as an age).
-CLOCK_SCORES = (int(_S.TIMESTAMP), int(_S.NO_EVICTION))
 
 
 @dataclass
@@ -36,9 +32,7 @@ class TableRef:
             "dtype": str(m.embedding_dtype).replace("torch.", ""),
             "optimizer": m.optimizer,
             "optimizer_state_width": m.storage.weights()[self.index].shape[1] - o.dim,
-            "hyper_parameters": {"learning_rate": m.learning_rate, "eps": m.eps, "beta1": m.beta1,
-                                 "beta2": m.beta2, "weight_decay": m.weight_decay,
-                                 "weight_decay_mode": m.weight_decay_mode},
+            "hyper_parameters": {name: getattr(m, name) for name in rules.HYPER_PARAMETERS},
             "optimizer_step": m.optimizer_step,
             "step": m.step,
             "score_strategy": self.storage.strategy(self.index),
@@ -82,10 +76,3 @@ def rank_world(pg: Optional[dist.ProcessGroup]):
         return 0, 1
     return dist.get_rank(pg), dist.get_world_size(pg)
 
-
-def clock_scored(strategy: int) -> bool:
-    return strategy in CLOCK_SCORES
-
-
-def has_timestamps(strategy: int) -> bool:
-    return strategy == TIMESTAMP_LFU

@@ -14,15 +14,18 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DataType, data_type_to_dtype, pooling_type_to_pooling_mode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynamicemb import rules
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
 from dynamicemb.shard.parameter_sharding import OPTIONS_KEY, init_stream, table_options
 from dynamicemb.types import DynamicEmbPoolingMode
 
-# fused_params TorchRec users already pass to FUSED tables, and our extras.
-_HYPER = ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
+# fused_params TorchRec users already pass to FUSED tables (FBGEMM's
+# hyper-parameters; weight_decay_mode: its WeightDecayMode or int, NONE when
+# absent), and our extras.
+_HYPER = rules.HYPER_PARAMETERS
 # What the kernel reads from fused_params.
-_USED = frozenset(_HYPER + ("optimizer", "weight_decay_mode", "output_dtype", "dynamicemb_seed", OPTIONS_KEY))
+_USED = frozenset(_HYPER + ("optimizer", "output_dtype", "dynamicemb_seed", OPTIONS_KEY))
 # Keys with no effect on what a dynamic table computes: FBGEMM's cache,
 # placement, prefetch, index-type, bounds-check and stats settings (TorchRec
 # adds some itself from the plan: cache_*, prefetch_pipeline, enforce_hbm,
@@ -115,8 +118,6 @@ class _DynamicKernel(BaseEmbedding):
         tables = config.embedding_tables
         check_fused_params(fused, tables)
         extra = {k: fused[k] for k in _HYPER if k in fused}
-        if "weight_decay_mode" in fused:  # FBGEMM's WeightDecayMode (or its int); NONE when absent
-            extra["weight_decay_mode"] = fused["weight_decay_mode"]
         options = []
         for t in tables:
             o = table_options(t)

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from dynamicemb import rules
 from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
@@ -29,13 +30,22 @@ from dynamicemb.storage import HashTableStorage, Placement
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage, RowBatch
 from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
-from dynamicemb.types import TIMESTAMP_LFU, DynamicEmbScoreStrategy, InsertResult
+from dynamicemb.types import InsertResult
 
-_S = DynamicEmbScoreStrategy
+_T = rules.TierCounter
 assert (InsertResult.INSERTED, InsertResult.ASSIGNED) == (0, 1)  # _insert's results from a bool mask
 _PENDING_FORWARDS = 2  # forwards whose backward may still come
-# A forward's keys by kind (found in the cache, missed and stored, new) -> tier_counters' columns.
-_KIND_TO_COUNTERS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 1]], dtype=torch.int64)
+
+
+def _kind_to_counters() -> torch.Tensor:
+    """A forward's keys by kind (found in the cache, missed and stored, new) -> the tier counters they add to."""
+    m = torch.zeros(3, len(_T), dtype=torch.int64)
+    for kind, counters in enumerate(((_T.HITS,), (_T.MISSES,), (_T.MISSES, _T.NEW))):
+        m[kind, list(counters)] = 1
+    return m
+
+
+_KIND_TO_COUNTERS = _kind_to_counters()
 
 
 class _Pin(dict):
@@ -86,7 +96,7 @@ class CachedStorage(EmbeddingStorage, Placement):
         self.init_params, self.eval_init_params = tb.init_params, tb.eval_init_params
         self.custom_scores, self.admission = tb.custom_scores, tb.admission
         for t, (n, o) in enumerate(zip(names, options)):
-            if o.caching and self.strategy(t) == TIMESTAMP_LFU:
+            if o.caching and rules.keeps_timestamps(self.strategy(t)):
                 raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
                                  f"(the backing store keeps one score per key)")
         self.store = store
@@ -101,9 +111,9 @@ class CachedStorage(EmbeddingStorage, Placement):
                 store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
                 store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
-        # Per table: hits, misses, write-backs, keys the store evicted, new keys stored.
-        # (numpy: a step adds to it a few times, which torch's small ops would make ~10x dearer)
-        self.tier_counters = np.zeros((self.num_tables, 5), dtype=np.int64)
+        # Per table, columns rules.TierCounter: hits, misses, write-backs, keys the store evicted (lost),
+        # new keys stored. (numpy: a step adds to it a few times, which torch's small ops would make ~10x dearer)
+        self.tier_counters = np.zeros((self.num_tables, len(_T)), dtype=np.int64)
         # Per group: whether its tables are cached (a group's tables all are
         # or none is) and its tables' ids; per table, a cache's first slot
         # (the cache never grows: its slots stay put).
@@ -229,7 +239,7 @@ class CachedStorage(EmbeddingStorage, Placement):
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
             for lt, p in parts.items():
-                self.tier_counters[tables[lt], 2:4] += (p[0].numel(), lost[lt])
+                self.tier_counters[tables[lt], [_T.WRITE_BACKS, _T.LOST]] += (p[0].numel(), lost[lt])
 
     def _place(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, held: Optional[torch.Tensor],
                exact: bool, missing: Optional[torch.Tensor] = None):
@@ -276,7 +286,7 @@ class CachedStorage(EmbeddingStorage, Placement):
             scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if exact:
                 ht.slot_scores.index_copy_(0, slot, stored)
-            elif ht.strategy == _S.LFU:  # counts accumulate across tiers
+            elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
         return idx, res, out.evicted
@@ -344,7 +354,7 @@ class CachedStorage(EmbeddingStorage, Placement):
     def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
         """Puts table t's rows in the store; the keys it evicts are counted."""
         part = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
-        self.tier_counters[t, 3] += self.store.put_group([self.names[t]], {0: part})[0]
+        self.tier_counters[t, _T.LOST] += self.store.put_group([self.names[t]], {0: part})[0]
 
     def _too_small(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, failed: torch.Tensor) -> None:
         _, tables = self.groups[g]
@@ -483,7 +493,7 @@ class CachedStorage(EmbeddingStorage, Placement):
                 f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
                 f"DynamicEmbLoad (any world size)")
         self.custom_scores[t] = int(state.get("custom_score", 0))
-        if self.strategy(t) in (int(_S.TIMESTAMP), int(_S.NO_EVICTION)) and "clock" in state:
+        if rules.score_is_clock(self.strategy(t)) and "clock" in state:
             self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
 
     def _layout(self, t: int) -> dict:
@@ -575,13 +585,13 @@ class CachedStorage(EmbeddingStorage, Placement):
         s = self.tables.stats(table_id)
         if not self.cached[table_id]:
             return s
-        hits, misses, write_backs, lost, new = self.tier_counters[table_id].tolist()
+        c = self.tier_counters[table_id].tolist()
         store_rows = self.store.size(self.names[table_id])
         g, lt = self.group_of[table_id]
         begin, end = self.groups[g][0].table_slot_range(lt)
         cache_rows = self.size(table_id) - int(self._fresh[g][begin:end].sum())  # stored keys only
         s.update(size=cache_rows + store_rows, capacity=self.table_max_rows[table_id],
-                 inserted=new, evicted=lost, hits=hits, misses=misses,
-                 write_backs=write_backs, cache_rows=cache_rows, store_rows=store_rows,
+                 inserted=c[_T.NEW], evicted=c[_T.LOST], hits=c[_T.HITS], misses=c[_T.MISSES],
+                 write_backs=c[_T.WRITE_BACKS], cache_rows=cache_rows, store_rows=store_rows,
                  cache_capacity=self.capacity(table_id))
         return s

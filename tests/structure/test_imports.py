@@ -6,12 +6,12 @@ from import_graph import find_cycle, import_graph, modules
 
 # Bottom-up; a module's layer is that of its longest matching prefix.
 LAYERS = [
-    # 0: plain rules, options and formats (no tables)
-    ["dynamicemb._C", "dynamicemb.types", "dynamicemb.rules", "dynamicemb.optimizer", "dynamicemb.options",
-     "dynamicemb.fsync", "dynamicemb.storage_protocol", "dynamicemb.checkpoint.format",
+    # 0: the ops and the rules they state (rules.py reads them from the extension), options, formats
+    ["dynamicemb._C", "dynamicemb._ops", "dynamicemb.rules", "dynamicemb.types", "dynamicemb.optimizer",
+     "dynamicemb.options", "dynamicemb.fsync", "dynamicemb.storage_protocol", "dynamicemb.checkpoint.format",
      "dynamicemb.inference.quantize", "dynamicemb.tiers.prefault", "dynamicemb.shard.train_pipeline"],
-    # 1: the ops and the hash table
-    ["dynamicemb._ops", "dynamicemb.memory", "dynamicemb.positions", "dynamicemb.routing", "dynamicemb.table",
+    # 1: the hash table and what it is built from
+    ["dynamicemb.memory", "dynamicemb.positions", "dynamicemb.routing", "dynamicemb.table",
      "dynamicemb.admission"],
     # 2: storages
     ["dynamicemb.storage", "dynamicemb.tiers"],
