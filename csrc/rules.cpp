@@ -7,12 +7,14 @@
 //   table_counters     table/table_registry.h
 //   tier_counters      tiers/tier_counters.h
 //   init_args, init_modes  embedding/init_rules.h
+//   int8_row_tail      embedding/bag_checks.h (FBGEMM's fused 8-bit rows)
 #include <torch/library.h>
 
 #include <sstream>
 #include <string>
 #include <type_traits>
 
+#include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/optimizer_rules.h"
 #include "table/table_registry.h"
@@ -106,7 +108,8 @@ void strategies(Json& j) {
   for (const auto& s : table::kStrategies) {
     j.begin('{').field("code", s.code).field("name", s.name);
     j.field("call_score", table::kCallScoreNames[s.call_score]);
-    j.field("counts_accesses", table::counts_accesses(s.code)).field("keeps_timestamps", table::keeps_timestamps(s.code));
+    j.field("counts_accesses", table::counts_accesses(s.code));
+    j.field("keeps_timestamps", table::keeps_timestamps(s.code));
     j.field("may_evict", table::may_evict(s.code)).field("score_is_clock", table::score_is_clock(s));
     j.end('}');
   }
@@ -122,6 +125,7 @@ std::string rules() {
   j.names("tier_counters", tiers::kTierCounterNames);
   j.names("init_args", init::kArgNames);
   j.names("init_modes", init::kModeNames);
+  j.field("int8_row_tail", embedding::kInt8RowTail);
   j.end('}');
   return j.text();
 }

@@ -14,7 +14,9 @@ instead of restating them:
 - counter columns: ``TableCounter`` (ScoredHashTable.counters),
   ``TierCounter`` (CachedStorage.tier_counters);
 - the packed initializer (csrc/embedding/init_rules.h): ``INIT_ARGS``, the
-  names of its columns in order, and ``INIT_MODES``.
+  names of its columns in order, and ``INIT_MODES``;
+- ``INT8_ROW_TAIL``: the bytes after a uint8 row's codes (float32 scale and
+  bias, FBGEMM's fused 8-bit rows; csrc/embedding/bag_checks.h).
 """
 import enum
 import json
@@ -120,7 +122,7 @@ def access_time_is_clock(code: int) -> bool:
     return s.score_is_clock or (s.keeps_timestamps and s.call_score == "clock")
 
 
-# ---- counters and the packed initializer -----------------------------------------------------
+# ---- counters and row layouts ------------------------------------------------------------------
 
 TABLE_COUNTERS: Tuple[str, ...] = tuple(_RULES["table_counters"])
 TableCounter = enum.IntEnum("TableCounter", {n.upper(): i for i, n in enumerate(TABLE_COUNTERS)})
@@ -129,3 +131,4 @@ TierCounter = enum.IntEnum("TierCounter", {n.upper(): i for i, n in enumerate(TI
 
 INIT_ARGS: Tuple[str, ...] = tuple(_RULES["init_args"])
 INIT_MODES: Tuple[str, ...] = tuple(_RULES["init_modes"])
+INT8_ROW_TAIL: int = _RULES["int8_row_tail"]

@@ -24,9 +24,9 @@ namespace optim {
 enum WeightDecayMode : int64_t { kDecayNone = 0, kDecayL2 = 1, kDecayDecoupled = 2, kDecayModes = 3 };
 constexpr const char* kDecayModeNames[kDecayModes] = {"NONE", "L2", "DECOUPLE"};
 
-// The hyper-parameters (FBGEMM's names; emb_backward_update takes them with the step). A
-// rule names those it reads (kHyper): the module refuses a weight decay or a
-// weight decay mode that its optimizer would ignore.
+// The hyper-parameters, by FBGEMM's names (emb_backward_update takes them,
+// with the step). A rule names those it reads (kHyper): the module refuses a
+// weight decay or a weight decay mode that its optimizer would ignore.
 enum Hyper : uint32_t {
   kLearningRate = 1u << 0,
   kEps = 1u << 1,

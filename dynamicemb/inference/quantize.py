@@ -11,10 +11,12 @@ building or serving a table needs no FBGEMM.
 """
 import torch
 
+from dynamicemb import rules
+
 # FBGEMM's kEpsilon in FloatToFused8BitRowwiseQuantized: keeps a constant
 # row's inverse scale finite.
 _EPS = 1e-8
-INT8_EXTRA_BYTES = 8  # float32 scale and bias after the codes
+INT8_EXTRA_BYTES = rules.INT8_ROW_TAIL  # float32 scale and bias after the codes
 
 VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.uint8}
 

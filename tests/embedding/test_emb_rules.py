@@ -130,3 +130,9 @@ def test_packed_initializer_is_laid_out_by_column_name():
     assert packed["mode"] == int(DynamicEmbInitializerMode.NORMAL) and packed["stream"] == 9
     assert (packed["mean"], packed["std_dev"]) == (1.5, 0.25)
     assert torch.equal(_init_rows(**packed), _init_rows(mode=_mode("NORMAL"), mean=1.5, std_dev=0.25, stream=9))
+
+
+def test_int8_row_tail_is_fbgemms():
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    x = torch.randn(3, 12)
+    assert torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(x).shape[1] - 12 == rules.INT8_ROW_TAIL
