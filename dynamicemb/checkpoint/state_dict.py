@@ -113,7 +113,8 @@ class _Export:
         if cols["optimizer_state"] is None:
             cols["optimizer_state"] = torch.zeros(cols["keys"].numel(), width, dtype=dtype)
         if cols["counter_keys"] is None and ref.storage.admission_counter(ref.index) is not None:
-            cols.update(counter_keys=torch.zeros(0, dtype=torch.int64), counter_counts=torch.zeros(0, dtype=torch.int64))
+            empty = torch.zeros(0, dtype=torch.int64)
+            cols.update(counter_keys=empty, counter_counts=empty.clone())
         self.cols, self.left = cols, set(self.mine)
 
 
@@ -257,9 +258,8 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
 def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> List[torch.Tensor]:
     """Sends row i of every column to rank dest[i]; returns the rows this
     rank receives, column by column: one all_to_all of the rows as bytes."""
-    n = dest.numel()
     order = torch.argsort(dest, stable=True)
-    parts = [c[order].reshape(n, -1).contiguous().view(torch.uint8) for c in cols]
+    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in cols]
     device = collective_device(pg)
     send = torch.bincount(dest, minlength=world).to(device)
     recv = torch.empty_like(send)
@@ -270,7 +270,8 @@ def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> L
     out, res, at = out.cpu(), [], 0
     for c, p in zip(cols, parts):
         w = p.shape[1]
-        res.append(out[:, at:at + w].contiguous().view(c.dtype).reshape(-1, *c.shape[1:]))
+        col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
+        res.append(col.view(c.dtype).reshape(out.shape[0], *c.shape[1:]))
         at += w
     return res
 
@@ -326,8 +327,9 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             continue
         if held != list(range(slots)):
             absent = sorted(set(range(slots)) - set(held))
-            raise CheckpointError(f"table {name!r} in the state dict: slots {absent[:8]}{'...' if len(absent) > 8 else ''}"
-                                  f" of {slots} are absent{' (and some twice)' if len(held) > len(set(held)) else ''}; "
+            twice = " (and some twice)" if len(held) > len(set(held)) else ""
+            raise CheckpointError(f"table {name!r} in the state dict: slots {absent[:8]}{'...' * (len(absent) > 8)} "
+                                  f"of {slots} are absent{twice}; "
                                   f"a state dict of dynamic tables must come whole from model.state_dict() on every "
                                   f"rank (dcp.save / dcp.load); the model is unchanged")
         todo.append(name)
