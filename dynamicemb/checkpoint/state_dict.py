@@ -270,8 +270,12 @@ def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> L
     out, res, at = out.cpu(), [], 0
     for c, p in zip(cols, parts):
         w = p.shape[1]
-        col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
-        res.append(col.view(c.dtype).reshape(out.shape[0], *c.shape[1:]))
+        shape = (out.shape[0],) + tuple(c.shape[1:])
+        if w == 0:  # (SGD's optimizer state)
+            res.append(torch.zeros(shape, dtype=c.dtype))
+        else:
+            col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
+            res.append(col.view(c.dtype).reshape(shape))
         at += w
     return res
 
