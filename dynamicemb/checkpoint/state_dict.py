@@ -38,6 +38,8 @@ from dynamicemb.routing import owners
 from dynamicemb.stats import collective_device
 from dynamicemb.storage_protocol import RowBlocks, missing_checkpoint_methods
 
+__all__ = ["TableSlot", "state_dict_slots"]
+
 SLOTS_ENV = "DYNAMICEMB_STATE_DICT_SLOTS"
 DEFAULT_SLOTS = 128
 FORMAT, VERSION = "dynamicemb.state_dict", 1

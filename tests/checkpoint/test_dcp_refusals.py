@@ -34,7 +34,7 @@ def _refused(fn, *args, **kwargs) -> str:
     """The message of the error fn raises ("" if it returns)."""
     try:
         fn(*args, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - the message is the result (DCP raises CheckpointException, a BaseException)
+    except BaseException as e:  # noqa: BLE001 - the message is the result (DCP raises a BaseException)
         return f"{type(e).__name__}: {e}"
     return ""
 
