@@ -19,10 +19,11 @@ Every rank:
      host memory, the next batch's rows prefetched into it by TorchRec's
      prefetch pipeline; the lines add the cache's rows and hit rate);
   3. evaluates on held-out samples (AUC);
-  4. checkpoints: DynamicEmbDump (dynamic tables, every rank its shard) and
-     torch.distributed.checkpoint (dense layers, native tables);
-  5. loads the checkpoint into the model sharded over half as many ranks (1
-     from an odd number) and checks that it predicts the same;
+  4. checkpoints the model (dynamic tables included) and the dense optimizer
+     with torch.distributed.checkpoint alone, then, for comparison (seconds,
+     bytes), the dynamic tables with DynamicEmbDump, the parallel path;
+  5. loads the DCP checkpoint into the model sharded over half as many ranks
+     (1 from an odd number) and checks that it predicts the same;
   6. takes an incremental dump: the rows trained in the last --delta-steps steps;
   7. exports the model for serving (dynamicemb.inference + torch.export),
      serves a batch in a fresh process that imports only torch and
@@ -317,7 +318,6 @@ def train(job: Job, model):
     the tables' scores before the last --delta-steps steps."""
     from torchmetrics.classification import BinaryAUROC
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
     from tqdm import tqdm
 
     from dynamicemb import table_stats
@@ -325,8 +325,7 @@ def train(job: Job, model):
     from dynamicemb.shard import PrefetchTrainPipelineSparseDist
 
     args, G, B = job.args, job.G, job.B
-    dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
-    optimizer = torch.optim.Adam(dense_params, lr=1e-3)  # the dense layers; the tables update themselves
+    optimizer = dense_optimizer(model)
     if args.cache is None:
         pipeline = TrainPipelineSparseDist(model, optimizer, job.device)
     else:  # the next batch's rows move from the store into the cache ahead of its forward
@@ -358,21 +357,39 @@ def train(job: Job, model):
     seconds = time.perf_counter() - start
     job.say(f"[tables] rows / evicted rows per dynamic table, over all ranks:\n"
             f"{table_grid(table_stats(model, job.pg))}")
-    return pipeline.detach(), window_auc, seconds, since
+    return pipeline.detach(), optimizer, window_auc, seconds, since
 
 
-def checkpoint(job: Job, model) -> str:
-    """Dynamic tables with DynamicEmbDump, the rest (dense layers, native
-    tables) with torch.distributed.checkpoint; every rank writes its part."""
+def dense_optimizer(model) -> torch.optim.Optimizer:
+    """Adam over the dense layers (the tables update themselves in backward)."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    return torch.optim.Adam([p for _, p in in_backward_optimizer_filter(model.named_parameters())], lr=1e-3)
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def checkpoint(job: Job, model, optimizer) -> str:
+    """The model (its state_dict() holds the dynamic tables' rows, optimizer
+    state and scores) and the dense optimizer in one
+    torch.distributed.checkpoint, in dense/; then the dynamic tables alone
+    with DynamicEmbDump, the parallel streaming path, in dynamic/. Every rank
+    writes its part of each."""
     from dynamicemb import DynamicEmbDump
     path = os.path.join(job.args.out, "checkpoint")
     if job.rank == 0:
         shutil.rmtree(os.path.join(path, "dense"), ignore_errors=True)  # DCP writes into a folder as it is
     dist.barrier()
+    start = time.perf_counter()
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=os.path.join(path, "dense"))
+    dcp_s, start = time.perf_counter() - start, time.perf_counter()
     DynamicEmbDump(os.path.join(path, "dynamic"), model, allow_overwrite=True)  # atomic: all or nothing
-    dcp.save(model.state_dict(), checkpoint_id=os.path.join(path, "dense"))
-    job.say(f"[checkpoint] {path}: dynamic/ (DynamicEmbDump), dense/ (torch.distributed.checkpoint), written by "
-            f"{job.world} rank(s) in parallel")
+    dump_s = time.perf_counter() - start
+    mb = [folder_bytes(os.path.join(path, d)) / 2**20 for d in ("dense", "dynamic")]
+    job.say(f"[checkpoint] {path}, written by {job.world} rank(s) in parallel: dense/ torch.distributed.checkpoint "
+            f"of the whole model and the dense optimizer {dcp_s:.2f} s, {mb[0]:.1f} MiB; dynamic/ DynamicEmbDump of "
+            f"the dynamic tables {dump_s:.2f} s, {mb[1]:.1f} MiB")
     return path
 
 
@@ -380,7 +397,7 @@ def reload(job: Job, path: str, logits: torch.Tensor):
     """Loads the checkpoint into the model sharded over fewer ranks (half,
     or 1), evaluates it and checks it predicts `logits`. Returns (ranks, the
     largest logit difference)."""
-    from dynamicemb import DynamicEmbLoad, get_sharded_table_capacity
+    from dynamicemb import get_sharded_table_capacity
     args = job.args
     ranks = job.world // 2 if job.world % 2 == 0 else 1  # divides the global batch
     sub = dist.new_group(list(range(ranks)))  # collective: every rank takes part
@@ -391,10 +408,14 @@ def reload(job: Job, path: str, logits: torch.Tensor):
         rows_per_rank = 2 * get_sharded_table_capacity(args.capacity, ranks)
         torch.manual_seed(args.seed + 1)  # other initial weights: the checkpoint must overwrite them all
         model = shard(dlrm(args.dim, job.device), sub, job.device, rows_per_rank, args.cache)
-        DynamicEmbLoad(os.path.join(path, "dynamic"), model, pg=sub)
-        state = model.state_dict()
-        dcp.load(state, checkpoint_id=os.path.join(path, "dense"), process_group=sub)  # reshards
-        model.load_state_dict(state)
+        optimizer = dense_optimizer(model)
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # zero gradients move nothing: Adam's state exists, for DCP to load into
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dense"), process_group=sub)  # every rank its share
+        model.load_state_dict(state["model"])  # each dynamic table's row goes to the rank that owns its key
+        optimizer.load_state_dict(state["optim"])
         err = (job.evaluate(model, sub) - logits).abs().max().item()
     err = check_close(f"the checkpoint loaded on {ranks} rank(s)", err, job.device)
     job.say(f"[reload] on {ranks} rank(s): same predictions (max |logit difference| {err:.1e})")
@@ -476,7 +497,7 @@ def run(args) -> None:
         + ("" if args.cache is None else f"; {args.cache:.0%} of each dynamic table's rows in a cache in front of "
                                           f"host memory, prefetch pipeline"))
 
-    model, train_auc, train_s, since = train(job, model)
+    model, optimizer, train_auc, train_s, since = train(job, model)
 
     before = table_totals(table_stats(model, job.pg))["size"]
     logits = job.evaluate(model, job.pg)
@@ -486,7 +507,7 @@ def run(args) -> None:
         fail(f"evaluation inserted {stats['size'] - before} rows")
     say(f"[eval] AUC {eval_auc:.4f} on {len(logits):,} held-out samples (no row inserted)")
 
-    ckpt = checkpoint(job, model)
+    ckpt = checkpoint(job, model, optimizer)
     reload_ranks, reload_err = reload(job, ckpt, logits)
     delta_path, delta_rows = delta_dump(job, model, since)
     program, serve_err = export_and_serve(job, model, logits)

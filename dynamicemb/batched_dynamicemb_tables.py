@@ -41,6 +41,18 @@ def pooling_code(pooling) -> int:
         raise ValueError(f"unknown pooling mode {pooling!r}; use SUM, MEAN or NONE") from None
 
 
+def _warn_rows_left_out(module, destination, prefix, local_metadata) -> None:
+    """state_dict() of the module itself (not sharded by TorchRec): its rows
+    are not tensors of the state dict, so say loudly what a checkpoint of it
+    would lose. (Our sharded collections' state_dict() carries them and does
+    not reach this module.)"""
+    warnings.warn(f"dynamicemb: state_dict() of BatchedDynamicEmbeddingTables (dynamic tables {module.table_names}, "
+                  f"not sharded) holds none of their rows, optimizer state, scores or admission counters: a "
+                  f"checkpoint made from it (torch.save, torch.distributed.checkpoint) loses them. Save them with "
+                  f"DynamicEmbDump (and load with DynamicEmbLoad), or shard the model with dynamicemb's TorchRec "
+                  f"sharders, whose state_dict() carries them", RuntimeWarning, stacklevel=3)
+
+
 class _LookupFunction(torch.autograd.Function):
     """Forward: gather + pool. Backward: the fused optimizer update; the only
     gradient that flows to an input is that of per_sample_weights (learned
@@ -155,6 +167,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
         # Prefetched batches whose forward may still come: (indices, offsets, their versions, emb_unique's result).
         self._prefetched: list = []
+        self._register_state_dict_hook(_warn_rows_left_out)
 
     # ---- forward -------------------------------------------------------------------------
 

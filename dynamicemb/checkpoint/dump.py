@@ -30,7 +30,7 @@ from dynamicemb.fsync import fsync_dir
 DEFAULT_CHUNK_ROWS = 1 << 18
 
 
-def _shard_parts(name, ref, optim, chunk_rows):
+def shard_parts(name, ref, optim, chunk_rows):
     """One pass over a table's shard: the tensors of each part file. Clock
     scores become ages against the table's own clock (GPU time on CUDA)."""
     strategy = ref.storage.strategy(ref.index)
@@ -45,12 +45,12 @@ def _shard_parts(name, ref, optim, chunk_rows):
         yield part
 
 
-def _copy(v) -> torch.Tensor:
+def snapshot_of(v) -> torch.Tensor:
     """A snapshot of a part's tensor (or of its lazily read rows)."""
     return v.clone() if isinstance(v, torch.Tensor) else v.materialize()
 
 
-def _counter_parts(ref, chunk_rows):
+def counter_parts(ref, chunk_rows):
     counter = ref.storage.admission_counter(ref.index)
     if counter is None:
         return
@@ -71,13 +71,13 @@ def _write_shard(root, rank, tables, optim, counter, chunk_rows, parts_of=None) 
 def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, syncer, out):
     for name, ref in tables.items():
         files, rows = [], 0
-        source = parts_of[name] if parts_of is not None else _shard_parts(name, ref, optim, chunk_rows)
+        source = parts_of[name] if parts_of is not None else shard_parts(name, ref, optim, chunk_rows)
         for k, part in enumerate(source):
             files.append(dict(write_part(root, part_name(name, rank, "part", k), part, syncer), rank=rank,
                               kind="part"))
             rows += files[-1]["rows"]
         if counter:
-            csrc = parts_of[name + "\0counter"] if parts_of is not None else _counter_parts(ref, chunk_rows)
+            csrc = parts_of[name + "\0counter"] if parts_of is not None else counter_parts(ref, chunk_rows)
             for k, part in enumerate(csrc):
                 files.append(dict(write_part(root, part_name(name, rank, "counter", k), part, syncer),
                                   rank=rank, kind="counter"))
@@ -274,9 +274,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
-        snapshot[name] = [{k: _copy(v) for k, v in p.items()} for p in _shard_parts(name, ref, optim, chunk_rows)]
+        snapshot[name] = [{k: snapshot_of(v) for k, v in p.items()} for p in shard_parts(name, ref, optim, chunk_rows)]
         if counter:
-            snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in _counter_parts(ref, chunk_rows)]
+            snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in counter_parts(ref, chunk_rows)]
     group = _background_group(pg) if distributed else None
     errors: list = []
 

@@ -31,9 +31,11 @@ from dynamicemb.routing import owners
 from dynamicemb.storage_protocol import RowBatch
 
 
-def _check_table(name: str, ref, meta: dict, optim: bool, path: str) -> None:
+def check_table(where: str, ref, meta: dict, optim: bool) -> None:
+    """Refuses, naming the table (`where`), a checkpoint of it whose dim,
+    dtype, dist_type, optimizer (with optim) or score strategy differ from
+    the model's."""
     mine = ref.meta()
-    where = f"table {name!r} in {os.path.join(path, 'manifest.json')}"
     for key in ("dim", "dtype", "dist_type"):
         if meta[key] != mine[key]:
             raise CheckpointError(f"{where}: {key} is {meta[key]!r}, the model's is {mine[key]!r}")
@@ -47,6 +49,32 @@ def _check_table(name: str, ref, meta: dict, optim: bool, path: str) -> None:
     if meta["score_strategy"] != mine["score_strategy"]:
         raise CheckpointError(f"{where}: score strategy {meta['score_strategy']} does not match the model's "
                               f"{mine['score_strategy']}")
+
+
+def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], optim: bool) -> None:
+    """Stores one part of a table's checkpoint (keys, values, scores, and
+    optimizer_state, timestamps when present): clock scores and access
+    times, saved as ages, become readings of the table's clock `now`."""
+    scores = now - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
+    ts = now - part["timestamps"] if rules.keeps_timestamps(strategy) and part.get("timestamps") is not None else None
+    ref.storage.load_rows(ref.index, RowBatch(part["keys"], part["values"], part.get("optimizer_state")
+                                              if optim else None, scores, ts))
+
+
+def build_counter(name: str, adm, keys: torch.Tensor, counts: torch.Tensor, source: str, rank: int, world: int,
+                  fix: str):
+    """The admission count table of `keys` (distinct) and `counts` that a
+    load gives table `name` on this rank, built aside (AdmissionCounter.build);
+    refuses counts that exceed the counter or do not fit its buckets."""
+    if keys.numel() > adm.capacity():
+        raise CheckpointError(f"table {name!r}: {keys.numel()} admission counts of {source} go to rank {rank} of "
+                              f"{world}, more than the counter's capacity there ({adm.capacity()}); {fix}")
+    table, dropped = adm.build(keys, counts)
+    if dropped:
+        raise CheckpointError(f"table {name!r}: {dropped} of the {keys.numel()} admission counts of {source} that go "
+                              f"to rank {rank} of {world} do not fit the counter (capacity {adm.capacity()}: their "
+                              f"buckets are full); {fix}")
+    return table
 
 
 def _check_rows(name: str, meta: dict, world_size: int, path: str) -> None:
@@ -121,7 +149,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
         if meta is None:
             raise CheckpointError(f"table {name!r}: {os.path.join(path, 'manifest.json')} has no table {name!r} "
                                   f"(it has {sorted(manifest['tables'])})")
-        _check_table(name, ref, meta, optim, path)
+        check_table(f"table {name!r} in {os.path.join(path, 'manifest.json')}", ref, meta, optim)
         _check_rows(name, meta, manifest["world_size"], path)
         if counter:
             if not meta["has_counter"]:
@@ -168,16 +196,8 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
         if adm is not None:
             keys = torch.cat(ckeys) if ckeys else torch.zeros(0, dtype=torch.int64)
             counts = torch.cat(ccounts) if ccounts else torch.zeros(0, dtype=torch.int64)
-            if keys.numel() > adm.capacity():
-                raise CheckpointError(f"table {name!r}: {keys.numel()} admission counts of the dump at {path} go "
-                                      f"to rank {rank} of {world}, more than the counter's capacity there "
-                                      f"({adm.capacity()}); load with counter=False or a larger KVCounter")
-            table, dropped = adm.build(keys, counts)
-            if dropped:
-                raise CheckpointError(f"table {name!r}: {dropped} of the {keys.numel()} admission counts of the "
-                                      f"dump at {path} that go to rank {rank} of {world} do not fit the counter "
-                                      f"(capacity {adm.capacity()}: their buckets are full); load with "
-                                      f"counter=False or a larger KVCounter")
+            table = build_counter(name, adm, keys, counts, f"the dump at {path}", rank, world,
+                                  "load with counter=False or a larger KVCounter")
             plan.counters[name] = table
     return plan
 
@@ -200,10 +220,7 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
                 keys = part["keys"]
                 if not keys.numel():
                     continue
-                scores = now - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
-                ts = now - part["timestamps"] if rules.keeps_timestamps(strategy) and "timestamps" in part else None
-                ref.storage.load_rows(ref.index, RowBatch(keys, part["values"], part.get("optimizer_state")
-                                                          if optim else None, scores, ts))
+                restore_rows(ref, strategy, now, part, optim)
             except Exception as e:  # noqa: BLE001 - re-raised naming the table and the file
                 raise CheckpointError(f"table {name!r}: loading {os.path.join(path, entry['file'])} on rank {rank} "
                                       f"failed: {e}; this rank's tables are now partly loaded: load again") from e

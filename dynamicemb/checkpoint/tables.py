@@ -52,13 +52,14 @@ class TableRef:
 
 
 def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,
-                 what: str = "checkpoint") -> Dict[str, TableRef]:
+                 what: str = "checkpoint", check: bool = True) -> Dict[str, TableRef]:
     """name -> TableRef for the model's dynamic tables (all, or the named
-    ones); raises for a module whose storage cannot be checkpointed (`what`
-    names the caller in the message)."""
+    ones); with `check`, raises for a module whose storage cannot be
+    checkpointed (`what` names the caller in the message)."""
     tables: Dict[str, TableRef] = {}
     for m in dynamic_modules(model):
-        require_checkpoint_protocol(m.storage, m.table_names, what)
+        if check:
+            require_checkpoint_protocol(m.storage, m.table_names, what)
         for i, name in enumerate(m.table_names):
             if name in tables:
                 raise ValueError(f"two dynamic tables are named {name!r}; checkpoints need unique table names")

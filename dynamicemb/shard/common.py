@@ -1,10 +1,12 @@
 """What the sharded EBC and EC with dynamic tables share."""
+import functools
 from typing import Iterable, List
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
+from dynamicemb.checkpoint.state_dict import add_tables, load_tables
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 
 # Kernels whose weights TorchRec does not initialise itself.
@@ -51,3 +53,20 @@ def lookups_train(lookups: List, mode: bool) -> None:
     """ShardedEBC/EC keep lookups in a plain list: propagate train/eval."""
     for lookup in lookups:
         lookup.train(mode)
+
+
+def _add_tables(collection, module, destination, prefix, local_metadata):
+    add_tables(module, destination, prefix, collection)
+
+
+def _load_tables(collection, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs):
+    load_tables(module, state_dict, prefix, collection, missing_keys)
+
+
+def register_dynamic_state(module, collection: str) -> None:
+    """Puts the collection's dynamic tables in its state_dict() and takes
+    them back in load_state_dict() (dynamicemb.checkpoint.state_dict), after
+    TorchRec's own hooks. `collection`: "embedding_bags" (EBC) or "embeddings" (EC)."""
+    module._register_state_dict_hook(functools.partial(_add_tables, collection))
+    module._register_load_state_dict_pre_hook(functools.partial(_load_tables, collection), with_module=True)

@@ -6,7 +6,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEm
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, reset_native_parameters
+from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
 from dynamicemb.shard.embeddingbag import DynamicSharderMixin
 from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
 
@@ -19,6 +19,11 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
             return DynamicRwSequenceEmbeddingSharding(sharding_infos=sharding_infos, env=env, device=device,
                                                       qcomm_codecs_registry=qcomm_codecs_registry)
         return super().create_embedding_sharding(sharding_type, sharding_infos, env, device, qcomm_codecs_registry)
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)
+        if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
+            register_dynamic_state(self, "embeddings")
 
     def reset_parameters(self) -> None:
         reset_native_parameters(self, self._embedding_configs, self.embeddings)

@@ -6,7 +6,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, Sha
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, reset_native_parameters
+from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
 from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
 
@@ -19,6 +19,11 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                                                     qcomm_codecs_registry=qcomm_codecs_registry)
         return super().create_embedding_bag_sharding(sharding_infos, env, device, permute_embeddings,
                                                      qcomm_codecs_registry)
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)
+        if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
+            register_dynamic_state(self, "embedding_bags")
 
     def reset_parameters(self) -> None:
         reset_native_parameters(self, self._embedding_bag_configs, self.embedding_bags)

@@ -83,15 +83,16 @@ def feature(table: str) -> str:
 
 
 class TwoCollections(torch.nn.Module):
-    def __init__(self, num_embeddings: int = NUM_EMB):
+    def __init__(self, num_embeddings: int = NUM_EMB, dims: Dict[str, int] = None):
         import torchrec
         super().__init__()
         meta = torch.device("meta")
+        dims = dims or {}
         self.ebc = torchrec.EmbeddingBagCollection(device=meta, tables=[
-            torchrec.EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=num_embeddings,
+            torchrec.EmbeddingBagConfig(name=n, embedding_dim=dims.get(n, d), num_embeddings=num_embeddings,
                                         feature_names=[feature(n)]) for n, (d, _, _) in BAG_TABLES.items()])
         self.ec = torchrec.EmbeddingCollection(device=meta, tables=[
-            torchrec.EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=num_embeddings,
+            torchrec.EmbeddingConfig(name=n, embedding_dim=dims.get(n, d), num_embeddings=num_embeddings,
                                      feature_names=[feature(n)]) for n, (d, _, _) in SEQ_TABLES.items()])
 
     def configs(self):
@@ -101,8 +102,10 @@ class TwoCollections(torch.nn.Module):
         return self.ebc(bag_kjt), self.ec(seq_kjt)
 
 
-def build(pg: dist.ProcessGroup, fused_params=ADAM, num_embeddings: int = NUM_EMB, **option_overrides):
-    """TwoCollections sharded row-wise over `pg` with our planner and sharders."""
+def build(pg: dist.ProcessGroup, fused_params=ADAM, num_embeddings: int = NUM_EMB, dims: Dict[str, int] = None,
+          **option_overrides):
+    """TwoCollections sharded row-wise over `pg` with our planner and sharders
+    (`dims`: other embedding dims for some tables)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.types import ShardingEnv
@@ -112,7 +115,7 @@ def build(pg: dist.ProcessGroup, fused_params=ADAM, num_embeddings: int = NUM_EM
 
     import logging
     logging.getLogger("torchrec").setLevel(logging.ERROR)  # keys beyond num_embeddings are the point here
-    module = TwoCollections(num_embeddings)
+    module = TwoCollections(num_embeddings, dims)
     constraints = {}
     for n, (_, dist_type, strategy) in TABLES.items():
         opts = dict(dist_type=dist_type, score_strategy=strategy)

@@ -1,0 +1,383 @@
+"""Dynamic tables in a sharded collection's state_dict(), for
+torch.distributed.checkpoint (DCP) and load_state_dict() (API.md §5; the
+reasoning behind this layout is written there).
+
+DCP loads a tensor only into a destination of the saved size, and a fresh
+model cannot know how many rows each rank saved; an entry that is not a
+tensor is saved as bytes and loads whatever its size. A bytes entry has one
+writer, so each rank writes entries of its own, and the names of the entries
+must not depend on the world size: a load on another world size would
+otherwise ask for entries the save never wrote (an error) or leave some
+unread (lost rows). So each dynamic table has SLOTS entries
+`<collection>.<table>.dynamicemb.slot<s>`, each rank holding those with
+s % world == rank: at a save, slot s holds an even share of the rows of
+rank s % W; at a load, rank s % W' reads slot s and sends each row (with its
+optimizer state, score and admission count) to the rank that owns its key
+(dynamicemb.routing.owners, as DynamicEmbLoad).
+
+An entry exports its rows only when DCP serializes it (state_dict() itself
+copies nothing). torch.save and pickle refuse it: a rank's state_dict holds
+only its own slots.
+"""
+import os
+import warnings
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from dynamicemb import rules
+from dynamicemb.checkpoint.dump import counter_parts, shard_parts
+from dynamicemb.checkpoint.format import CheckpointError
+from dynamicemb.checkpoint.load import build_counter, check_table, restore_rows
+from dynamicemb.checkpoint.rank_errors import raise_any, status
+from dynamicemb.checkpoint.tables import model_tables
+from dynamicemb.routing import owners
+from dynamicemb.stats import collective_device
+from dynamicemb.storage_protocol import RowBlocks, missing_checkpoint_methods
+
+__all__ = ["TableSlot", "state_dict_slots"]
+
+SLOTS_ENV = "DYNAMICEMB_STATE_DICT_SLOTS"
+DEFAULT_SLOTS = 128
+FORMAT, VERSION = "dynamicemb.state_dict", 1
+KEY = "dynamicemb"  # <collection>.<table>.dynamicemb.slot<s>
+CHUNK_ROWS = 1 << 18
+_DUMP = "DynamicEmbDump / DynamicEmbLoad (dynamicemb.checkpoint)"
+
+
+def state_dict_slots() -> int:
+    """Entries per dynamic table (DYNAMICEMB_STATE_DICT_SLOTS, default 128):
+    the most ranks a state dict can be saved from or loaded on; a save and
+    its load must use the same number."""
+    raw = os.environ.get(SLOTS_ENV, str(DEFAULT_SLOTS))
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"{SLOTS_ENV}={raw!r}: expected a positive integer")
+    return int(raw)
+
+
+def slot_key(head: str, name: str, s: int) -> str:
+    return f"{head}{name}.{KEY}.slot{s}"
+
+
+class _Export:
+    """One table's rows on this rank, exported when DCP serializes the first
+    of the rank's slots of it, and split evenly over those slots. Each part
+    is handed out once; a slot asked again (a second save of the same state
+    dict) gets a new export."""
+
+    def __init__(self, ref, name: str, rank: int, world: int, slots: int):
+        self.ref, self.name, self.rank, self.world, self.slots = ref, name, rank, world, slots
+        self.mine = list(range(rank, slots, world))
+        self.cols: Optional[Dict[str, Optional[torch.Tensor]]] = None
+        self.left: set = set()
+
+    def take(self, s: int) -> "OrderedDict":
+        if s not in self.left:
+            self._export()
+        self.left.discard(s)
+        j, m = self.mine.index(s), len(self.mine)
+        out = OrderedDict(format=FORMAT, version=VERSION, table=self.name, slot=s, slots=self.slots,
+                          world_size=self.world, rank=self.rank, meta=self.meta)
+        for col, t in self.cols.items():
+            if t is None:
+                out[col] = None
+                continue
+            n = t.shape[0]
+            lo, hi = j * n // m, (j + 1) * n // m
+            # A view would serialize its whole storage: a share is a copy.
+            out[col] = t if (lo, hi) == (0, n) else t[lo:hi].clone()
+        if not self.left:
+            self.cols = None  # every slot has its rows: the copy goes
+        return out
+
+    def _export(self) -> None:
+        ref = self.ref
+        self.meta = dict(ref.meta(), has_optimizer_state=True)
+        rows: Dict[str, List[torch.Tensor]] = {}
+        for part in shard_parts(self.name, ref, True, CHUNK_ROWS):
+            for col, v in part.items():
+                if v is not None:
+                    rows.setdefault(col, []).append(v.materialize() if isinstance(v, RowBlocks) else v)
+        for part in counter_parts(ref, CHUNK_ROWS):
+            rows.setdefault("counter_keys", []).append(part["keys"])
+            rows.setdefault("counter_counts", []).append(part["counts"])
+        cols = {c: (torch.cat(rows[c]).cpu() if c in rows else None)  # cat copies: the tables may move on
+                for c in ("keys", "values", "optimizer_state", "scores", "timestamps", "counter_keys",
+                          "counter_counts")}
+        dim, width = self.meta["dim"], self.meta["optimizer_state_width"]
+        dtype = getattr(torch, self.meta["dtype"])
+        if cols["keys"] is None:
+            cols.update(keys=torch.zeros(0, dtype=torch.int64), values=torch.zeros(0, dim, dtype=dtype),
+                        scores=torch.zeros(0, dtype=torch.int64))
+        if cols["optimizer_state"] is None:
+            cols["optimizer_state"] = torch.zeros(cols["keys"].numel(), width, dtype=dtype)
+        if cols["counter_keys"] is None and ref.storage.admission_counter(ref.index) is not None:
+            empty = torch.zeros(0, dtype=torch.int64)
+            cols.update(counter_keys=empty, counter_counts=empty.clone())
+        self.cols, self.left = cols, set(self.mine)
+
+
+class TableSlot:
+    """A dynamic table's entry in state_dict() (one slot, see the module's
+    doc). DCP saves it as bytes, exporting its rows then; load_state_dict()
+    takes it, or what DCP loaded in its place (a dict)."""
+
+    __slots__ = ("table", "slot", "_source", "_data", "_names", "_refusal", "_dcp")
+
+    def __init__(self, table: str, slot: int, source: Optional[_Export] = None, data=None, names=(),
+                 refusal: Optional[str] = None):
+        self.table, self.slot, self._source, self._data = table, slot, source, data
+        self._names, self._refusal, self._dcp = list(names), refusal, False
+
+    def data(self) -> "OrderedDict":
+        if self._refusal:
+            raise TypeError(self._refusal)
+        return self._data if self._data is not None else self._source.take(self.slot)
+
+    # DCP's save planner asks each entry for its write items: a bytes item,
+    # whose data it then serializes with torch.save.
+    def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
+        if self._refusal:
+            raise TypeError(self._refusal)
+        self._dcp = True
+        return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
+
+    def __reduce_ex__(self, protocol):
+        if not self._dcp:
+            raise TypeError(
+                f"dynamicemb: the dynamic tables {self._names} cannot be saved with torch.save or pickle: each "
+                f"rank's state_dict() holds only its share of their rows (entries '<table>.{KEY}.slot<s>'), and "
+                f"a load must gather every rank's. Save the state dict with torch.distributed.checkpoint "
+                f"(dcp.save(model.state_dict(), ...) on every rank), or the tables with {_DUMP}")
+        return self.data().__reduce_ex__(protocol)  # a plain OrderedDict: loads with weights_only=True
+
+    def __deepcopy__(self, memo) -> "TableSlot":
+        """A snapshot of the slot's rows now (for an in-memory copy of a state dict)."""
+        return TableSlot(self.table, self.slot, data=self.data(), names=self._names)
+
+    def __repr__(self) -> str:
+        return f"TableSlot(table={self.table!r}, slot={self.slot}{', exported' if self._data is not None else ''})"
+
+
+def _env(module):
+    env = module._env
+    pg = env.process_group
+    world = env.world_size
+    return pg, (env.rank if world > 1 else 0), world
+
+
+def add_tables(module, destination: dict, prefix: str, collection: str) -> None:
+    """The post-hook of our sharded collections' state_dict(): this rank's
+    slots of each dynamic table, unexported."""
+    tables = model_tables(module, check=False)
+    if not tables:
+        return
+    _, rank, world = _env(module)
+    slots = state_dict_slots()
+    names = sorted(tables)
+    head = f"{prefix}{collection}."
+    for name in names:
+        ref = tables[name]
+        refusal = None
+        missing = missing_checkpoint_methods(ref.storage)
+        if missing:
+            refusal = (f"dynamicemb: the storage of dynamic table {name!r} ({type(ref.storage).__name__}) does not "
+                       f"implement the checkpoint protocol ({', '.join(missing)} missing; "
+                       f"dynamicemb.storage_protocol): state_dict() cannot carry its rows, nor can {_DUMP}")
+            warnings.warn(refusal, RuntimeWarning, stacklevel=4)
+        elif world > slots:
+            refusal = (f"dynamicemb: {world} ranks, more than the {slots} state-dict slots of each dynamic table "
+                       f"({names}); set {SLOTS_ENV} to at least {world} for both the save and the load, or use "
+                       f"{_DUMP}")
+        source = _Export(ref, name, rank, world, slots)
+        for s in (range(rank, slots, world) if rank < slots else [rank]):
+            destination[slot_key(head, name, s)] = TableSlot(name, s, source, names=names, refusal=refusal)
+
+
+# ---- load_state_dict -------------------------------------------------------------------------
+
+_COLS = ("keys", "values", "optimizer_state", "scores", "timestamps")
+
+
+def _agree(error, info, pg, world: int, after: str) -> list:
+    """Every rank's (status, info); raises on every rank if one failed."""
+    mine = (status(error), info)
+    out = [mine]
+    if world > 1:
+        out = [None] * world
+        dist.all_gather_object(out, mine, group=pg)
+    raise_any([s for s, _ in out], error, lambda r, m: CheckpointError(f"{m} (found by rank {r}{after})"))
+    return [i for _, i in out]
+
+
+def _template(ref) -> dict:
+    """Empty columns of one table as the model holds it (dtypes, widths)."""
+    dim = ref.options.dim
+    width = ref.storage.weights()[ref.index].shape[1] - dim
+    dt, i64 = ref.module.embedding_dtype, torch.zeros(0, dtype=torch.int64)
+    out = {"keys": i64, "values": torch.zeros(0, dim, dtype=dt), "optimizer_state": torch.zeros(0, width, dtype=dt),
+           "scores": i64}
+    if rules.keeps_timestamps(ref.storage.strategy(ref.index)):
+        out["timestamps"] = i64
+    if ref.storage.admission_counter(ref.index) is not None:
+        out.update(counter_keys=i64, counter_counts=i64)
+    return out
+
+
+def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
+    """Checks this rank's slots of one table against the model; returns
+    their slot numbers, meta and rows (columns concatenated)."""
+    where = f"table {name!r} in the state dict"
+    cols = {c: [t] for c, t in _template(ref).items()}
+    got, meta = [], None
+    for key, value in entries.items():
+        data = value.data() if isinstance(value, TableSlot) else value
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(f"{where}: entry {key!r} is a {type(data).__name__}, not a dynamicemb slot")
+        if data["version"] != VERSION or data["slots"] != slots or key != f"slot{data['slot']}":
+            raise CheckpointError(f"{where}: entry {key!r} holds slot {data['slot']} of {data['slots']} (format "
+                                  f"version {data['version']}); this model reads {slots} slots ({SLOTS_ENV}) of "
+                                  f"format version {VERSION}")
+        check_table(where, ref, data["meta"], True)
+        if data.get("counter_keys") is not None and "counter_keys" not in cols:
+            raise CheckpointError(f"{where}: it holds admission counts, but the model's table has no admission "
+                                  f"counter (admit_strategy / admission_counter)")
+        n = data["keys"].numel()
+        for c in cols:
+            v = data.get(c)
+            if v is None:  # none saved: fresh optimizer state, access times now, no counts
+                v = torch.zeros((0,) if c.startswith("counter") else (n,) + tuple(cols[c][0].shape[1:]),
+                                dtype=cols[c][0].dtype)
+            cols[c].append(v)
+        got.append(data["slot"])
+        meta = data["meta"]
+    return {"slots": sorted(got), "meta": meta, "cols": {c: torch.cat(v) for c, v in cols.items()}}
+
+
+def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> List[torch.Tensor]:
+    """Sends row i of every column to rank dest[i]; returns the rows this
+    rank receives, column by column: one all_to_all of the rows as bytes."""
+    order = torch.argsort(dest, stable=True)
+    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in cols]
+    device = collective_device(pg)
+    send = torch.bincount(dest, minlength=world).to(device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    buf = torch.cat(parts, 1).to(device)
+    out = torch.empty(int(recv.sum()), buf.shape[1], dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, buf, recv.tolist(), send.tolist(), group=pg)
+    out, res, at = out.cpu(), [], 0
+    for c, p in zip(cols, parts):
+        w = p.shape[1]
+        shape = (out.shape[0],) + tuple(c.shape[1:])
+        if w == 0:  # (SGD's optimizer state)
+            res.append(torch.zeros(shape, dtype=c.dtype))
+        else:
+            col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
+            res.append(col.view(c.dtype).reshape(shape))
+        at += w
+    return res
+
+
+def _route(ref, cols: dict, pg, world: int) -> dict:
+    """The rows and admission counts of one table that this rank owns."""
+    if world == 1:
+        return cols
+    dist_type, num_embeddings = ref.options.dist_type, ref.options.num_embeddings
+    out = {}
+    for key, names in (("keys", [c for c in _COLS if c in cols]), ("counter_keys", ["counter_keys", "counter_counts"])):
+        if key in cols:  # the same on every rank: the model's table decides
+            dest = owners(cols[key], dist_type, world, num_embeddings)
+            out.update(zip(names, _exchange([cols[c] for c in names], dest, pg, world)))
+    return out
+
+
+def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_keys: list) -> None:
+    """The pre-hook of our sharded collections' load_state_dict(): takes the
+    dynamic tables' slots out of `state_dict` and loads them, each row on
+    the rank that owns its key, replacing what the tables held. A collective:
+    every rank of the collection's process group calls it. A failed check on
+    any rank raises on all of them with the model unchanged; a table whose
+    slots are all absent is reported missing (and left as it is)."""
+    tables = model_tables(module, check=False)
+    if not tables:
+        return
+    pg, rank, world = _env(module)
+    slots = state_dict_slots()
+    head = f"{prefix}{collection}."
+    given: Dict[str, dict] = {n: {} for n in tables}
+    for key in [k for k in state_dict if k.startswith(head)]:
+        name, sep, rest = key[len(head):].rpartition(f".{KEY}.")
+        if sep and name in given:
+            given[name][rest] = state_dict.pop(key)
+    names = sorted(tables)
+    # 1. This rank's slots against the model; every rank learns which slots were given.
+    found, error = {}, None
+    try:
+        for name in names:
+            if given[name]:
+                found[name] = _rows_of(name, tables[name], given[name], slots)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+        error = e
+    info = {n: (f["slots"], f["meta"]["step"], f["meta"]["optimizer_step"], f["meta"]["custom_score"])
+            for n, f in found.items()}
+    infos = _agree(error, info, pg, world, "; the model is unchanged")
+    todo, saved = [], {}
+    for name in names:
+        held = sorted(s for i in infos for s in i.get(name, ([],))[0])
+        if not held:
+            missing_keys.append(f"{head}{name}.{KEY}")
+            continue
+        if held != list(range(slots)):
+            absent = sorted(set(range(slots)) - set(held))
+            twice = " (and some twice)" if len(held) > len(set(held)) else ""
+            raise CheckpointError(f"table {name!r} in the state dict: slots {absent[:8]}{'...' * (len(absent) > 8)} "
+                                  f"of {slots} are absent{twice}; "
+                                  f"a state dict of dynamic tables must come whole from model.state_dict() on every "
+                                  f"rank (dcp.save / dcp.load); the model is unchanged")
+        todo.append(name)
+        saved[name] = [i[name][1:] for i in infos if name in i]
+    # 2. Each row to its owner, then every check that needs no change to the model.
+    routed = {n: _route(tables[n], found[n]["cols"] if n in found else _template(tables[n]), pg, world) for n in todo}
+    counters, error = {}, None
+    try:
+        for name in todo:
+            ref, rows = tables[name], routed[name]
+            cap = ref.storage.max_rows(ref.index)
+            if cap is not None and rows["keys"].numel() > cap:
+                raise CheckpointError(f"table {name!r}: {rows['keys'].numel()} keys of the state dict go to rank "
+                                      f"{rank} of {world}, more than the table's maximum capacity there ({cap} rows)")
+            adm = ref.storage.admission_counter(ref.index)
+            if adm is not None:  # (its columns are there: _template)
+                counters[name] = build_counter(name, adm, rows["counter_keys"], rows["counter_counts"],
+                                               "the state dict", rank, world, "give the table a larger KVCounter")
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, None, pg, world, "; the model is unchanged")
+    # 3. Each table's content replaced by the state dict's.
+    try:
+        steps: Dict[int, list] = {}
+        for name in todo:
+            ref, rows = tables[name], routed[name]
+            strategy = ref.storage.strategy(ref.index)
+            ref.storage.clear_table(ref.index)
+            now = ref.storage.now(ref.index)  # ages become readings of the table's own clock
+            for lo in range(0, rows["keys"].numel(), CHUNK_ROWS):
+                restore_rows(ref, strategy, now, {c: rows[c][lo:lo + CHUNK_ROWS] for c in _COLS
+                                                  if rows.get(c) is not None}, True)
+            if name in counters:
+                ref.storage.admission_counter(ref.index).replace(counters[name])
+            ref.storage.custom_scores[ref.index] = saved[name][0][2]
+            steps.setdefault(id(ref.module), [ref.module, 0, 0])
+            entry = steps[id(ref.module)]
+            entry[1] = max([entry[1]] + [s[0] for s in saved[name]])
+            entry[2] = max([entry[2]] + [s[1] for s in saved[name]])
+        for m, step, optimizer_step in steps.values():
+            m.step, m.optimizer_step = step, optimizer_step
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, None, pg, world, " while loading: that rank's tables are partly loaded; load the model again")
