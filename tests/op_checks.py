@@ -97,7 +97,7 @@ def _copy(t):
     return c.requires_grad_(t.requires_grad)
 
 
-_SKIP_FILES = (os.path.dirname(torch.__file__), __file__)
+_SKIP_FILES = (os.path.dirname(torch.__file__) + os.sep, __file__)  # (torchrec is not torch)
 
 
 def _caller_file():
