@@ -87,9 +87,9 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         for (int64_t j = jb; j < je; ++j)
           std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
                     bags.table[bags.feature(j)]);
-        table::find_pipelined<kFindBlock>(
-            0, i1 - i0,
-            ForwardKeys<W>{H.refs.data(), H.place.data(), w.data(), R.stride.data(), keys + i0, tab.data(), src.data()});
+        const ForwardKeys<W> span{H.refs.data(), H.place.data(), w.data(), R.stride.data(),
+                                  keys + i0,     tab.data(),     src.data()};
+        table::find_pipelined<kFindBlock>(0, i1 - i0, span);
         pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return keys[i]; }, psw, pooling, args,
                         static_cast<uint64_t>(seed), doff, acc.data(), o);
       });

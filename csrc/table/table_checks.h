@@ -50,23 +50,6 @@ inline int64_t check_keys(const at::Tensor& keys, const std::optional<at::Tensor
   return n;
 }
 
-// table_refresh: slot_scores (and the timestamps where the strategy keeps
-// them) of one length, distinct slot indices in [-1, that length), per-index
-// scores. Returns the number of indices.
-inline int64_t check_refresh(const at::Tensor& slot_scores, const at::Tensor& slot_timestamps,
-                             const at::Tensor& indices, const std::optional<at::Tensor>& key_scores,
-                             bool with_ts) {
-  const at::Device dev = slot_scores.device();
-  check_tensor(slot_scores, at::kLong, "slot_scores", dev);
-  TORCH_CHECK(slot_scores.dim() == 1, "dynamicemb: slot_scores must be 1-D");
-  if (with_ts) {
-    check_tensor(slot_timestamps, at::kLong, "slot_timestamps", dev);
-    TORCH_CHECK(slot_timestamps.numel() == slot_scores.numel(),
-                "dynamicemb: slot_timestamps must hold one entry per slot");
-  }
-  return check_keys(indices, std::nullopt, key_scores, dev);
-}
-
 // table_lookup_gather: values [num_slots, dim] and out [n, dim], one floating
 // dtype, contiguous rows. Returns the bytes of one row.
 inline int64_t check_gather(const at::Tensor& values, const at::Tensor& out, int64_t n,
@@ -107,9 +90,23 @@ inline const char* member_name(int m) {
   return names[m];
 }
 
+// An op's `Tensor[] table` argument holds every member, in Member's order.
+inline void check_members(at::ArrayRef<at::Tensor> table) {
+  TORCH_CHECK(table.size() == kNumMembers, "dynamicemb: a table is ", kNumMembers,
+              " tensors (slot_keys, slot_digests, slot_scores, slot_timestamps, slot_epochs, table_buckets, sizes, "
+              "counters), got ",
+              table.size());
+}
+
 // A set of members (the ones an op reads or writes), as bits.
 constexpr unsigned member_bit(Member m) { return 1u << m; }
+// The members each kind of op uses (plus the timestamps where the strategy
+// keeps them: with_timestamps).
 constexpr unsigned kFindMembers = member_bit(kSlotKeys) | member_bit(kSlotDigests);
+constexpr unsigned kRefreshMembers = kFindMembers | member_bit(kSlotScores);
+constexpr unsigned kEraseMembers = kFindMembers | member_bit(kSizes);
+constexpr unsigned kInsertMembers =
+    kRefreshMembers | member_bit(kSlotEpochs) | member_bit(kSizes) | member_bit(kCounters);
 
 // The layout checks both backends make: table_buckets int64 [num_tables + 1]
 // on dev, bucket_capacity a positive multiple of the group size. Returns
@@ -170,6 +167,30 @@ inline TableRef attach_members(TableRef layout, at::ArrayRef<at::Tensor> table, 
 // the timestamps where the strategy keeps them.
 inline unsigned with_timestamps(unsigned used, int64_t strategy) {
   return keeps_timestamps(strategy) ? used | member_bit(kSlotTimestamps) : used;
+}
+
+// table_refresh: the table's slot_scores (and its timestamps where the
+// strategy keeps them) of one length, slot indices and per-index scores on
+// their device. Returns the ref over those arrays (the op finds no key):
+// refresh them at distinct slot indices in [-1, slot_scores.numel()).
+inline TableRef refresh_ref(at::ArrayRef<at::Tensor> table, const at::Tensor& indices,
+                            const std::optional<at::Tensor>& key_scores, int64_t strategy) {
+  check_strategy(strategy);
+  check_members(table);
+  const at::Tensor& scores = table[kSlotScores];
+  const at::Device dev = scores.device();
+  check_tensor(scores, at::kLong, "slot_scores", dev);
+  TORCH_CHECK(scores.dim() == 1, "dynamicemb: slot_scores must be 1-D");
+  TableRef r;
+  r.scores = scores.data_ptr<int64_t>();
+  if (keeps_timestamps(strategy)) {
+    const at::Tensor& ts = table[kSlotTimestamps];
+    check_tensor(ts, at::kLong, "slot_timestamps", dev);
+    TORCH_CHECK(ts.numel() == scores.numel(), "dynamicemb: slot_timestamps must hold one entry per slot");
+    r.timestamps = ts.data_ptr<int64_t>();
+  }
+  check_keys(indices, std::nullopt, key_scores, dev);
+  return r;
 }
 
 // table_insert's `evictable`: one flag per table (null: every table may evict).

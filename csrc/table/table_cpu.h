@@ -41,6 +41,7 @@ inline void check_tensor(const Tensor& t, at::ScalarType dtype, const char* name
 // without bounds checks, so every table must own at least one bucket from
 // bucket 0 on; the slot arrays hold table_buckets[num_tables] buckets.
 inline TableRef make_ref(at::ArrayRef<Tensor> table, int64_t bucket_capacity, unsigned used) {
+  check_members(table);
   TableRef r = check_layout(table[kTableBuckets], bucket_capacity, cpu_device());
   const int64_t* tb = r.table_buckets;
   TORCH_CHECK(tb[0] == 0, "dynamicemb: table_buckets must start at 0, got ", tb[0]);

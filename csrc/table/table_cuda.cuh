@@ -64,7 +64,9 @@ constexpr int kTilesPerBlock = kThreads / kGroupSize;
 // ---- the table ---------------------------------------------------------------------
 
 // The table's device (that of slot_keys): every other tensor must be on it.
-at::Device table_device(const Tensor& slot_keys) {
+at::Device table_device(at::ArrayRef<Tensor> table) {
+  check_members(table);
+  const Tensor& slot_keys = table[kSlotKeys];
   TORCH_CHECK(slot_keys.device().is_cuda(), "dynamicemb: slot_keys must be on a CUDA device, got ",
               slot_keys.device());
   return slot_keys.device();
@@ -74,7 +76,7 @@ at::Device table_device(const Tensor& slot_keys) {
 // the device: the bucket count comes from the slot arrays (reading tb[T]
 // would cost a sync), and the kernels check each table's range (table_fits).
 TableRef make_ref(at::ArrayRef<Tensor> table, int64_t bucket_capacity, unsigned used) {
-  const at::Device dev = table_device(table[kSlotKeys]);
+  const at::Device dev = table_device(table);
   TableRef r = check_layout(table[kTableBuckets], bucket_capacity, dev);
   const int64_t S = table[kSlotKeys].numel();
   TORCH_CHECK(S % bucket_capacity == 0, "dynamicemb: slot_keys must hold whole buckets of ", bucket_capacity,

@@ -24,9 +24,6 @@ bool bucket_full(const uint8_t* digests, int cap) {
   return true;
 }
 
-constexpr unsigned kInsertMembers = kFindMembers | member_bit(kSlotScores) | member_bit(kSlotEpochs) |
-                                    member_bit(kSizes) | member_bit(kCounters);
-
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
@@ -182,20 +179,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cpu(
-    const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& slot_scores, const Tensor& slot_timestamps,
-    const Tensor& slot_epochs, const Tensor& table_buckets, const Tensor& sizes, const Tensor& counters,
-    const Tensor& keys, const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
-    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
-    const std::optional<Tensor>& evictable) {
-  const std::array<Tensor, kNumMembers> table{slot_keys,     slot_digests, slot_scores, slot_timestamps,
-                                              slot_epochs,   table_buckets, sizes,      counters};
-  return insert(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) { m.impl("table_insert", &insert_cpu); }
+TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) { m.impl("table_insert", &insert); }
 
 }  // namespace cpu_impl
 }  // namespace table

@@ -96,15 +96,12 @@ __global__ void gather_evicted_kernel(const int64_t* pos, int64_t m, const int64
   e_scores[o] = ev_score[i];
 }
 
-constexpr unsigned kInsertMembers = kFindMembers | member_bit(kSlotScores) | member_bit(kSlotEpochs) |
-                                    member_bit(kSizes) | member_bit(kCounters);
-
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
     int64_t epoch, const std::optional<Tensor>& evictable) {
   check_strategy(strategy);
-  const c10::cuda::CUDAGuard guard(table_device(table[kSlotKeys]));
+  const c10::cuda::CUDAGuard guard(table_device(table));
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
   const at::Device dev = table[kSlotKeys].device();
   const bool* may_evict_table = check_evictable(evictable, ref, dev);
@@ -155,20 +152,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert_cuda(
-    const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& slot_scores, const Tensor& slot_timestamps,
-    const Tensor& slot_epochs, const Tensor& table_buckets, const Tensor& sizes, const Tensor& counters,
-    const Tensor& keys, const std::optional<Tensor>& table_ids, const std::optional<Tensor>& key_scores,
-    int64_t strategy, int64_t bucket_capacity, int64_t call_score, int64_t epoch,
-    const std::optional<Tensor>& evictable) {
-  const std::array<Tensor, kNumMembers> table{slot_keys,   slot_digests,  slot_scores, slot_timestamps,
-                                              slot_epochs, table_buckets, sizes,       counters};
-  return insert(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) { m.impl("table_insert", &insert_cuda); }
+TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) { m.impl("table_insert", &insert); }
 
 }  // namespace cuda_impl
 }  // namespace table

@@ -120,7 +120,7 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
                                           int64_t bucket_capacity, int64_t call_score) {
   check_strategy(strategy);
   const TableRef ref =
-      make_ref(table, bucket_capacity, with_timestamps(kFindMembers | member_bit(kSlotScores), strategy));
+      make_ref(table, bucket_capacity, with_timestamps(kRefreshMembers, strategy));
   const int64_t n = check_keys(keys, table_ids, key_scores, cpu_device());
   Tensor indices = new_tensor(n, at::kLong);
   Tensor found = new_tensor(n, at::kBool);
@@ -164,17 +164,12 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
 
 // An access of the keys at distinct slots `indices` (-1: none), found
 // earlier: scores as lookup_refresh sets them, without finding the keys again.
-void refresh(const Tensor& slot_scores, const Tensor& slot_timestamps, const Tensor& indices,
-             const std::optional<Tensor>& key_scores, int64_t strategy, int64_t call_score) {
-  check_strategy(strategy);
-  const bool with_ts = keeps_timestamps(strategy);
-  const int64_t n = check_refresh(slot_scores, slot_timestamps, indices, key_scores, with_ts);
-  const int64_t slots = slot_scores.numel();
+void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optional<Tensor>& key_scores,
+             int64_t strategy, int64_t call_score) {
+  const TableRef ref = refresh_ref(table, indices, key_scores, strategy);
+  const int64_t n = indices.numel(), slots = table[kSlotScores].numel();
   const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* ks = opt_ptr(key_scores);
-  TableRef ref;
-  ref.scores = slot_scores.data_ptr<int64_t>();
-  ref.timestamps = with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr;
   const Scoring scoring = Scoring::of(strategy, call_score);
   std::atomic<int64_t> bad{-1};
   cpu::parallel_ranges(n, 16384, [&](int64_t b, int64_t e) {
@@ -221,8 +216,6 @@ void erase_found(const LookupCall& c, OnErased on, Ahead ahead) {
   }
 }
 
-constexpr unsigned kEraseMembers = kFindMembers | member_bit(kSizes);
-
 Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
              int64_t bucket_capacity) {
   const LookupCall c = prepare_lookup(table, bucket_capacity, keys, table_ids, kEraseMembers);
@@ -260,69 +253,15 @@ std::tuple<Tensor, Tensor, Tensor> take(at::ArrayRef<Tensor> table, const Tensor
   return {at_.narrow(0, 0, m), values.narrow(0, 0, m), scores.narrow(0, 0, m)};
 }
 
-// ---- the ops' current signatures --------------------------------------------------
-
-std::array<Tensor, kNumMembers> members(const Tensor& slot_keys, const Tensor& slot_digests,
-                                        const Tensor& table_buckets, const Tensor& slot_scores = Tensor(),
-                                        const Tensor& slot_timestamps = Tensor(), const Tensor& sizes = Tensor()) {
-  std::array<Tensor, kNumMembers> m;
-  m[kSlotKeys] = slot_keys;
-  m[kSlotDigests] = slot_digests;
-  m[kTableBuckets] = table_buckets;
-  m[kSlotScores] = slot_scores;
-  m[kSlotTimestamps] = slot_timestamps;
-  m[kSizes] = sizes;
-  return m;
-}
-
-std::tuple<Tensor, Tensor> lookup_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
-                                      const Tensor& table_buckets, const Tensor& keys,
-                                      const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
-  return lookup(members(slot_keys, slot_digests, table_buckets), keys, table_ids, bucket_capacity);
-}
-
-std::tuple<Tensor, Tensor> lookup_gather_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
-                                             const Tensor& table_buckets, const Tensor& keys,
-                                             const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
-                                             const Tensor& values, const Tensor& out) {
-  return lookup_gather(members(slot_keys, slot_digests, table_buckets), keys, table_ids, bucket_capacity, values,
-                       out);
-}
-
-std::tuple<Tensor, Tensor> lookup_refresh_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
-                                              const Tensor& slot_scores, const Tensor& slot_timestamps,
-                                              const Tensor& table_buckets, const Tensor& keys,
-                                              const std::optional<Tensor>& table_ids,
-                                              const std::optional<Tensor>& key_scores, int64_t strategy,
-                                              int64_t bucket_capacity, int64_t call_score) {
-  return lookup_refresh(members(slot_keys, slot_digests, table_buckets, slot_scores, slot_timestamps), keys,
-                        table_ids, key_scores, strategy, bucket_capacity, call_score);
-}
-
-Tensor erase_cpu(const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& table_buckets,
-                 const Tensor& sizes, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                 int64_t bucket_capacity) {
-  return erase(members(slot_keys, slot_digests, table_buckets, Tensor(), Tensor(), sizes), keys, table_ids,
-               bucket_capacity);
-}
-
-std::tuple<Tensor, Tensor, Tensor> take_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
-                                            const Tensor& table_buckets, const Tensor& sizes, const Tensor& keys,
-                                            const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
-                                            const Tensor& slot_values, const Tensor& slot_scores) {
-  return take(members(slot_keys, slot_digests, table_buckets, slot_scores, Tensor(), sizes), keys, table_ids,
-              bucket_capacity, slot_values);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
-  m.impl("table_lookup", &lookup_cpu);
-  m.impl("table_lookup_gather", &lookup_gather_cpu);
-  m.impl("table_lookup_refresh", &lookup_refresh_cpu);
+  m.impl("table_lookup", &lookup);
+  m.impl("table_lookup_gather", &lookup_gather);
+  m.impl("table_lookup_refresh", &lookup_refresh);
   m.impl("table_refresh", &refresh);
-  m.impl("table_erase", &erase_cpu);
-  m.impl("table_take", &take_cpu);
+  m.impl("table_erase", &erase);
+  m.impl("table_take", &take);
 }
 
 }  // namespace cpu_impl

@@ -94,7 +94,7 @@ LookupArgs lookup_args(const LookupCall& c, const Tensor& keys, const std::optio
 
 std::tuple<Tensor, Tensor> lookup(at::ArrayRef<Tensor> table, const Tensor& keys,
                                   const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
-  const c10::cuda::CUDAGuard guard(table_device(table[kSlotKeys]));
+  const c10::cuda::CUDAGuard guard(table_device(table));
   const LookupCall c = prepare_lookup(table, bucket_capacity, keys, table_ids);
   if (c.n == 0) return {c.indices, c.found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -117,7 +117,7 @@ bool copies_in(int64_t row_bytes, const void* a, const void* b) {
 std::tuple<Tensor, Tensor> lookup_gather(at::ArrayRef<Tensor> table, const Tensor& keys,
                                          const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
                                          const Tensor& values, const Tensor& out) {
-  const c10::cuda::CUDAGuard guard(table_device(table[kSlotKeys]));
+  const c10::cuda::CUDAGuard guard(table_device(table));
   const LookupCall c = prepare_lookup(table, bucket_capacity, keys, table_ids);
   const int64_t row_bytes = check_gather(values, out, c.n, c.ref.num_buckets * c.ref.bucket_capacity, c.dev);
   if (c.n == 0) return {c.indices, c.found};
@@ -169,9 +169,9 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
                                           const std::optional<Tensor>& key_scores, int64_t strategy,
                                           int64_t bucket_capacity, int64_t call_score) {
   check_strategy(strategy);
-  const c10::cuda::CUDAGuard guard(table_device(table[kSlotKeys]));
+  const c10::cuda::CUDAGuard guard(table_device(table));
   const TableRef ref =
-      make_ref(table, bucket_capacity, with_timestamps(kFindMembers | member_bit(kSlotScores), strategy));
+      make_ref(table, bucket_capacity, with_timestamps(kRefreshMembers, strategy));
   const at::Device dev = table[kSlotKeys].device();
   const int64_t n = check_keys(keys, table_ids, key_scores, dev);
   Tensor indices = new_tensor(n, at::kLong, dev);
@@ -201,23 +201,19 @@ __global__ void refresh_kernel(TableRef ref, const int64_t* idx, int64_t n, cons
   if (s >= 0) ref.refresh(s, scoring, scoring.key_score(ks, i));
 }
 
-void refresh(const Tensor& slot_scores, const Tensor& slot_timestamps, const Tensor& indices,
-             const std::optional<Tensor>& key_scores, int64_t strategy, int64_t call_score) {
-  check_strategy(strategy);
-  const c10::cuda::CUDAGuard guard(slot_scores.device());
-  const bool with_ts = keeps_timestamps(strategy);
-  const int64_t n = check_refresh(slot_scores, slot_timestamps, indices, key_scores, with_ts);
+void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optional<Tensor>& key_scores,
+             int64_t strategy, int64_t call_score) {
+  const TableRef ref = refresh_ref(table, indices, key_scores, strategy);
+  const int64_t n = indices.numel(), slots = table[kSlotScores].numel();
   if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(indices.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor bad = at::zeros({1}, indices.options().dtype(at::kInt));
-  TableRef ref;
-  ref.scores = slot_scores.data_ptr<int64_t>();
-  ref.timestamps = with_ts ? slot_timestamps.data_ptr<int64_t>() : nullptr;
   refresh_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-      ref, indices.data_ptr<int64_t>(), n, opt_ptr(key_scores), Scoring::of(strategy, call_score), slot_scores.numel(),
+      ref, indices.data_ptr<int64_t>(), n, opt_ptr(key_scores), Scoring::of(strategy, call_score), slots,
       bad.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  TORCH_CHECK(bad.item<int>() == 0, "dynamicemb: a slot index is out of range [-1, ", slot_scores.numel(), ")");
+  TORCH_CHECK(bad.item<int>() == 0, "dynamicemb: a slot index is out of range [-1, ", slots, ")");
 }
 
 // ---- erase -----------------------------------------------------------------------------
@@ -242,8 +238,8 @@ __global__ void tally_erase_kernel(TableRef ref, const bool* erased, const int64
 
 Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
              int64_t bucket_capacity) {
-  const c10::cuda::CUDAGuard guard(table_device(table[kSlotKeys]));
-  const TableRef ref = make_ref(table, bucket_capacity, kFindMembers | member_bit(kSizes));
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const TableRef ref = make_ref(table, bucket_capacity, kEraseMembers);
   const at::Device dev = table[kSlotKeys].device();
   const int64_t n = check_keys(keys, table_ids, std::nullopt, dev);
   Tensor erased = new_tensor(n, at::kBool, dev);
@@ -261,60 +257,14 @@ Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional
   return erased;
 }
 
-// ---- the ops' current signatures --------------------------------------------------
-
-std::array<Tensor, kNumMembers> members(const Tensor& slot_keys, const Tensor& slot_digests,
-                                        const Tensor& table_buckets, const Tensor& slot_scores = Tensor(),
-                                        const Tensor& slot_timestamps = Tensor(), const Tensor& sizes = Tensor()) {
-  std::array<Tensor, kNumMembers> m;
-  m[kSlotKeys] = slot_keys;
-  m[kSlotDigests] = slot_digests;
-  m[kTableBuckets] = table_buckets;
-  m[kSlotScores] = slot_scores;
-  m[kSlotTimestamps] = slot_timestamps;
-  m[kSizes] = sizes;
-  return m;
-}
-
-std::tuple<Tensor, Tensor> lookup_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
-                                       const Tensor& table_buckets, const Tensor& keys,
-                                       const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
-  return lookup(members(slot_keys, slot_digests, table_buckets), keys, table_ids, bucket_capacity);
-}
-
-std::tuple<Tensor, Tensor> lookup_gather_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
-                                              const Tensor& table_buckets, const Tensor& keys,
-                                              const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
-                                              const Tensor& values, const Tensor& out) {
-  return lookup_gather(members(slot_keys, slot_digests, table_buckets), keys, table_ids, bucket_capacity, values,
-                       out);
-}
-
-std::tuple<Tensor, Tensor> lookup_refresh_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
-                                               const Tensor& slot_scores, const Tensor& slot_timestamps,
-                                               const Tensor& table_buckets, const Tensor& keys,
-                                               const std::optional<Tensor>& table_ids,
-                                               const std::optional<Tensor>& key_scores, int64_t strategy,
-                                               int64_t bucket_capacity, int64_t call_score) {
-  return lookup_refresh(members(slot_keys, slot_digests, table_buckets, slot_scores, slot_timestamps), keys,
-                        table_ids, key_scores, strategy, bucket_capacity, call_score);
-}
-
-Tensor erase_cuda(const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& table_buckets,
-                  const Tensor& sizes, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                  int64_t bucket_capacity) {
-  return erase(members(slot_keys, slot_digests, table_buckets, Tensor(), Tensor(), sizes), keys, table_ids,
-               bucket_capacity);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
-  m.impl("table_lookup", &lookup_cuda);
-  m.impl("table_lookup_gather", &lookup_gather_cuda);
-  m.impl("table_lookup_refresh", &lookup_refresh_cuda);
+  m.impl("table_lookup", &lookup);
+  m.impl("table_lookup_gather", &lookup_gather);
+  m.impl("table_lookup_refresh", &lookup_refresh);
   m.impl("table_refresh", &refresh);
-  m.impl("table_erase", &erase_cuda);
+  m.impl("table_erase", &erase);
 }
 
 }  // namespace cuda_impl

@@ -57,7 +57,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<T
                                                                   const Tensor& new_table_buckets,
                                                                   int64_t bucket_capacity) {
   const bool with_ts = table[kSlotTimestamps].numel() > 0;
-  unsigned used = kFindMembers | member_bit(kSlotScores);
+  unsigned used = kRefreshMembers;
   if (with_ts) used |= member_bit(kSlotTimestamps);
   std::array<Tensor, kNumMembers> grown;
   grown[kTableBuckets] = new_table_buckets;
@@ -104,36 +104,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<T
   return {nk, nd, ns, nt, old_idx, new_idx};
 }
 
-// ---- the ops' current signatures --------------------------------------------------
-
-std::tuple<Tensor, Tensor, Tensor> export_range_cpu(const Tensor& slot_keys, const Tensor& slot_digests,
-                                                    const std::optional<Tensor>& filter_scores,
-                                                    const Tensor& table_buckets, int64_t begin, int64_t end,
-                                                    int64_t bucket_capacity, int64_t threshold) {
-  std::array<Tensor, kNumMembers> table;
-  table[kSlotKeys] = slot_keys;
-  table[kSlotDigests] = slot_digests;
-  table[kTableBuckets] = table_buckets;
-  return export_range(table, filter_scores, begin, end, bucket_capacity, threshold);
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cpu(
-    const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& slot_scores, const Tensor& slot_timestamps,
-    const Tensor& old_table_buckets, const Tensor& new_table_buckets, int64_t bucket_capacity) {
-  std::array<Tensor, kNumMembers> table;
-  table[kSlotKeys] = slot_keys;
-  table[kSlotDigests] = slot_digests;
-  table[kSlotScores] = slot_scores;
-  table[kSlotTimestamps] = slot_timestamps;
-  table[kTableBuckets] = old_table_buckets;
-  return rehash(table, new_table_buckets, bucket_capacity);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
-  m.impl("table_export_range", &export_range_cpu);
-  m.impl("table_rehash", &rehash_cpu);
+  m.impl("table_export_range", &export_range);
+  m.impl("table_rehash", &rehash);
 }
 
 }  // namespace cpu_impl

@@ -40,7 +40,7 @@ __global__ void export_gather_kernel(TableRef ref, const int64_t* pos, int64_t m
 std::tuple<Tensor, Tensor, Tensor> export_range(at::ArrayRef<Tensor> table, const std::optional<Tensor>& filter_scores,
                                                 int64_t begin, int64_t end, int64_t bucket_capacity,
                                                 int64_t threshold) {
-  const at::Device dev = table_device(table[kSlotKeys]);
+  const at::Device dev = table_device(table);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TableRef ref = make_ref(table, bucket_capacity, kFindMembers);
@@ -83,7 +83,7 @@ __global__ void rehash_kernel(TableRef from, TableRef to, int32_t* fill, int64_t
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<Tensor> table,
                                                                   const Tensor& new_table_buckets,
                                                                   int64_t bucket_capacity) {
-  const at::Device dev = table_device(table[kSlotKeys]);
+  const at::Device dev = table_device(table);
   const c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TableRef from = make_ref(table, bucket_capacity, kFindMembers);
@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<T
   const bool with_ts = table[kSlotTimestamps].numel() > 0;
   from.num_buckets = otb.back();
   from = attach_members(from, table,
-                        kFindMembers | member_bit(kSlotScores) | (with_ts ? member_bit(kSlotTimestamps) : 0u), dev);
+                        kRefreshMembers | (with_ts ? member_bit(kSlotTimestamps) : 0u), dev);
 
   const int64_t cap = bucket_capacity, S = ntb.back() * cap;
   const auto opts = at::TensorOptions().device(dev);
@@ -121,36 +121,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<T
   return {nk, nd, ns, nt, old_idx, new_idx};
 }
 
-// ---- the ops' current signatures --------------------------------------------------
-
-std::tuple<Tensor, Tensor, Tensor> export_range_cuda(const Tensor& slot_keys, const Tensor& slot_digests,
-                                                     const std::optional<Tensor>& filter_scores,
-                                                     const Tensor& table_buckets, int64_t begin, int64_t end,
-                                                     int64_t bucket_capacity, int64_t threshold) {
-  std::array<Tensor, kNumMembers> table;
-  table[kSlotKeys] = slot_keys;
-  table[kSlotDigests] = slot_digests;
-  table[kTableBuckets] = table_buckets;
-  return export_range(table, filter_scores, begin, end, bucket_capacity, threshold);
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash_cuda(
-    const Tensor& slot_keys, const Tensor& slot_digests, const Tensor& slot_scores, const Tensor& slot_timestamps,
-    const Tensor& old_table_buckets, const Tensor& new_table_buckets, int64_t bucket_capacity) {
-  std::array<Tensor, kNumMembers> table;
-  table[kSlotKeys] = slot_keys;
-  table[kSlotDigests] = slot_digests;
-  table[kSlotScores] = slot_scores;
-  table[kSlotTimestamps] = slot_timestamps;
-  table[kTableBuckets] = old_table_buckets;
-  return rehash(table, new_table_buckets, bucket_capacity);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
-  m.impl("table_export_range", &export_range_cuda);
-  m.impl("table_rehash", &rehash_cuda);
+  m.impl("table_export_range", &export_range);
+  m.impl("table_rehash", &rehash);
 }
 
 }  // namespace cuda_impl
