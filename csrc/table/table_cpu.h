@@ -13,7 +13,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <array>
 #include <optional>
 #include <vector>
 
@@ -37,18 +36,23 @@ inline void check_tensor(const Tensor& t, at::ScalarType dtype, const char* name
   table::check_tensor(t, dtype, name, cpu_device());
 }
 
-// The table's ref with the members in `used` checked. Keys are placed
-// without bounds checks, so every table must own at least one bucket from
-// bucket 0 on; the slot arrays hold table_buckets[num_tables] buckets.
-inline TableRef make_ref(at::ArrayRef<Tensor> table, int64_t bucket_capacity, unsigned used) {
-  check_members(table);
-  TableRef r = check_layout(table[kTableBuckets], bucket_capacity, cpu_device());
+// A layout's ref (no members). Keys are placed without bounds checks, so
+// every table must own at least one bucket from bucket 0 on; the slot arrays
+// hold table_buckets[num_tables] buckets.
+inline TableRef layout_ref(const Tensor& table_buckets, int64_t bucket_capacity) {
+  TableRef r = check_layout(table_buckets, bucket_capacity, cpu_device());
   const int64_t* tb = r.table_buckets;
   TORCH_CHECK(tb[0] == 0, "dynamicemb: table_buckets must start at 0, got ", tb[0]);
   for (int64_t t = 0; t < r.num_tables; ++t)
     TORCH_CHECK(tb[t + 1] > tb[t], "dynamicemb: table ", t, " owns no bucket (table_buckets must increase)");
   r.num_buckets = tb[r.num_tables];
-  return attach_members(r, table, used, cpu_device());
+  return r;
+}
+
+// The table's ref with the members in `used` checked.
+inline TableRef make_ref(at::ArrayRef<Tensor> table, int64_t bucket_capacity, unsigned used) {
+  check_members(table);
+  return attach_members(layout_ref(table[kTableBuckets], bucket_capacity), table, used, cpu_device());
 }
 
 inline void check_slots(const Tensor& t, at::ScalarType dtype, const char* name, const TableRef& r) {

@@ -38,7 +38,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cooperative_groups.h>
 
-#include <array>
 #include <optional>
 #include <vector>
 

@@ -7,8 +7,10 @@
 //
 // The same type serves the CPU kernels (table_*_cpu.cpp, lookup_forward_cpu),
 // the CUDA kernels (table_*_cuda.cu, embedding_cuda.cu's eval lookup) and the
-// host code that builds it (table_checks.h make_ref), so the placement of a
-// key and the meaning of a slot are written once. Specialisations:
+// host code that builds it over an op's checked tensors (table_checks.h's
+// check_layout and attach_members; make_ref in table_cpu.h / table_cuda.cuh;
+// embedding/lookup_tables.h), so the placement of a key and the meaning of a
+// slot are written once. Specialisations:
 //  - scalar:  find / find_from / find_or_free (one thread, table_rules.h's
 //             group scan, SSE2 on the CPU);
 //  - CPU:     the AVX2 scan of a full bucket and the victim lists

@@ -56,15 +56,12 @@ std::tuple<Tensor, Tensor, Tensor> export_range(at::ArrayRef<Tensor> table, cons
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rehash(at::ArrayRef<Tensor> table,
                                                                   const Tensor& new_table_buckets,
                                                                   int64_t bucket_capacity) {
-  const bool with_ts = table[kSlotTimestamps].numel() > 0;
-  unsigned used = kRefreshMembers;
-  if (with_ts) used |= member_bit(kSlotTimestamps);
-  std::array<Tensor, kNumMembers> grown;
-  grown[kTableBuckets] = new_table_buckets;
   const TableRef old_layout = make_ref(table, bucket_capacity, 0);
-  TableRef to = make_ref(grown, bucket_capacity, 0);
+  TableRef to = layout_ref(new_table_buckets, bucket_capacity);
   check_grow(old_layout.table_buckets, old_layout.num_tables, to.table_buckets, to.num_tables);
-  const TableRef from = make_ref(table, bucket_capacity, used);
+  const bool with_ts = table[kSlotTimestamps].numel() > 0;
+  const TableRef from =
+      make_ref(table, bucket_capacity, kRefreshMembers | (with_ts ? member_bit(kSlotTimestamps) : 0u));
 
   const int64_t S = to.num_buckets * to.bucket_capacity;
   Tensor nk = cpu::empty_huge({S}, at::kLong), nd = cpu::empty_huge({S}, at::kByte),
