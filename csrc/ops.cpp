@@ -1,62 +1,53 @@
 // The op schemas of dynamicemb. Kernels register per dispatch key in their own
-// files (table/table_cpu.cpp, ...); fake kernels are registered in Python
+// files (table/table_lookup_cpu.cpp, ...); fake kernels are registered in Python
 // (dynamicemb/_ops.py) so torch.compile and torch.export see shapes.
 //
 // table_insert's `evictable` (bool [num_tables], None: all) lets a table that
 // can still grow fail a key instead of evicting, so its owner grows it first.
 //
-// Table state is a set of slot tensors (see table/table_rules.h): slot_keys
-// int64, slot_digests uint8, slot_scores int64, slot_timestamps int64 (only
-// for the (TIMESTAMP, LFU) strategy, else empty), slot_epochs uint8 (which
-// insert call last held a slot), and table_buckets int64 [num_tables + 1].
+// A table is one argument, `Tensor[] table`: its members in the order of
+// table/table_checks.h's Member (mirrored by dynamicemb/_ops.py
+// TABLE_MEMBERS): slot_keys int64, slot_digests uint8, slot_scores int64,
+// slot_timestamps int64 (only for the (TIMESTAMP, LFU) strategy, else
+// empty), slot_epochs uint8 (which insert call last held a slot),
+// table_buckets int64 [num_tables + 1], sizes int64 [num_tables] and
+// counters int64 [num_tables, 3]. An op that writes any member marks the
+// whole list mutable (Tensor(a!)[]).
 #include <torch/library.h>
 
 TORCH_LIBRARY(dynamicemb, m) {
-  m.def(
-      "table_lookup(Tensor slot_keys, Tensor slot_digests, Tensor table_buckets, Tensor keys, "
-      "Tensor? table_ids, int bucket_capacity) -> (Tensor indices, Tensor found)");
+  m.def("table_lookup(Tensor[] table, Tensor keys, Tensor? table_ids, int bucket_capacity) "
+        "-> (Tensor indices, Tensor found)");
   // table_lookup, and each key's row of values [slots, dim] copied into out
   // [keys, dim] (zeros where the key is missing).
   m.def(
-      "table_lookup_gather(Tensor slot_keys, Tensor slot_digests, Tensor table_buckets, Tensor keys, "
-      "Tensor? table_ids, int bucket_capacity, Tensor values, Tensor(a!) out) "
-      "-> (Tensor indices, Tensor found)");
+      "table_lookup_gather(Tensor[] table, Tensor keys, Tensor? table_ids, int bucket_capacity, Tensor values, "
+      "Tensor(a!) out) -> (Tensor indices, Tensor found)");
   m.def(
-      "table_lookup_refresh(Tensor slot_keys, Tensor slot_digests, Tensor(a!) slot_scores, "
-      "Tensor(b!) slot_timestamps, Tensor table_buckets, Tensor keys, Tensor? table_ids, "
-      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score) "
-      "-> (Tensor indices, Tensor found)");
+      "table_lookup_refresh(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, Tensor? key_scores, int strategy, "
+      "int bucket_capacity, int call_score) -> (Tensor indices, Tensor found)");
   m.def(
-      "table_refresh(Tensor(a!) slot_scores, Tensor(b!) slot_timestamps, Tensor indices, Tensor? key_scores, "
-      "int strategy, int call_score) -> ()");
+      "table_refresh(Tensor(a!)[] table, Tensor indices, Tensor? key_scores, int strategy, int call_score) -> ()");
   m.def(
-      "table_insert(Tensor(a!) slot_keys, Tensor(b!) slot_digests, Tensor(c!) slot_scores, "
-      "Tensor(d!) slot_timestamps, Tensor(e!) slot_epochs, Tensor table_buckets, "
-      "Tensor(f!) sizes, Tensor(g!) counters, Tensor keys, Tensor? table_ids, "
-      "Tensor? key_scores, int strategy, int bucket_capacity, int call_score, int epoch, "
-      "Tensor? evictable=None) "
+      "table_insert(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, Tensor? key_scores, int strategy, "
+      "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
-  m.def(
-      "table_erase(Tensor slot_keys, Tensor(a!) slot_digests, Tensor table_buckets, "
-      "Tensor(b!) sizes, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
+  m.def("table_erase(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
   // table_erase, returning what the erased keys held: their positions in keys
   // (ascending; a repeated key at its first only) and their slots' entries of
-  // slot_values and slot_scores (int64 per slot). CPU (a backing store's key
+  // slot_values (int64 per slot) and slot_scores. CPU (a backing store's key
   // index); elsewhere ScoredHashTable.take looks up, then erases.
   m.def(
-      "table_take(Tensor slot_keys, Tensor(a!) slot_digests, Tensor table_buckets, "
-      "Tensor(b!) sizes, Tensor keys, Tensor? table_ids, int bucket_capacity, Tensor slot_values, "
-      "Tensor slot_scores) -> (Tensor at, Tensor values, Tensor scores)");
+      "table_take(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, int bucket_capacity, Tensor slot_values) "
+      "-> (Tensor at, Tensor values, Tensor scores)");
   m.def(
-      "table_export_range(Tensor slot_keys, Tensor slot_digests, Tensor? filter_scores, "
-      "Tensor table_buckets, int begin, int end, int bucket_capacity, int threshold) "
-      "-> (Tensor keys, Tensor table_ids, Tensor indices)");
+      "table_export_range(Tensor[] table, Tensor? filter_scores, int begin, int end, int bucket_capacity, "
+      "int threshold) -> (Tensor keys, Tensor table_ids, Tensor indices)");
   m.def(
-      "table_rehash(Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
-      "Tensor slot_timestamps, Tensor old_table_buckets, Tensor new_table_buckets, "
-      "int bucket_capacity) -> (Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, "
-      "Tensor slot_timestamps, Tensor old_indices, Tensor new_indices)");
+      "table_rehash(Tensor[] table, Tensor new_table_buckets, int bucket_capacity) "
+      "-> (Tensor slot_keys, Tensor slot_digests, Tensor slot_scores, Tensor slot_timestamps, "
+      "Tensor old_indices, Tensor new_indices)");
   // The clock of the clock-scored strategies (TIMESTAMP, NO_EVICTION, the
   // pair's access time) on the device of `like`: [1] int64 ns.
   m.def("table_clock(Tensor like) -> Tensor");

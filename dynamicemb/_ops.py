@@ -12,53 +12,65 @@ def _dynamic_len():
     return torch.library.get_ctx().new_dynamic_size()
 
 
+# A table as the table ops take it: one `Tensor[] table` argument holding
+# these members in this order (csrc/table/table_checks.h, Member).
+TABLE_MEMBERS = ("slot_keys", "slot_digests", "slot_scores", "slot_timestamps", "slot_epochs", "table_buckets",
+                 "sizes", "counters")
+
+
+def table_arg(table, **replace):
+    """The ``Tensor[] table`` argument of the table ops for ``table`` (an
+    object with the TABLE_MEMBERS as attributes, a ScoredHashTable), with
+    members swapped by ``replace`` (member name -> tensor)."""
+    return [replace[m] if m in replace else getattr(table, m) for m in TABLE_MEMBERS]
+
+
+def _member(table, name):
+    return table[TABLE_MEMBERS.index(name)]
+
+
 @torch.library.register_fake(_lib + "table_lookup")
-def _lookup_fake(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity):
+def _lookup_fake(table, keys, table_ids, bucket_capacity):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
 @torch.library.register_fake(_lib + "table_lookup_gather")
-def _lookup_gather_fake(slot_keys, slot_digests, table_buckets, keys, table_ids, bucket_capacity, values, out):
+def _lookup_gather_fake(table, keys, table_ids, bucket_capacity, values, out):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
 @torch.library.register_fake(_lib + "table_lookup_refresh")
-def _lookup_refresh_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, table_buckets,
-                         keys, table_ids, key_scores, strategy, bucket_capacity, call_score):
+def _lookup_refresh_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
 @torch.library.register_fake(_lib + "table_refresh")
-def _refresh_fake(slot_scores, slot_timestamps, indices, key_scores, strategy, call_score):
+def _refresh_fake(table, indices, key_scores, strategy, call_score):
     return None
 
 
 @torch.library.register_fake(_lib + "table_insert")
-def _insert_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, slot_epochs,
-                 table_buckets, sizes, counters, keys, table_ids, key_scores, strategy,
-                 bucket_capacity, call_score, epoch, evictable=None):
+def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable=None):
     m = _dynamic_len()
     ev = [keys.new_empty(m) for _ in range(4)]
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)
 
 
 @torch.library.register_fake(_lib + "table_erase")
-def _erase_fake(slot_keys, slot_digests, table_buckets, sizes, keys, table_ids, bucket_capacity):
+def _erase_fake(table, keys, table_ids, bucket_capacity):
     return torch.empty_like(keys, dtype=torch.bool)
 
 
 @torch.library.register_fake(_lib + "table_take")
-def _take_fake(slot_keys, slot_digests, table_buckets, sizes, keys, table_ids, bucket_capacity, slot_values,
-               slot_scores):
+def _take_fake(table, keys, table_ids, bucket_capacity, slot_values):
     m = _dynamic_len()
     return tuple(keys.new_empty(m) for _ in range(3))
 
 
 @torch.library.register_fake(_lib + "table_export_range")
-def _export_range_fake(slot_keys, slot_digests, filter_scores, table_buckets, begin, end,
-                       bucket_capacity, threshold):
+def _export_range_fake(table, filter_scores, begin, end, bucket_capacity, threshold):
     m = _dynamic_len()
-    return tuple(slot_keys.new_empty(m) for _ in range(3))
+    return tuple(_member(table, "slot_keys").new_empty(m) for _ in range(3))
 
 
 @torch.library.register_fake(_lib + "store_gather")
@@ -92,8 +104,9 @@ def _advise_huge_pages_fake(t):
 
 
 @torch.library.register_fake(_lib + "table_rehash")
-def _rehash_fake(slot_keys, slot_digests, slot_scores, slot_timestamps, old_table_buckets,
-                 new_table_buckets, bucket_capacity):
+def _rehash_fake(table, new_table_buckets, bucket_capacity):
+    slot_keys, slot_digests, slot_scores, slot_timestamps = (
+        _member(table, m) for m in ("slot_keys", "slot_digests", "slot_scores", "slot_timestamps"))
     s = _dynamic_len()
     live = _dynamic_len()
     return (

@@ -9,7 +9,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 
 from dynamicemb import memory, rules
-from dynamicemb._ops import ops
+from dynamicemb._ops import ops, table_arg
 from dynamicemb.positions import where_true
 from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, strategy_code
 
@@ -224,12 +224,10 @@ class ScoredHashTable:
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         if not update_score:
-            return ops.table_lookup(self.slot_keys, self.slot_digests, self._table_buckets, keys, tids,
-                                    self.bucket_capacity)
+            return ops.table_lookup(table_arg(self), keys, tids, self.bucket_capacity)
         call, per_key = self._scores(scores, keys.numel())
-        return ops.table_lookup_refresh(self.slot_keys, self.slot_digests, self.slot_scores,
-                                        self.slot_timestamps, self._table_buckets, keys, tids, per_key,
-                                        self.strategy, self.bucket_capacity, call)
+        return ops.table_lookup_refresh(table_arg(self), keys, tids, per_key, self.strategy, self.bucket_capacity,
+                                        call)
 
     def refresh(self, indices: torch.Tensor, scores: Scores = None) -> None:
         """Scores an access of the keys at distinct slots ``indices`` (-1:
@@ -237,8 +235,7 @@ class ScoredHashTable:
         if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64 or indices.dim() != 1:
             raise TypeError(f"indices must be a 1-D int64 tensor, got {indices!r:.80}")
         call, per_key = self._scores(scores, indices.numel())
-        ops.table_refresh(self.slot_scores, self.slot_timestamps, indices.to(self.device).contiguous(), per_key,
-                          self.strategy, call)
+        ops.table_refresh(table_arg(self), indices.to(self.device).contiguous(), per_key, self.strategy, call)
 
     def lookup_gather(self, keys: torch.Tensor, values: torch.Tensor, table_ids=None,
                       out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,8 +250,7 @@ class ScoredHashTable:
             raise ValueError(f"values must be a 2-D tensor [capacity, dim], got {getattr(values, 'shape', values)!r:.80}")
         if out is None:
             out = values.new_empty((keys.numel(), values.shape[1]))
-        idx, found = ops.table_lookup_gather(self.slot_keys, self.slot_digests, self._table_buckets, keys, tids,
-                                             self.bucket_capacity, values, out)
+        idx, found = ops.table_lookup_gather(table_arg(self), keys, tids, self.bucket_capacity, values, out)
         return out, idx, found
 
     def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
@@ -276,18 +272,15 @@ class ScoredHashTable:
                 raise ValueError(f"evict has {len(flags)} flags for {self.num_tables} tables")
             evictable = torch.tensor(flags, dtype=torch.bool, device=self.device)
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
-        idx, res, ek, et, ei, es = ops.table_insert(
-            self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self.slot_epochs,
-            self._table_buckets, self.sizes, self.counters, keys, tids, per_key, self.strategy,
-            self.bucket_capacity, call, epoch, evictable)
+        idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
+                                                    self.bucket_capacity, call, epoch, evictable)
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 
     def erase(self, keys: torch.Tensor, table_ids=None) -> torch.Tensor:
         """Removes the keys; returns a bool mask of the keys that were present."""
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
-        return ops.table_erase(self.slot_keys, self.slot_digests, self._table_buckets, self.sizes, keys,
-                               tids, self.bucket_capacity)
+        return ops.table_erase(table_arg(self), keys, tids, self.bucket_capacity)
 
     def take(self, keys: torch.Tensor, table_ids=None, slot_values: Optional[torch.Tensor] = None
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -300,8 +293,7 @@ class ScoredHashTable:
         if slot_values is None:
             slot_values = torch.arange(self.slot_keys.numel(), device=self.device)
         if self.device.type == "cpu":  # one lookup
-            return ops.table_take(self.slot_keys, self.slot_digests, self._table_buckets, self.sizes, keys, tids,
-                                  self.bucket_capacity, slot_values, self.slot_scores)
+            return ops.table_take(table_arg(self), keys, tids, self.bucket_capacity, slot_values)
         slots, _ = self.lookup(keys, tids)
         at = where_true(self.erase(keys, tids))
         held = slots.index_select(0, at)
@@ -319,8 +311,7 @@ class ScoredHashTable:
         if threshold is not None:
             filt = self.slot_timestamps if rules.keeps_timestamps(self.strategy) else self.slot_scores
         for b in range(begin, end, batch_size):
-            keys, tids, idx = ops.table_export_range(self.slot_keys, self.slot_digests, filt,
-                                                     self._table_buckets, b, min(end, b + batch_size),
+            keys, tids, idx = ops.table_export_range(table_arg(self), filt, b, min(end, b + batch_size),
                                                      self.bucket_capacity, 0 if threshold is None else threshold)
             if keys.numel():
                 yield ExportBatch(keys, tids, idx, self.slot_scores[idx])
@@ -346,9 +337,7 @@ class ScoredHashTable:
                 raise ValueError(f"table {self.table_names[t]!r}: new capacity {c} must be a multiple of "
                                  f"the current capacity {o}")
         new_tb = self._bucket_offsets([c // self.bucket_capacity for c in caps])
-        keys, digests, scores, ts, old_idx, new_idx = ops.table_rehash(
-            self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps, self._table_buckets,
-            new_tb, self.bucket_capacity)
+        keys, digests, scores, ts, old_idx, new_idx = ops.table_rehash(table_arg(self), new_tb, self.bucket_capacity)
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
         epochs = memory.zeros(keys.numel(), _EPOCH_DTYPE, self.device)
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held

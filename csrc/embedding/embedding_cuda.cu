@@ -42,6 +42,7 @@
 #include "embedding/init_rules.h"
 #include "embedding/unique_rules.h"
 #include "table/table_rules.h"
+#include "embedding/lookup_tables.h"  // emb_lookup_forward
 
 namespace dynamicemb {
 namespace embedding {
@@ -398,31 +399,16 @@ Tensor forward_cuda(TensorList weights, const Tensor& rows, const Tensor& unique
 
 // ---- eval forward fused with the lookup ----------------------------------------------------------
 
-// One physical hash table as the resolve kernel reads it.
-struct HashDev {
-  const int64_t* keys;
-  const uint8_t* digests;
-  const int64_t* tb;  // device: logical table l owns buckets [tb[l], tb[l + 1])
-  int64_t cap;
-};
-// Per table: its hash table and logical table there.
-struct PlaceDev {
-  int64_t group, local;
-};
-
 // The table-local row of every index (-1: its key is missing), by
-// table_rules.h's scalar bucket scan (table_lookup's result).
-__global__ void lookup_rows_kernel(const HashDev* hts, const PlaceDev* place, const int64_t* feature_table,
+// TableRef's scalar find (table_lookup's result).
+__global__ void lookup_rows_kernel(const table::TableRef* refs, const TablePlace* place, const int64_t* feature_table,
                                    const int64_t* off, int64_t nb, int64_t B, const int64_t* keys, int64_t n,
                                    int64_t* rows) {
   for (int64_t i = thread_begin(); i < n; i += thread_stride()) {
-    const PlaceDev p = place[feature_table[bag_of(off, nb, i) / B]];
-    const HashDev h = hts[p.group];
-    const uint64_t hash = table::key_hash(keys[i]);
-    const int64_t base = table::global_bucket(h.tb, p.local, hash) * h.cap;
-    const int s = table::find_in_bucket<false>(h.digests + base, h.keys + base, static_cast<int>(h.cap),
-                                               table::digest_of(hash), keys[i], nullptr);
-    rows[i] = s >= 0 ? base + s - h.tb[p.local] * h.cap : -1;
+    const TablePlace p = place[feature_table[bag_of(off, nb, i) / B]];
+    const table::TableRef& ref = refs[p.group];
+    const int64_t slot = ref.find(ref.probe(p.local, keys[i]), keys[i]);
+    rows[i] = slot >= 0 ? ref.row(slot, p.local) : -1;
   }
 }
 
@@ -440,50 +426,17 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
-  const int64_t T = static_cast<int64_t>(R.w.size());
-  const size_t G = slot_keys.size();
-  TORCH_CHECK(G > 0 && slot_digests.size() == G && table_buckets.size() == G && bucket_capacity.size() == G,
-              "dynamicemb: slot_keys, slot_digests, table_buckets and bucket_capacity need one entry per hash table");
-  TORCH_CHECK(static_cast<int64_t>(table_group.size()) == T && static_cast<int64_t>(table_local.size()) == T,
-              "dynamicemb: table_group and table_local need one entry per table (", T, ")");
-  std::vector<HashDev> hts;
-  std::vector<std::vector<int64_t>> tbs;
-  for (size_t g = 0; g < G; ++g) {
-    const int64_t cap = bucket_capacity[g];
-    TORCH_CHECK(cap > 0 && cap % table::kGroupSize == 0,
-                "dynamicemb: bucket_capacity must be a positive multiple of ", table::kGroupSize, ", got ", cap);
-    check_1d(table_buckets[g], at::kLong, "table_buckets", dev);
-    check_1d(slot_keys[g], at::kLong, "slot_keys", dev);
-    check_1d(slot_digests[g], at::kByte, "slot_digests", dev);
-    TORCH_CHECK(table_buckets[g].numel() >= 2, "dynamicemb: table_buckets must hold num_tables + 1 entries");
-    tbs.push_back(download(table_buckets[g].data_ptr<int64_t>(), table_buckets[g].numel(), stream));
-    const int64_t slots = tbs.back().back() * cap;
-    TORCH_CHECK(slot_keys[g].numel() == slots && slot_digests[g].numel() == slots, "dynamicemb: hash table ", g,
-                " must hold ", slots, " slots");
-    hts.push_back(HashDev{slot_keys[g].data_ptr<int64_t>(), slot_digests[g].data_ptr<uint8_t>(),
-                          table_buckets[g].data_ptr<int64_t>(), cap});
-  }
-  std::vector<PlaceDev> place;
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(0 <= table_group[t] && table_group[t] < static_cast<int64_t>(G), "dynamicemb: table ", t,
-                " maps to hash table ", table_group[t], ", outside [0, ", G, ")");
-    const auto& tb = tbs[table_group[t]];
-    const int64_t l = table_local[t];
-    TORCH_CHECK(0 <= l && l + 1 < static_cast<int64_t>(tb.size()), "dynamicemb: table ", t,
-                " maps to logical table ", l, " of a hash table with ", tb.size() - 1);
-    const int64_t slots = (tb[l + 1] - tb[l]) * bucket_capacity[table_group[t]];
-    TORCH_CHECK(R.w[t].size(0) == slots, "dynamicemb: table ", t, " has ", R.w[t].size(0), " rows for ", slots,
-                " slots");
-    place.push_back(PlaceDev{table_group[t], l});
-  }
-  const Bags bags = check_bags(n, offsets, feature_table, T, dev, stream);
+  const LookupTables H = check_lookup_tables(
+      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights, dev,
+      [&](size_t g) { return download(table_buckets[g].data_ptr<int64_t>(), table_buckets[g].numel(), stream); });
+  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
   const auto L = indices.options();
   Tensor rows = at::empty({n}, L);
   if (n > 0) {
-    const Tensor d_hts = upload(hts, dev, stream), d_place = upload(place, dev, stream),
+    const Tensor d_refs = upload(H.refs, dev, stream), d_place = upload(H.place, dev, stream),
                  d_ftab = upload(bags.table, dev, stream);
     lookup_rows_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-        device_ptr<HashDev>(d_hts), device_ptr<PlaceDev>(d_place), device_ptr<int64_t>(d_ftab), bags.off,
+        device_ptr<table::TableRef>(d_refs), device_ptr<TablePlace>(d_place), device_ptr<int64_t>(d_ftab), bags.off,
         bags.num_bags(), bags.B, indices.data_ptr<int64_t>(), n, rows.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

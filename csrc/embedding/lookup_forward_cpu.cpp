@@ -4,125 +4,48 @@
 // Missing keys read their eval initial value; nothing is inserted and no
 // score changes (as table_lookup).
 //
-// Per span of bags, a three-stage pipeline over blocks of 16 indices resolves
-// rows (block k+2 hashed and its digest lines prefetched, block k+1's
-// candidate key line prefetched, block k searched), then pool_span gathers
-// with its own row prefetch. The rules (hash, bucket, digest, slot scan) are
-// table_rules.h's, so the result is table_lookup's.
+// Per span of bags, table_lookup's pipeline (find_pipeline_cpu.h) over
+// blocks of 16 indices resolves rows (block k+2 hashed and its digest lines
+// prefetched, block k+1's candidate key line prefetched, block k searched),
+// then pool_span gathers with its own row prefetch. The find is TableRef's,
+// so the result is table_lookup's.
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "embedding/embedding_cpu.h"
-#include "table/table_rules.h"
+#include "embedding/lookup_tables.h"
+#include "table/find_pipeline_cpu.h"
 
 namespace dynamicemb {
 namespace embedding {
 namespace {
 
-// One physical hash table (a group of logical tables).
-struct HashView {
-  const int64_t* keys;
-  const uint8_t* digests;
-  const int64_t* tb;  // logical table l owns buckets [tb[l], tb[l + 1])
-  int64_t num_local, cap;
-};
+constexpr int64_t kFindBlock = 16;  // indices per pipeline stage
 
-std::vector<HashView> check_views(TensorList slot_keys, TensorList slot_digests, TensorList table_buckets,
-                                  IntArrayRef bucket_capacity) {
-  const size_t G = slot_keys.size();
-  TORCH_CHECK(G > 0 && slot_digests.size() == G && table_buckets.size() == G && bucket_capacity.size() == G,
-              "dynamicemb: slot_keys, slot_digests, table_buckets and bucket_capacity need one entry per hash table");
-  std::vector<HashView> v;
-  for (size_t g = 0; g < G; ++g) {
-    const int64_t cap = bucket_capacity[g];
-    TORCH_CHECK(cap > 0 && cap % table::kGroupSize == 0, "dynamicemb: bucket_capacity must be a positive multiple of ",
-                table::kGroupSize, ", got ", cap);
-    check_1d(table_buckets[g], at::kLong, "table_buckets");
-    TORCH_CHECK(table_buckets[g].numel() >= 2, "dynamicemb: table_buckets must hold num_tables + 1 entries");
-    const int64_t* tb = table_buckets[g].data_ptr<int64_t>();
-    const int64_t L = table_buckets[g].numel() - 1;
-    check_1d(slot_keys[g], at::kLong, "slot_keys");
-    check_1d(slot_digests[g], at::kByte, "slot_digests");
-    TORCH_CHECK(slot_keys[g].numel() == tb[L] * cap && slot_digests[g].numel() == tb[L] * cap,
-                "dynamicemb: hash table ", g, " must hold ", tb[L] * cap, " slots");
-    for (int64_t l = 0; l < L; ++l)
-      TORCH_CHECK(0 <= tb[l] && tb[l] < tb[l + 1], "dynamicemb: table_buckets of hash table ", g,
-                  " must be increasing from 0");
-    v.push_back(HashView{slot_keys[g].data_ptr<int64_t>(), slot_digests[g].data_ptr<uint8_t>(), tb, L, cap});
-  }
-  return v;
-}
-
-// Where table t's keys live: hash table group[t], logical table local[t] in it,
-// whose slots must map one-to-one onto the rows of weights[t].
-void check_placement(const std::vector<HashView>& V, IntArrayRef group, IntArrayRef local, const Rows& R) {
-  const int64_t T = static_cast<int64_t>(R.w.size());
-  TORCH_CHECK(static_cast<int64_t>(group.size()) == T && static_cast<int64_t>(local.size()) == T,
-              "dynamicemb: table_group and table_local need one entry per table (", T, ")");
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(0 <= group[t] && group[t] < static_cast<int64_t>(V.size()), "dynamicemb: table ", t,
-                " maps to hash table ", group[t], ", outside [0, ", V.size(), ")");
-    const HashView& h = V[group[t]];
-    TORCH_CHECK(0 <= local[t] && local[t] < h.num_local, "dynamicemb: table ", t, " maps to logical table ",
-                local[t], " of a hash table with ", h.num_local);
-    const int64_t slots = (h.tb[local[t] + 1] - h.tb[local[t]]) * h.cap;
-    TORCH_CHECK(R.w[t].size(0) == slots, "dynamicemb: table ", t, " has ", R.w[t].size(0), " rows for ", slots,
-                " slots");
-  }
-}
-
-void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 1); }
-
-// src[i - i0] = the row of index i in [i0, i1) (nullptr: its key is missing);
-// tab[i - i0] = its table.
+// find_pipelined's keys: index i0 + k of table tab[k] (embedding_cpu.h's
+// table numbering), found in its hash table; found(k, slot) sets src[k] to
+// its row of weights (nullptr: its key is missing).
 template <class W>
-void find_rows(const std::vector<HashView>& V, IntArrayRef group, IntArrayRef local, const std::vector<const W*>& w,
-               const Rows& R, const int64_t* keys, const int64_t* tab, int64_t i0, int64_t i1, const W** src) {
-  constexpr int64_t B = 16;
-  int64_t base[3][B];
-  uint8_t dg[3][B];
-  int32_t cand[3][B];  // first_digest_match
-  const int64_t m = i1 - i0, blocks = (m + B - 1) / B;
-  auto size_of = [&](int64_t blk) { return std::min(B, m - blk * B); };
-  for (int64_t blk = 0; blk < blocks + 2; ++blk) {
-    if (blk < blocks) {  // stage 1: hash, prefetch the bucket's digests
-      for (int64_t q = 0; q < size_of(blk); ++q) {
-        const int64_t k = blk * B + q, t = tab[k];
-        const HashView& h = V[group[t]];
-        const int64_t l = local[t];
-        const uint64_t hash = table::key_hash(keys[i0 + k]);
-        const int64_t b = table::global_bucket(h.tb, l, hash) * h.cap;
-        base[blk % 3][q] = b;
-        dg[blk % 3][q] = table::digest_of(hash);
-        prefetch_line(h.digests + b);
-        if (h.cap > 64) prefetch_line(h.digests + b + 64);
-      }
-    }
-    if (blk >= 1 && blk - 1 < blocks) {  // stage 2: prefetch the candidate's key
-      const int64_t blk1 = blk - 1;
-      for (int64_t q = 0; q < size_of(blk1); ++q) {
-        const HashView& h = V[group[tab[blk1 * B + q]]];
-        const int64_t b = base[blk1 % 3][q];
-        const int c = table::first_digest_match(h.digests + b, static_cast<int>(h.cap), dg[blk1 % 3][q]);
-        cand[blk1 % 3][q] = c;
-        if (c >= 0) prefetch_line(h.keys + b + c);
-      }
-    }
-    if (blk >= 2) {  // stage 3: the candidate's key (a full search after a false match)
-      const int64_t blk2 = blk - 2;
-      for (int64_t q = 0; q < size_of(blk2); ++q) {
-        const int64_t k = blk2 * B + q, t = tab[k];
-        const HashView& h = V[group[t]];
-        const int64_t b = base[blk2 % 3][q];
-        const int s = table::find_from_candidate(h.digests + b, h.keys + b, static_cast<int>(h.cap),
-                                                 dg[blk2 % 3][q], keys[i0 + k], cand[blk2 % 3][q]);
-        src[k] = s >= 0 ? w[t] + (b + s - h.tb[local[t]] * h.cap) * R.stride[t] : nullptr;
-      }
-    }
+struct ForwardKeys {
+  const table::TableRef* refs;  // per hash table
+  const TablePlace* place;      // per table
+  const W* const* w;
+  const int64_t* stride;
+  const int64_t* keys;  // from i0
+  const int64_t* tab;
+  const W** src;
+  static constexpr bool kAfter = false;
+  int64_t table(int64_t k) const { return place[tab[k]].local; }
+  const table::TableRef& ref(int64_t k) const { return refs[place[tab[k]].group]; }
+  int64_t key(int64_t k) const { return keys[k]; }
+  void found(int64_t k, int64_t slot) const {
+    const int64_t t = tab[k];
+    src[k] = slot >= 0 ? w[t] + ref(k).row(slot, place[t].local) * stride[t] : nullptr;
   }
-}
+  void after(int64_t) const {}
+};
 
 Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorList table_buckets,
                           IntArrayRef bucket_capacity, IntArrayRef table_group, IntArrayRef table_local,
@@ -130,8 +53,12 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
                           IntArrayRef dims, const std::optional<Tensor>& per_sample_weights, int64_t pooling,
                           const Tensor& init_params, int64_t seed, at::ScalarType output_dtype) {
   const Rows R = check_rows(weights, dims);
-  const std::vector<HashView> V = check_views(slot_keys, slot_digests, table_buckets, bucket_capacity);
-  check_placement(V, table_group, table_local, R);
+  const LookupTables H = check_lookup_tables(
+      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights,
+      at::Device(at::kCPU), [&](size_t g) {
+        const int64_t* tb = table_buckets[g].data_ptr<int64_t>();
+        return std::vector<int64_t>(tb, tb + table_buckets[g].numel());
+      });
   check_1d(indices, at::kLong, "indices");
   const int64_t n = indices.numel();
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
@@ -160,7 +87,9 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         for (int64_t j = jb; j < je; ++j)
           std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
                     bags.table[bags.feature(j)]);
-        find_rows<W>(V, table_group, table_local, w, R, keys, tab.data(), i0, i1, src.data());
+        const ForwardKeys<W> span{H.refs.data(), H.place.data(), w.data(), R.stride.data(),
+                                  keys + i0,     tab.data(),     src.data()};
+        table::find_pipelined<kFindBlock>(0, i1 - i0, span);
         pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return keys[i]; }, psw, pooling, args,
                         static_cast<uint64_t>(seed), doff, acc.data(), o);
       });

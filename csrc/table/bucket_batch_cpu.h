@@ -1,6 +1,6 @@
 // The keys of a mutating table call regrouped by bucket (CPU), so that the
 // keys of one bucket go in input order while different buckets go in
-// parallel (the ordering contract of table_cpu.cpp).
+// parallel (the ordering contract of table_cpu.h).
 //
 // Each key's record (its inputs; the walk overwrites them with its results)
 // is moved into one of P parts, each a contiguous range of 2^shift buckets:

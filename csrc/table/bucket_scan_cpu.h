@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "common/cpu_vectors.h"
-#include "table/table_rules.h"
+#include "table/table_ref.h"
 
 namespace dynamicemb {
 namespace table {
@@ -38,6 +38,12 @@ inline int find_in_full_bucket(const uint8_t* digests, const int64_t* keys, int 
   if (avx2) return find_in_full_bucket_avx2(digests, keys, cap, d, key);
 #endif
   return find_in_bucket<false>(digests, keys, cap, d, key, nullptr);  // no kEmpty: scans every group
+}
+
+// TableRef::find_or_free's slot for a bucket known to be full (no free slot).
+inline int64_t find_in_full(const TableRef& r, Probe p, int64_t key, bool avx2) {
+  const int s = find_in_full_bucket(r.digests + p.base, r.keys + p.base, r.cap(), p.digest, key, avx2);
+  return s >= 0 ? p.base + s : -1;
 }
 
 }  // namespace table

@@ -1,7 +1,8 @@
-// The rules of the scored hash table, shared by the CPU (table_cpu.cpp) and
-// CUDA (table_cuda.cu) backends so that both place, find, score and evict keys
-// identically. Everything here is a small host/device function over one
-// bucket; the bulk kernels only decide which keys run where.
+// The rules of the scored hash table, shared by the CPU (table_*_cpu.cpp) and
+// CUDA (table_*_cuda.cu) backends so that both place, find, score and evict
+// keys identically. Everything here is a small host/device function over one
+// bucket; TableRef (table_ref.h) composes them over a whole table, and the
+// bulk kernels only decide which keys run where.
 //
 // Layout: one physical table of buckets, each `bucket_capacity` slots. Logical
 // table t owns buckets [table_buckets[t], table_buckets[t+1]). A slot holds a

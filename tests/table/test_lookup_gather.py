@@ -8,7 +8,7 @@ import torch
 
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import ScoredHashTable
-from dynamicemb._ops import ops
+from dynamicemb._ops import ops, table_arg
 from reference import STEP
 from table_harness import Pair
 
@@ -123,5 +123,4 @@ def test_bad_keys_and_table_ids(t):
     with pytest.raises(RuntimeError, match=r"table id 2 \(key position 1\) is out of range \[0, 2\)"):
         t.lookup_gather(torch.arange(3), values, torch.tensor([0, 2, 1]))
     with pytest.raises(RuntimeError, match="keys must be Long, got Int"):
-        ops.table_lookup_gather(t.slot_keys, t.slot_digests, t.table_buckets, torch.arange(3, dtype=torch.int32),
-                                None, 16, values, torch.zeros(3, 4))
+        ops.table_lookup_gather(table_arg(t), torch.arange(3, dtype=torch.int32), None, 16, values, torch.zeros(3, 4))

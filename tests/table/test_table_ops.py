@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import ScoredHashTable
-from dynamicemb._ops import ops
+from dynamicemb._ops import ops, table_arg
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
 TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_refresh", "table_insert",
@@ -31,24 +31,20 @@ def _samples(t: ScoredHashTable, code: int):
     keys = torch.tensor([5, -3, 100, 5, 7, 2**63 - 1])
     tids = torch.tensor([0, 1, 1, 0, 0, 1])
     kscores = torch.tensor([1, 2, 3, 4, 5, 6])
-    bc, tb = t.bucket_capacity, t.table_buckets
-    slots = (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps)
-    ins = slots + (t.slot_epochs, tb, t.sizes, t.counters, keys)
+    bc, tab = t.bucket_capacity, table_arg(t)
     for tid, ks in [(tids, kscores), (tids, None)]:
-        yield "table_lookup", (t.slot_keys, t.slot_digests, tb, keys, tid, bc)
+        yield "table_lookup", (tab, keys, tid, bc)
         for dtype in (torch.float32, torch.bfloat16):
             values = torch.randn(t.slot_keys.numel(), 5).to(dtype)
-            yield "table_lookup_gather", (t.slot_keys, t.slot_digests, tb, keys, tid, bc, values,
-                                          values.new_empty(keys.numel(), 5))
-        yield "table_lookup_refresh", slots + (tb, keys, tid, ks, code, bc, 77)
-        yield "table_refresh", (t.slot_scores, t.slot_timestamps, torch.tensor([0, 3, -1, 17, 40, 79]), ks, code, 77)
-        yield "table_insert", ins + (tid, ks, code, bc, 78, 200)
-        yield "table_erase", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc)
-        yield "table_take", (t.slot_keys, t.slot_digests, tb, t.sizes, keys, tid, bc,
-                             torch.arange(t.slot_keys.numel()) * 3, t.slot_scores)
-    yield "table_export_range", (t.slot_keys, t.slot_digests, None, tb, 0, 80, bc, 0)
-    yield "table_export_range", (t.slot_keys, t.slot_digests, t.slot_scores, tb, 16, 48, bc, 3)
-    yield "table_rehash", slots + (tb, torch.tensor([0, 4, 7]), bc)
+            yield "table_lookup_gather", (tab, keys, tid, bc, values, values.new_empty(keys.numel(), 5))
+        yield "table_lookup_refresh", (tab, keys, tid, ks, code, bc, 77)
+        yield "table_refresh", (tab, torch.tensor([0, 3, -1, 17, 40, 79]), ks, code, 77)
+        yield "table_insert", (tab, keys, tid, ks, code, bc, 78, 200)
+        yield "table_erase", (tab, keys, tid, bc)
+        yield "table_take", (tab, keys, tid, bc, torch.arange(t.slot_keys.numel()) * 3)
+    yield "table_export_range", (tab, None, 0, 80, bc, 0)
+    yield "table_export_range", (tab, t.slot_scores, 16, 48, bc, 3)
+    yield "table_rehash", (tab, torch.tensor([0, 4, 7]), bc)
 
 
 @opcheck_every_call
@@ -105,7 +101,7 @@ def test_float_keys(t):
     with pytest.raises(TypeError, match="keys must be an integer tensor"):
         t.lookup(torch.tensor([1.0]), 0)
     with pytest.raises(RuntimeError, match="keys must be Long, got Float"):
-        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.tensor([1.0]), None, 16)
+        ops.table_lookup(table_arg(t), torch.tensor([1.0]), None, 16)
 
 
 def test_keys_not_1d(t):
@@ -114,8 +110,7 @@ def test_keys_not_1d(t):
     with pytest.raises(ValueError, match="keys must be 1-D, got shape \\(\\)"):
         t.erase(torch.tensor(3), 0)
     with pytest.raises(RuntimeError, match=r"keys must be 1-D, got shape \[2, 2\]"):
-        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.ones(2, 2, dtype=torch.int64),
-                         None, 16)
+        ops.table_lookup(table_arg(t), torch.ones(2, 2, dtype=torch.int64), None, 16)
 
 
 def test_table_ids_out_of_range(t):
@@ -138,7 +133,7 @@ def test_table_ids_out_of_range(t):
         with pytest.raises(RuntimeError, match=msg):
             t.take(keys, torch.tensor([0, 1, bad]))
         with pytest.raises(RuntimeError, match=msg):
-            ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, keys, torch.tensor([0, 1, bad]), 16)
+            ops.table_lookup(table_arg(t), keys, torch.tensor([0, 1, bad]), 16)
     assert t.size() == 0 and not t.slot_digests.any() and not t.counters.any()
 
 
@@ -164,16 +159,13 @@ def test_length_mismatches(t):
         t.insert(keys, 0, scores=torch.tensor([1, 2, 3]))
     # The raw ops check the same.
     with pytest.raises(RuntimeError, match=r"table_ids must be 1-D with one entry per key \(3\), got shape \[2\]"):
-        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, keys, torch.tensor([0, 1]), 16)
+        ops.table_lookup(table_arg(t), keys, torch.tensor([0, 1]), 16)
     with pytest.raises(RuntimeError, match=r"scores must be 1-D with one entry per key \(3\), got shape \[1\]"):
-        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs,
-                         c.table_buckets, c.sizes, c.counters, keys, None, torch.tensor([1]), 2, 16, 0, 1)
+        ops.table_insert(table_arg(c), keys, None, torch.tensor([1]), 2, 16, 0, 1)
     with pytest.raises(RuntimeError, match=r"epoch must be in \[1, 255\], got 256"):
-        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs,
-                         c.table_buckets, c.sizes, c.counters, keys, None, None, 2, 16, 0, 256)
+        ops.table_insert(table_arg(c), keys, None, None, 2, 16, 0, 256)
     with pytest.raises(RuntimeError, match="slot_epochs"):
-        ops.table_insert(c.slot_keys, c.slot_digests, c.slot_scores, c.slot_timestamps, c.slot_epochs.int(),
-                         c.table_buckets, c.sizes, c.counters, keys, None, None, 2, 16, 0, 1)
+        ops.table_insert(table_arg(c, slot_epochs=c.slot_epochs.int()), keys, None, None, 2, 16, 0, 1)
     assert c.size() == 0
 
 
@@ -190,7 +182,7 @@ def test_bucket_capacity_not_a_multiple_of_16(t):
     with pytest.raises(ValueError, match="bucket_capacity must be a positive multiple of 16, got 0"):
         ScoredHashTable(48, 0)
     with pytest.raises(RuntimeError, match="bucket_capacity must be a positive multiple of 16, got 8"):
-        ops.table_lookup(t.slot_keys, t.slot_digests, t.table_buckets, torch.tensor([1]), None, 8)
+        ops.table_lookup(table_arg(t), torch.tensor([1]), None, 8)
 
 
 def test_other_bad_arguments():
@@ -202,10 +194,10 @@ def test_other_bad_arguments():
     with pytest.raises(ValueError, match="batch_size must be positive"):
         list(t.export(batch_size=0))
     with pytest.raises(RuntimeError, match=r"export range \[0, 64\) is outside \[0, 32\)"):
-        ops.table_export_range(t.slot_keys, t.slot_digests, None, t.table_buckets, 0, 64, 16, 0)
+        ops.table_export_range(table_arg(t), None, 0, 64, 16, 0)
     with pytest.raises(RuntimeError, match="slot_scores must hold 32 slots"):
-        ops.table_lookup_refresh(t.slot_keys, t.slot_digests, t.slot_scores[:16], t.slot_timestamps,
-                                 t.table_buckets, torch.tensor([1]), None, None, 0, 16, 0)
+        ops.table_lookup_refresh(table_arg(t, slot_scores=t.slot_scores[:16]), torch.tensor([1]), None, None, 0, 16,
+                                 0)
 
 
 def test_per_table_methods_refuse_bad_table_ids(t):
@@ -242,16 +234,15 @@ def test_bool_and_complex_per_key_values_are_refused(t):
 def test_raw_ops_refuse_a_bad_layout_or_strategy():
     t = ScoredHashTable(32, 16, S.STEP)
     keys = torch.tensor([5])
-    args = lambda tb: (t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, tb, keys,  # noqa: E731
-                       None, None, int(S.STEP), 16, 0)
+    args = lambda tb: (table_arg(t, table_buckets=tb), keys, None, None, int(S.STEP), 16, 0)  # noqa: E731
     with pytest.raises(RuntimeError, match="table_buckets must start at 0"):
         ops.table_lookup_refresh(*args(torch.tensor([1, 2])))
     # [0, 2, 2]: table 1 owns no bucket (its keys would land in another's).
     two = ScoredHashTable([16, 16], 16, S.STEP, num_tables=2)
     with pytest.raises(RuntimeError, match="table 1 owns no bucket"):
-        ops.table_lookup(two.slot_keys, two.slot_digests, torch.tensor([0, 2, 2]), keys, torch.tensor([1]), 16)
+        ops.table_lookup(table_arg(two, table_buckets=torch.tensor([0, 2, 2])), keys, torch.tensor([1]), 16)
     bad = list(args(t.table_buckets))
-    bad[8] = 9
+    bad[4] = 9
     with pytest.raises(RuntimeError, match="unknown score strategy code 9"):
         ops.table_lookup_refresh(*bad)
 

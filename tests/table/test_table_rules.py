@@ -10,7 +10,7 @@ import torch
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb import InsertResult as R
 from dynamicemb import ScoredHashTable
-from dynamicemb._ops import ops
+from dynamicemb._ops import ops, table_arg
 from table_harness import Pair
 from reference import (CUSTOMIZED, INT64_MAX, INT64_MIN, LFU, NO_EVICTION, STEP, TIMESTAMP,
                        TIMESTAMP_LFU, bucket_in_table, digest_of, key_hash)
@@ -269,8 +269,7 @@ def test_grow_is_refused_for_bad_capacities():
     assert all(torch.equal(a, b) for a, b in zip(state, (t.slot_keys, t.slot_digests, t.slot_scores)))
     assert t.capacities() == [32, 64]
     with pytest.raises(RuntimeError, match=r"table 0: the new bucket count \(3\) must be a multiple of the old one \(2\)"):
-        ops.table_rehash(t.slot_keys, t.slot_digests, t.slot_scores, t.slot_timestamps, t.table_buckets,
-                         torch.tensor([0, 3, 7]), 16)
+        ops.table_rehash(table_arg(t), torch.tensor([0, 3, 7]), 16)
 
 
 @pytest.mark.parametrize("strategy", [TIMESTAMP, LFU, TIMESTAMP_LFU])

@@ -1,0 +1,210 @@
+// What the CUDA kernels of the table ops share (table_lookup_cuda.cu,
+// table_insert_cuda.cu, table_scan_cuda.cu): the same ops, schemas and
+// results as the CPU's, on TableRef (table_ref.h) and its 16-lane tile forms.
+//
+// Design. A 16-lane tile (cooperative_groups::tiled_partition<16>) works on
+// one bucket at a time: lane l reads slot g + l of each group of 16, so a
+// group's digests are one coalesced load and the scan is a ballot.
+//  - table_lookup (read-only): one tile per key, no ordering needed.
+//  - table_lookup_refresh, table_insert, table_erase: API.md §6 wants the
+//    result of processing the keys one at a time in input order. Each key's
+//    global bucket is computed, key positions are stably sorted by bucket,
+//    and the tile at the head of each run of equal buckets processes that
+//    bucket's keys in input order. No two tiles touch one bucket, so slots
+//    need no atomics and the result is deterministic.
+//  - Sizes and counters are tallied afterwards from the per-key results.
+//  - table_export_range: a live mask over the range, compacted in slot order.
+//  - table_rehash: one thread per old bucket re-inserts its live slots in slot
+//    order into the new buckets it scales to (only it writes those).
+// A call's clock score comes in as call_score: Python reads the table clock
+// (table_clock, clock_cuda.cu: the GPU global timer) once per call, so every
+// key of a call gets the same score, as on the CPU (one rule for both).
+//
+// Errors: out-of-range table ids are flagged on the device (lowest position)
+// and raised on the host with the CPU message before any slot changes (a
+// sync, only when table ids are given). table_buckets stays on the device:
+// the kernels never leave the slot arrays, and flag a table whose bucket range
+// does not fit them; insert raises that (it syncs anyway), as do export and
+// rehash, which check the layout on the host exactly as the CPU does. Lookup,
+// refresh and erase without table ids skip the read-back (no sync): there such
+// keys are simply not found.
+//
+// Everything here has internal linkage (an unnamed namespace): each of the
+// three files gets its own copy of these few kernels and helpers.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+
+#include <optional>
+#include <vector>
+
+#include "common/cuda_utils.cuh"
+#include "table/table_checks.h"
+#include "table/table_ref.h"
+
+namespace dynamicemb {
+namespace table {
+namespace cuda_impl {
+namespace {
+
+namespace cg = cooperative_groups;
+using at::Tensor;
+using cuda::blocks_for;
+using cuda::download;
+using cuda::ErrorSlots;
+using cuda::kNoError;
+using cuda::kThreads;  // threads per block
+
+constexpr int kTilesPerBlock = kThreads / kGroupSize;
+
+// ---- the table ---------------------------------------------------------------------
+
+// The table's device (that of slot_keys): every other tensor must be on it.
+at::Device table_device(at::ArrayRef<Tensor> table) {
+  check_members(table);
+  const Tensor& slot_keys = table[kSlotKeys];
+  TORCH_CHECK(slot_keys.device().is_cuda(), "dynamicemb: slot_keys must be on a CUDA device, got ",
+              slot_keys.device());
+  return slot_keys.device();
+}
+
+// The table's ref with the members in `used` checked. table_buckets stays on
+// the device: the bucket count comes from the slot arrays (reading tb[T]
+// would cost a sync), and the kernels check each table's range (table_fits).
+TableRef make_ref(at::ArrayRef<Tensor> table, int64_t bucket_capacity, unsigned used) {
+  const at::Device dev = table_device(table);
+  TableRef r = check_layout(table[kTableBuckets], bucket_capacity, dev);
+  const int64_t S = table[kSlotKeys].numel();
+  TORCH_CHECK(S % bucket_capacity == 0, "dynamicemb: slot_keys must hold whole buckets of ", bucket_capacity,
+              " slots, got ", S);
+  // Buckets are sorted as int32 (half the radix passes); 2^31 buckets would
+  // be terabytes of slots.
+  TORCH_CHECK(S / bucket_capacity <= INT32_MAX, "dynamicemb: too many buckets for the CUDA table");
+  r.num_buckets = S / bucket_capacity;
+  return attach_members(r, table, used | member_bit(kSlotKeys), dev);
+}
+
+const int64_t* opt_ptr(const std::optional<Tensor>& t) { return t ? t->data_ptr<int64_t>() : nullptr; }
+
+Tensor new_tensor(int64_t n, at::ScalarType dtype, const at::Device& dev) {
+  return at::empty({n}, at::TensorOptions().dtype(dtype).device(dev));
+}
+
+// TableRef's tallies on the device.
+struct AtomicAdd {
+  __device__ __forceinline__ void operator()(int64_t* p, int64_t v) const { cuda::atomic_add_i64(p, v); }
+};
+
+// ---- key placement -----------------------------------------------------------------
+
+// flags[0]: lowest key position with a table id out of range; flags[1]: lowest
+// position whose table's bucket range does not fit the slot arrays.
+struct PlaceArgs {
+  TableRef ref;
+  const int64_t* keys;
+  const int64_t* tids;  // null: every key in table 0
+  int64_t* flags;
+};
+
+// Global bucket of key i (-1 when it has none; then `report` flags why).
+__device__ __forceinline__ int32_t place_key(const PlaceArgs& a, int64_t i, uint8_t* digest, bool report) {
+  const int64_t t = a.tids ? a.tids[i] : 0;
+  if (!a.ref.has_table(t)) {
+    if (report) cuda::flag_min(&a.flags[0], i);
+    return -1;
+  }
+  if (!a.ref.table_fits(t)) {  // never reads or writes out of bounds
+    if (report) cuda::flag_min(&a.flags[1], i);
+    return -1;
+  }
+  const uint64_t h = key_hash(a.keys[i]);
+  *digest = digest_of(h);
+  return static_cast<int32_t>(a.ref.bucket(t, h));
+}
+
+__global__ void place_kernel(PlaceArgs a, int64_t n, int32_t* bucket, uint8_t* digest) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  uint8_t d = 0;
+  bucket[i] = place_key(a, i, &d, true);
+  digest[i] = d;
+}
+
+// Raises the CPU's error for a flagged table id, or a layout mismatch.
+void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const TableRef& r,
+                 cudaStream_t stream) {
+  const std::vector<int64_t> f = flags.read();
+  if (f[0] != kNoError) {
+    const int64_t t = download(table_ids->data_ptr<int64_t>() + f[0], 1, stream)[0];
+    TORCH_CHECK(false, "dynamicemb: table id ", t, " (key position ", f[0], ") is out of range [0, ", r.num_tables,
+                ")");
+  }
+  TORCH_CHECK(f[1] == kNoError, "dynamicemb: table_buckets does not fit the slot arrays (", r.num_buckets,
+              " buckets; key position ", f[1], ")");
+}
+
+// Every key's bucket and digest; checks table ids before any slot changes.
+struct Placed {
+  Tensor bucket;     // int32 [n], -1: no bucket (only with a flagged error)
+  Tensor digest;     // uint8 [n]
+  ErrorSlots flags;  // the two flags of PlaceArgs
+};
+
+Placed place_keys(const TableRef& r, const Tensor& keys, const std::optional<Tensor>& table_ids,
+                  cudaStream_t stream) {
+  const int64_t n = keys.numel();
+  const at::Device dev = keys.device();
+  Placed p{new_tensor(n, at::kInt, dev), new_tensor(n, at::kByte, dev), ErrorSlots(2, dev, stream)};
+  place_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+      PlaceArgs{r, keys.data_ptr<int64_t>(), opt_ptr(table_ids), p.flags.ptr()}, n, p.bucket.data_ptr<int32_t>(),
+      p.digest.data_ptr<uint8_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Only table ids can be out of range before the slots change; without them
+  // the (layout) flags are read where the op syncs anyway, if it does.
+  if (table_ids) check_flags(p.flags, table_ids, r, stream);
+  return p;
+}
+
+// ---- bucket segments ---------------------------------------------------------------
+
+// Key positions stably sorted by bucket: each run of equal buckets is one
+// bucket's keys in input order.
+struct Segments {
+  const int32_t* bucket;  // sorted
+  const int64_t* order;   // key positions
+  int64_t n;
+};
+
+struct SortedKeys {
+  Tensor bucket, order;
+  Segments segments() const { return Segments{bucket.data_ptr<int32_t>(), order.data_ptr<int64_t>(), bucket.numel()}; }
+};
+
+SortedKeys sort_by_bucket(const Tensor& bucket) {
+  auto [sorted, order] = cuda::stable_sort(bucket);
+  return SortedKeys{sorted, order};
+}
+
+// Tile j runs the segment that starts at sorted position j, if one does:
+// op(tile, key position, bucket) for each of its keys, in input order. The
+// tile syncs between keys so that every lane sees the previous key's writes.
+template <class Op>
+__device__ __forceinline__ void for_each_key_of_segment(const Segments& s, Op op) {
+  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  if (j >= s.n) return;
+  const int32_t b = s.bucket[j];
+  if (j > 0 && s.bucket[j - 1] == b) return;  // not the head of a segment
+  for (int64_t q = j; q < s.n && s.bucket[q] == b; ++q) {
+    op(tile, s.order[q], b);
+    tile.sync();
+  }
+}
+
+}  // namespace
+}  // namespace cuda_impl
+}  // namespace table
+}  // namespace dynamicemb

@@ -1,0 +1,188 @@
+// CPU kernel of table_insert: keys regrouped by bucket (table_cpu.h), the
+// buckets walked in parallel and each bucket's keys in input order, each key
+// found, stored in a free slot or evicting (victims_cpu.h), and its outcome
+// committed and tallied by TableRef (table_ref.h).
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "common/cpu_vectors.h"
+#include "table/bucket_scan_cpu.h"
+#include "table/table_cpu.h"
+#include "table/victims_cpu.h"
+
+namespace dynamicemb {
+namespace table {
+namespace cpu_impl {
+namespace {
+
+// True when the bucket at `digests` has no kEmpty or kErased slot.
+bool bucket_full(const uint8_t* digests, int cap) {
+  for (int g = 0; g < cap; g += kGroupSize)
+    if (group_free(digests + g)) return false;
+  return true;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
+    at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
+    const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
+    int64_t epoch, const std::optional<Tensor>& evictable) {
+  check_strategy(strategy);
+  const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
+  const bool* may_evict_table = check_evictable(evictable, ref, cpu_device());
+  check_epoch(epoch);
+  const int64_t n = check_keys(keys, table_ids, key_scores, cpu_device());
+  const bool avx2 = cpu::has_avx2();
+
+  Tensor indices = new_tensor(n, at::kLong);
+  Tensor results = new_tensor(n, at::kChar);
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t* tids = opt_ptr(table_ids);
+  const int64_t* ks = opt_ptr(key_scores);
+  int64_t* out = indices.data_ptr<int64_t>();
+  int8_t* res = results.data_ptr<int8_t>();
+  const Scoring scoring = Scoring::of(strategy, call_score);
+  const Epoch ecall = static_cast<Epoch>(epoch);
+  const bool evicts = may_evict(strategy);
+  const int cap = ref.cap();
+
+  struct Rec {
+    // In: the key, its score argument, bucket and digest, and whether it may
+    // evict. The walk turns bucket into the slot (-1: failed) and, for an
+    // evicting key, key and score into the evicted key and score.
+    int64_t key, score, bucket;
+    uint8_t digest;
+    bool may_evict;
+    int8_t res;
+  };
+  const BucketOf where{k, tids, ref};
+  BucketBatch<Rec> bb = batch_by_bucket<Rec>(
+      where, n, [k, ks, scoring, evicts, may_evict_table, tids](int64_t i, uint8_t d, Rec& r) {
+        r.key = k[i];
+        r.score = scoring.key_score(ks, i);
+        r.digest = d;
+        r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
+      });
+  auto evicted = [](const Rec& r) { return r.res == kEvicted; };
+  constexpr int64_t kFillAhead = 4;  // runs; within walk_runs' digest prefetch (kDigestAhead keys)
+  const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
+    const TableRef R = ref;
+    int64_t* const sk = R.keys;
+    int64_t* const sc = R.scores;
+    Epoch* const ep = R.epochs;
+    int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
+    RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
+    // Whether the buckets of runs run, run + 1 and run + 2 are full (at
+    // index run % 3, ...), each tested once, two runs ahead: a run writes only
+    // its own bucket, and inserts only take slots, so a later one stays as tested.
+    bool full_at[3] = {};
+    walk_runs(part, R, [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
+      Rec* rs = runs.begin(run);
+      const int64_t len = runs.len(run);
+      const int64_t b1 = run + 1 < runs.count ? runs.bucket(run + 1) * cap : -1;  // next run's
+      auto test_full = [&](int64_t r) { return r < runs.count && bucket_full(R.digests + runs.bucket(r) * cap, cap); };
+      if (run == 0) {
+        full_at[0] = test_full(0);
+        full_at[1] = test_full(1);
+      }
+      full_at[(run + 2) % 3] = test_full(run + 2);
+      const bool full = full_at[run % 3], next_full = full_at[(run + 1) % 3];
+      if (evicts) {
+        // Full buckets evict: their scores and epochs are fetched two runs
+        // ahead and their victims listed one run ahead. (Listing only for
+        // runs with a surely new key measured slower for runs of found keys:
+        // the fetched lines are those their score and epoch writes need.)
+        if (full_at[(run + 2) % 3]) {
+          const int64_t b2 = runs.bucket(run + 2) * cap;
+          prefetch_range(sc + b2, cap);
+          prefetch_range(ep + b2, cap);
+        }
+        if (next_full) victims[(run + 1) & 1].build(sc + b1, ep + b1, sk + b1, cap, ecall, runs.len(run + 1));
+      }
+      // A bucket's new keys fill its free slots from the first free one
+      // (kEmpty or a tombstone) on: the lines they write are fetched
+      // kFillAhead runs ahead (a run is about one key in a sparse call), else
+      // each new key waits on its write misses.
+      if (run + kFillAhead < runs.count) {
+        const int64_t bf = runs.bucket(run + kFillAhead) * cap;
+        const int f = first_free_slot(R.digests + bf, cap);
+        if (f >= 0) {
+          // Every line the run's keys could fill (up to its length, within the bucket).
+          const int64_t from = bf + f, fill = std::min<int64_t>(cap - f, runs.len(run + kFillAhead));
+          prefetch_range<true>(sk + from, fill);
+          prefetch_range<true>(sc + from, fill);
+          if (R.timestamps) prefetch_range<true>(R.timestamps + from, fill);
+          prefetch_range<true>(ep + from, fill);
+        }
+      }
+      RunVictims& vic = victims[run & 1];
+      for (int64_t q = 0; q < len; ++q) {
+        Rec& r = rs[q];
+        const Probe p{base, r.digest};
+        const int64_t key = r.key, key_score = r.score;
+        int64_t free_slot = -1;
+        int64_t slot = full ? find_in_full(R, p, key, avx2) : R.find_or_free(p, key, &free_slot);
+        int8_t result = kAssigned;
+        if (slot < 0) {
+          slot = free_slot;
+          result = kInserted;
+          if (slot < 0 && r.may_evict) {
+            const int v = vic.next(sc + base, ep + base, sk + base, cap, ecall, len - q);
+            if (v >= 0) {
+              slot = base + v;
+              r.key = sk[slot];
+              r.score = sc[slot];
+              result = kEvicted;
+            }
+          }
+          if (slot < 0) {
+            r.res = kFailed;
+            r.bucket = -1;
+            continue;
+          }
+        }
+        R.commit(slot, result, key, r.digest, scoring, key_score, ecall);
+        r.res = result;
+        r.bucket = slot;
+      }
+      vic.reset();
+    }, WrittenAtMatch{sc, ep, R.timestamps});
+  }, evicted);
+  // Each key's slot and result, and the evicted (key, table, slot, score)
+  // in input order, written in one pass.
+  const int64_t m = first_evicted.back();
+  Tensor e_keys = new_tensor(m, at::kLong), e_tids = new_tensor(m, at::kLong), e_idx = new_tensor(m, at::kLong),
+         e_scores = new_tensor(m, at::kLong);
+  int64_t *ekp = e_keys.data_ptr<int64_t>(), *etp = e_tids.data_ptr<int64_t>(), *eip = e_idx.data_ptr<int64_t>(),
+          *esp = e_scores.data_ptr<int64_t>();
+  bb.scatter(
+      where,
+      [out, res](int64_t i, const Rec& r) {  // by value: see BucketBatch::each_record
+        out[i] = r.bucket;
+        res[i] = r.res;
+      },
+      evicted, first_evicted,
+      [ekp, etp, eip, esp, tids](int64_t o, int64_t i, const Rec& r) {
+        ekp[o] = r.key;
+        etp[o] = tids ? tids[i] : 0;
+        eip[o] = r.bucket;
+        esp[o] = r.score;
+      });
+
+  // The sizes and counters, per table and result.
+  constexpr int kResults = kFailed + 1;
+  const std::vector<int64_t> cnt =
+      tally_by_table(n, tids, ref.num_tables, kResults, [&](int64_t i) { return int(res[i]); });
+  for (int64_t t = 0; t < ref.num_tables; ++t)
+    for (int r = 0; r < kResults; ++r) ref.tally_insert(t, r, cnt[t * kResults + r], PlainAdd{});
+  return {indices, results, e_keys, e_tids, e_idx, e_scores};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) { m.impl("table_insert", &insert); }
+
+}  // namespace cpu_impl
+}  // namespace table
+}  // namespace dynamicemb

@@ -1,0 +1,161 @@
+// CUDA kernel of table_insert (table_cuda.cuh has the design): the tile at
+// the head of each bucket's run of keys finds each key, or takes the free
+// slot or the victim, and commits the outcome (TableRef::commit); sizes and
+// counters are tallied afterwards (TableRef::tally_insert), the evicted
+// entries gathered in input order.
+#include <ATen/ops/eq.h>
+#include <ATen/ops/nonzero.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "table/table_cuda.cuh"
+
+namespace dynamicemb {
+namespace table {
+namespace cuda_impl {
+namespace {
+
+struct InsertArgs {
+  TableRef ref;
+  const int64_t* keys;
+  const uint8_t* digest;
+  const int64_t* key_scores;  // null: Scoring::dflt for every key
+  Scoring scoring;
+  Epoch epoch;
+  const bool* evictable;  // per table, null: every table may evict
+  const int64_t* tids;    // null: every key in table 0
+  int64_t* out;
+  int8_t* res;
+  int64_t* ev_key;  // the displaced key and score, by key position
+  int64_t* ev_score;
+};
+
+__global__ void insert_kernel(InsertArgs a, Segments segs) {
+  const TableRef ref = a.ref;
+  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+    const bool lead = tile.thread_rank() == 0;
+    if (b < 0) {  // no bucket (a flagged layout error)
+      if (lead) {
+        a.out[i] = -1;
+        a.res[i] = kFailed;
+      }
+      return;
+    }
+    const Probe p = ref.at_bucket(b, a.digest[i]);
+    int64_t free_slot;
+    int64_t slot = ref.find_or_free(tile, p, a.keys[i], &free_slot);
+    int8_t r = kAssigned;
+    if (slot < 0) {
+      slot = free_slot;
+      r = kInserted;
+      // Uniform over the tile (it depends on the key only): the collective
+      // victim search is entered by all lanes or none.
+      if (slot < 0 && may_evict(a.scoring.strategy) && (!a.evictable || a.evictable[a.tids ? a.tids[i] : 0])) {
+        slot = ref.victim(tile, p, a.epoch);
+        r = kEvicted;
+      }
+    }
+    if (!lead) return;  // one lane writes; the tile syncs before the next key
+    if (slot < 0) {
+      a.out[i] = -1;
+      a.res[i] = kFailed;
+      return;
+    }
+    if (r == kEvicted) {
+      a.ev_key[i] = ref.keys[slot];
+      a.ev_score[i] = ref.scores[slot];
+    }
+    ref.commit(slot, r, a.keys[i], p.digest, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
+    a.out[i] = slot;
+    a.res[i] = r;
+  });
+}
+
+// The sizes and counters, per table and result (TableRef::tally_insert);
+// warp-aggregated: few atomics per warp.
+__global__ void tally_insert_kernel(TableRef ref, const int8_t* res, const int64_t* tids, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = i < n && res[i] != kAssigned;
+  const unsigned long long group = active ? static_cast<unsigned long long>(tids ? tids[i] : 0) * 4 + res[i] : 0;
+  cuda::warp_aggregate(active, group, [&](unsigned long long g, int count) {
+    ref.tally_insert(static_cast<int64_t>(g / 4), static_cast<int>(g % 4), count, AtomicAdd{});
+  });
+}
+
+// The evicted entries, compacted in input order (pos: evicting key positions).
+__global__ void gather_evicted_kernel(const int64_t* pos, int64_t m, const int64_t* ev_key, const int64_t* ev_score,
+                                      const int64_t* tids, const int64_t* out, int64_t* e_keys, int64_t* e_tids,
+                                      int64_t* e_idx, int64_t* e_scores) {
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (o >= m) return;
+  const int64_t i = pos[o];
+  e_keys[o] = ev_key[i];
+  e_tids[o] = tids ? tids[i] : 0;
+  e_idx[o] = out[i];
+  e_scores[o] = ev_score[i];
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
+    at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
+    const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
+    int64_t epoch, const std::optional<Tensor>& evictable) {
+  check_strategy(strategy);
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
+  const at::Device dev = table[kSlotKeys].device();
+  const bool* may_evict_table = check_evictable(evictable, ref, dev);
+  check_epoch(epoch);
+  const int64_t n = check_keys(keys, table_ids, key_scores, dev);
+
+  Tensor indices = new_tensor(n, at::kLong, dev);
+  Tensor results = new_tensor(n, at::kChar, dev);
+  if (n == 0) {
+    auto none = [&] { return new_tensor(0, at::kLong, dev); };
+    return {indices, results, none(), none(), none(), none()};
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* tids = opt_ptr(table_ids);
+  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const SortedKeys sorted = sort_by_bucket(P.bucket);
+  Tensor ev_key = new_tensor(n, at::kLong, dev), ev_score = new_tensor(n, at::kLong, dev);
+  const InsertArgs a{ref,
+                     keys.data_ptr<int64_t>(),
+                     P.digest.data_ptr<uint8_t>(),
+                     opt_ptr(key_scores),
+                     Scoring::of(strategy, call_score),
+                     static_cast<Epoch>(epoch),
+                     may_evict_table,
+                     tids,
+                     indices.data_ptr<int64_t>(),
+                     results.data_ptr<int8_t>(),
+                     ev_key.data_ptr<int64_t>(),
+                     ev_score.data_ptr<int64_t>()};
+  insert_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Without table ids every key is in table 0, so a layout error leaves every
+  // key without a bucket and the slots untouched: raise it before the tally.
+  if (!table_ids) check_flags(P.flags, table_ids, ref, stream);
+  tally_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, a.res, tids, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const Tensor pos = at::nonzero(at::eq(results, static_cast<int64_t>(kEvicted))).view({-1});  // syncs
+  const int64_t m = pos.numel();
+  Tensor e_keys = new_tensor(m, at::kLong, dev), e_tids = new_tensor(m, at::kLong, dev);
+  Tensor e_idx = new_tensor(m, at::kLong, dev), e_scores = new_tensor(m, at::kLong, dev);
+  if (m > 0) {
+    gather_evicted_kernel<<<blocks_for(m, kThreads), kThreads, 0, stream>>>(
+        pos.data_ptr<int64_t>(), m, a.ev_key, a.ev_score, tids, a.out, e_keys.data_ptr<int64_t>(),
+        e_tids.data_ptr<int64_t>(), e_idx.data_ptr<int64_t>(), e_scores.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {indices, results, e_keys, e_tids, e_idx, e_scores};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) { m.impl("table_insert", &insert); }
+
+}  // namespace cuda_impl
+}  // namespace table
+}  // namespace dynamicemb

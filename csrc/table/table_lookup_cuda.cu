@@ -1,0 +1,272 @@
+// CUDA kernels of the table ops that find keys (table_cuda.cuh has the
+// design): table_lookup (with or without a gather of value rows),
+// table_lookup_refresh, table_refresh (at known slots) and table_erase.
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "table/table_cuda.cuh"
+
+namespace dynamicemb {
+namespace table {
+namespace cuda_impl {
+namespace {
+
+// ---- lookup (read-only) --------------------------------------------------------------
+
+struct LookupArgs {
+  PlaceArgs place;
+  int64_t n;
+  int64_t* out;
+  bool* found;
+};
+
+// The global slot of `key` (digest d) in bucket b, -1 where missing or b < 0
+// (no bucket: a flagged error); every lane returns it.
+template <class Tile>
+__device__ __forceinline__ int64_t tile_find_slot(const Tile& tile, const TableRef& ref, int32_t b, uint8_t d,
+                                                  int64_t key) {
+  return b < 0 ? -1 : ref.find(tile, ref.at_bucket(b, d), key);
+}
+
+// The tile's lookup of key i: the global slot (-1 where missing), written out
+// by lane 0; every lane returns it.
+template <class Tile>
+__device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArgs& a, int64_t i) {
+  const bool lead = tile.thread_rank() == 0;
+  uint8_t d = 0;
+  const int32_t b = place_key(a.place, i, &d, lead);
+  const int64_t slot = tile_find_slot(tile, a.place.ref, b, d, a.place.keys[i]);
+  if (lead) {
+    a.out[i] = slot;
+    a.found[i] = slot >= 0;
+  }
+  return slot;
+}
+
+__global__ void lookup_kernel(LookupArgs a) {
+  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  if (i >= a.n) return;
+  tile_lookup(tile, a, i);
+}
+
+// One tile per key: the tile finds the key, then its 16 lanes copy the row in
+// `Unit`s (zeros where the key is missing). row_units: Units per row.
+template <class Unit>
+__global__ void lookup_gather_kernel(LookupArgs a, const Unit* values, Unit* out, int64_t row_units) {
+  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  if (i >= a.n) return;
+  const int64_t slot = tile_lookup(tile, a, i);
+  Unit* dst = out + i * row_units;
+  const int64_t lane = tile.thread_rank();
+  if (slot >= 0) {
+    const Unit* src = values + slot * row_units;
+    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = src[u];
+  } else {
+    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = Unit{};
+  }
+}
+
+// The checked inputs and new outputs of a read-only lookup.
+struct LookupCall {
+  TableRef ref;
+  at::Device dev;
+  Tensor indices, found;
+  int64_t n;
+};
+
+LookupCall prepare_lookup(at::ArrayRef<Tensor> table, int64_t bucket_capacity, const Tensor& keys,
+                          const std::optional<Tensor>& table_ids) {
+  const TableRef r = make_ref(table, bucket_capacity, kFindMembers);
+  const at::Device dev = table[kSlotKeys].device();
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, dev);
+  return LookupCall{r, dev, new_tensor(n, at::kLong, dev), new_tensor(n, at::kBool, dev), n};
+}
+
+LookupArgs lookup_args(const LookupCall& c, const Tensor& keys, const std::optional<Tensor>& table_ids,
+                       const ErrorSlots& flags) {
+  return LookupArgs{PlaceArgs{c.ref, keys.data_ptr<int64_t>(), opt_ptr(table_ids), flags.ptr()}, c.n,
+                    c.indices.data_ptr<int64_t>(), c.found.data_ptr<bool>()};
+}
+
+std::tuple<Tensor, Tensor> lookup(at::ArrayRef<Tensor> table, const Tensor& keys,
+                                  const std::optional<Tensor>& table_ids, int64_t bucket_capacity) {
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const LookupCall c = prepare_lookup(table, bucket_capacity, keys, table_ids);
+  if (c.n == 0) return {c.indices, c.found};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ErrorSlots flags(2, c.dev, stream);
+  lookup_kernel<<<blocks_for(c.n, kTilesPerBlock), kThreads, 0, stream>>>(lookup_args(c, keys, table_ids, flags));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Without table ids nothing can be out of range but the layout; skipping
+  // the read-back keeps this lookup free of host syncs.
+  if (table_ids) check_flags(flags, table_ids, c.ref, stream);
+  return {c.indices, c.found};
+}
+
+// Whether rows of row_bytes at both pointers can be copied in Units.
+template <class Unit>
+bool copies_in(int64_t row_bytes, const void* a, const void* b) {
+  constexpr auto u = sizeof(Unit);
+  return row_bytes % u == 0 && reinterpret_cast<uintptr_t>(a) % u == 0 && reinterpret_cast<uintptr_t>(b) % u == 0;
+}
+
+std::tuple<Tensor, Tensor> lookup_gather(at::ArrayRef<Tensor> table, const Tensor& keys,
+                                         const std::optional<Tensor>& table_ids, int64_t bucket_capacity,
+                                         const Tensor& values, const Tensor& out) {
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const LookupCall c = prepare_lookup(table, bucket_capacity, keys, table_ids);
+  const int64_t row_bytes = check_gather(values, out, c.n, c.ref.num_buckets * c.ref.bucket_capacity, c.dev);
+  if (c.n == 0) return {c.indices, c.found};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const ErrorSlots flags(2, c.dev, stream);
+  const LookupArgs a = lookup_args(c, keys, table_ids, flags);
+  const void* src = values.const_data_ptr();
+  void* dst = out.data_ptr();
+  const dim3 grid = blocks_for(c.n, kTilesPerBlock);
+  // The widest copy unit the row size and both pointers allow (rows of 2- or
+  // 4-byte elements: 2 bytes always fits).
+  if (copies_in<uint4>(row_bytes, src, dst)) {
+    lookup_gather_kernel<uint4><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint4*>(src),
+                                                               static_cast<uint4*>(dst), row_bytes / 16);
+  } else if (copies_in<uint32_t>(row_bytes, src, dst)) {
+    lookup_gather_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint32_t*>(src),
+                                                                  static_cast<uint32_t*>(dst), row_bytes / 4);
+  } else {
+    lookup_gather_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint16_t*>(src),
+                                                                  static_cast<uint16_t*>(dst), row_bytes / 2);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (table_ids) check_flags(flags, table_ids, c.ref, stream);
+  return {c.indices, c.found};
+}
+
+// ---- lookup that refreshes scores ----------------------------------------------------
+
+// A mutating call's keys, placed (Placed) and their per-key scores.
+struct KeysIn {
+  const int64_t* keys;
+  const uint8_t* digest;
+  const int64_t* key_scores;  // null: Scoring::dflt for every key
+};
+
+__global__ void lookup_refresh_kernel(TableRef ref, KeysIn in, Scoring scoring, int64_t* out, bool* found,
+                                      Segments segs) {
+  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+    const int64_t slot = tile_find_slot(tile, ref, b, in.digest[i], in.keys[i]);
+    if (tile.thread_rank() != 0) return;
+    out[i] = slot;
+    found[i] = slot >= 0;
+    if (slot >= 0) ref.refresh(slot, scoring, scoring.key_score(in.key_scores, i));
+  });
+}
+
+std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tensor& keys,
+                                          const std::optional<Tensor>& table_ids,
+                                          const std::optional<Tensor>& key_scores, int64_t strategy,
+                                          int64_t bucket_capacity, int64_t call_score) {
+  check_strategy(strategy);
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const TableRef ref =
+      make_ref(table, bucket_capacity, with_timestamps(kRefreshMembers, strategy));
+  const at::Device dev = table[kSlotKeys].device();
+  const int64_t n = check_keys(keys, table_ids, key_scores, dev);
+  Tensor indices = new_tensor(n, at::kLong, dev);
+  Tensor found = new_tensor(n, at::kBool, dev);
+  if (n == 0) return {indices, found};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const SortedKeys sorted = sort_by_bucket(P.bucket);
+  lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
+      ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), opt_ptr(key_scores)},
+      Scoring::of(strategy, call_score), indices.data_ptr<int64_t>(), found.data_ptr<bool>(), sorted.segments());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {indices, found};
+}
+
+// ---- refresh at known slots ------------------------------------------------------------
+
+__global__ void refresh_kernel(TableRef ref, const int64_t* idx, int64_t n, const int64_t* ks, Scoring scoring,
+                               int64_t slots, int* bad) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t s = idx[i];
+  if (s < -1 || s >= slots) {
+    *bad = 1;
+    return;
+  }
+  if (s >= 0) ref.refresh(s, scoring, scoring.key_score(ks, i));
+}
+
+void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optional<Tensor>& key_scores,
+             int64_t strategy, int64_t call_score) {
+  const TableRef ref = refresh_ref(table, indices, key_scores, strategy);
+  const int64_t n = indices.numel(), slots = table[kSlotScores].numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(indices.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Tensor bad = at::zeros({1}, indices.options().dtype(at::kInt));
+  refresh_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+      ref, indices.data_ptr<int64_t>(), n, opt_ptr(key_scores), Scoring::of(strategy, call_score), slots,
+      bad.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(bad.item<int>() == 0, "dynamicemb: a slot index is out of range [-1, ", slots, ")");
+}
+
+// ---- erase -----------------------------------------------------------------------------
+
+__global__ void erase_kernel(TableRef ref, KeysIn in, bool* erased, Segments segs) {
+  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+    const int64_t slot = tile_find_slot(tile, ref, b, in.digest[i], in.keys[i]);
+    if (tile.thread_rank() != 0) return;
+    erased[i] = slot >= 0 && ref.erase(slot);
+  });
+}
+
+// The sizes less the erased keys, per table (warp-aggregated atomics).
+__global__ void tally_erase_kernel(TableRef ref, const bool* erased, const int64_t* tids, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = i < n && erased[i];
+  const unsigned long long group = active && tids ? static_cast<unsigned long long>(tids[i]) : 0;
+  cuda::warp_aggregate(active, group, [&](unsigned long long t, int count) {
+    ref.tally_erase(static_cast<int64_t>(t), count, AtomicAdd{});
+  });
+}
+
+Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
+             int64_t bucket_capacity) {
+  const c10::cuda::CUDAGuard guard(table_device(table));
+  const TableRef ref = make_ref(table, bucket_capacity, kEraseMembers);
+  const at::Device dev = table[kSlotKeys].device();
+  const int64_t n = check_keys(keys, table_ids, std::nullopt, dev);
+  Tensor erased = new_tensor(n, at::kBool, dev);
+  if (n == 0) return erased;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const SortedKeys sorted = sort_by_bucket(P.bucket);
+  erase_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
+      ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(),
+      sorted.segments());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  tally_erase_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(),
+                                                                      opt_ptr(table_ids), n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return erased;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
+  m.impl("table_lookup", &lookup);
+  m.impl("table_lookup_gather", &lookup_gather);
+  m.impl("table_lookup_refresh", &lookup_refresh);
+  m.impl("table_refresh", &refresh);
+  m.impl("table_erase", &erase);
+}
+
+}  // namespace cuda_impl
+}  // namespace table
+}  // namespace dynamicemb
