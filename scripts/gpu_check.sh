@@ -25,6 +25,10 @@
 #   probe.json, bench_table.json, bench_embedding.json
 #
 # Usage: scripts/gpu_check.sh OUTDIR
+# GPU_CHECK_ONLY=gpu_tests,example: a rerun of only those steps (install and
+# build always run; both are quick on a warm machine, whose build/ is kept).
+# GPU_CHECK_BUDGET_S (450), GPU_CHECK_XDIST_GPU (4), GPU_CHECK_XDIST (8):
+# the time budget and the pytest-xdist workers of (b) and (c).
 # GPU_CHECK_ALLOW_CPU=1: a dry run without a GPU: the same selections on the
 # CPU (DYNAMICEMB_PARITY_DEVICE=cpu, smaller benchmarks) with GPU_CHECK_PYTHON
 # (default .venv or ../main/.venv); the wheels are installed only if that
@@ -69,7 +73,8 @@ note() { echo "$*" >> "$WORK/notes.txt"; echo "[gpu_check] note: $*"; }
 summarize() { python3 scripts/gpu_summary.py "$WORK" "$OUTDIR" "$MODE" 2>>"$LOG" || "$PY" scripts/gpu_summary.py "$WORK" "$OUTDIR" "$MODE"; }
 record() {  # name status rc seconds reason
   printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5//$'\t'/ }" >> "$WORK/steps.tsv"
-  echo "[gpu_check] $1: $2 (exit $3, ${4}s)${5:+ - $5}"
+  if [ "$2" = skipped ]; then echo "[gpu_check] $1: not run - $5"
+  else echo "[gpu_check] $1: $2 (exit $3, ${4} s)${5:+ - $5}"; fi
   summarize
 }
 skip() { record "$1" skipped "" "" "$2"; }
@@ -80,6 +85,9 @@ skip() { record "$1" skipped "" "" "$2"; }
 step() {
   local name=$1 budget=$2 sig=$3; shift 3
   local now left t0 rc status reason=""
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ ",install,build,$GPU_CHECK_ONLY," != *",$name,"* ]]; then
+    skip "$name" "not selected (GPU_CHECK_ONLY=$GPU_CHECK_ONLY)"; return 1
+  fi
   now=$(date +%s); left=$((DEADLINE - now - 10))
   if [ "$left" -lt 20 ]; then skip "$name" "no time left within the ${GPU_CHECK_BUDGET_S:-450} s budget"; return 1; fi
   [ "$budget" -gt "$left" ] && budget=$left
@@ -133,12 +141,41 @@ elif ! ls .whl/*.whl > /dev/null 2>&1; then
   skip install "no .whl/*.whl in the working tree (run scripts/gpu_wheels.sh and name .whl in carry)"
 else
   rm -rf "$SITE"
-  step install 90 TERM "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl && export PYTHONPATH=$SITE:$ROOT
+  if step install 90 TERM "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target "$SITE" .whl/*.whl; then
+    export PYTHONPATH=$SITE:$ROOT
+    # Tests and example.py start fresh interpreters with PYTHONPATH=the repo only (serving
+    # checks); a .pth file in the interpreter's site-packages shows them $SITE too (last).
+    PTH=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_gpu_check_site.pth
+    if echo "$SITE" > "$PTH" 2>/dev/null; then trap 'rm -f "$PTH"' EXIT
+    else note "could not write $PTH: subprocesses that reset PYTHONPATH will not find torchrec"; fi
+  fi
 fi
 
 # ---- build -------------------------------------------------------------------------------------
 BUILT=0
+# torch links the extension with -L$CUDA_HOME/lib64 -lcudart; where the toolkit keeps
+# libcudart elsewhere (lib/, or only torch's pip package has it), a shim on LIBRARY_PATH.
+if [ "${DYNAMICEMB_NO_CUDA:-0}" != 1 ]; then
+  rt=$("$PY" - 2>/dev/null <<'PYEOF'
+import glob, os, site
+from torch.utils import cpp_extension as c
+home = c.CUDA_HOME or "/usr/local/cuda"
+if not glob.glob(os.path.join(home, "lib64", "libcudart.so")):
+    dirs = [os.path.join(h, d) for h in (home, "/usr/local/cuda") for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    dirs += [os.path.join(p, "nvidia", d, "lib") for p in site.getsitepackages() for d in ("cu13", "cuda_runtime")]
+    found = [f for d in dirs for f in sorted(glob.glob(os.path.join(d, "libcudart.so*")))]
+    print(found[0] if found else "missing")
+PYEOF
+)
+  if [ "$rt" = missing ]; then
+    note "no libcudart.so found for the link: the build may fail"
+  elif [ -n "$rt" ]; then
+    mkdir -p "$WORK/cudalib" && ln -sf "$rt" "$WORK/cudalib/libcudart.so"
+    export LIBRARY_PATH=$WORK/cudalib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    note "CUDA_HOME/lib64 has no libcudart.so: the build links against $rt"
+  fi
+fi
 if step build 300 TERM "$PY" setup.py -q build_ext --inplace; then
   "$PY" - > "$WORK/cuda_ops.json" 2>>"$LOG" <<'EOF'
 import json, torch, dynamicemb  # noqa: F401  (loads the extension)
@@ -156,15 +193,19 @@ need_build() { [ $BUILT = 1 ] || { skip "$1" "the extension did not build or imp
 TORCHREC=0
 if need_build probe; then
   step probe 120 TERM "$PY" scripts/gpu_probe.py "$OUTDIR/probe.json" --device "$DEV"
-  python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['checks']; sys.exit(0 if c['import_torchrec']['ok'] and c['import_dynamicemb_torchrec']['ok'] else 1)" \
-    "$OUTDIR/probe.json" 2>/dev/null && TORCHREC=1
   summarize
+  "$PY" -c "import torchrec.distributed, dynamicemb.shard" > /dev/null 2>&1 && TORCHREC=1
 fi
 
 # ---- (b) every gpu-marked test and every device-fixture test, on CUDA --------------------------
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --continue-on-collection-errors)
+# pytest-xdist workers (the GPU machine has 16 cores; none here by default: 2 shared cores).
+if [ "$DRY" = 1 ]; then XB=${GPU_CHECK_XDIST_GPU:-0}; XC=${GPU_CHECK_XDIST:-0}
+else XB=${GPU_CHECK_XDIST_GPU:-4}; XC=${GPU_CHECK_XDIST:-8}; fi
+xdist() { if [ "$1" -gt 0 ]; then echo "-n $1"; fi; }
 if need_build gpu_tests; then
-  step gpu_tests 200 INT "${PYTEST[@]}" -m gpu --junitxml="$WORK/gpu_tests.xml" tests
+  # shellcheck disable=SC2046
+  step gpu_tests 200 INT "${PYTEST[@]}" $(xdist "$XB") -m gpu --junitxml="$WORK/gpu_tests.xml" tests
 fi
 
 # ---- (d) example.py on one GPU -----------------------------------------------------------------
@@ -191,9 +232,8 @@ fi
 
 # ---- (c) the other tier, inference and checkpoint tests ----------------------------------------
 if need_build tier_inference_checkpoint_tests; then
-  XDIST=()
-  [ -n "${GPU_CHECK_XDIST:-}" ] && XDIST=(-n "$GPU_CHECK_XDIST")
-  step tier_inference_checkpoint_tests 240 INT "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" \
+  # shellcheck disable=SC2046
+  step tier_inference_checkpoint_tests 240 INT "${PYTEST[@]}" $(xdist "$XC") -m "not gpu" \
     --junitxml="$WORK/tier_inference_checkpoint_tests.xml" tests/tiers tests/inference tests/checkpoint
 fi
 

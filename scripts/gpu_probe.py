@@ -275,8 +275,8 @@ def main():
         result["checks"][fn.__name__] = rec
         print(f"[probe] {fn.__name__:28s} {'ok  ' if rec['ok'] else 'FAIL'} "
               f"{rec.get('note') or rec.get('error')}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        with open(args.out, "w") as f:  # after every check: a probe cut short still reports
+            json.dump(result, f, indent=1)
     ok = sum(r["ok"] for r in result["checks"].values())
     print(f"[probe] {ok}/{len(CHECKS)} ok on {dev} ({result['env'].get('gpu', 'no GPU')})", flush=True)
     import torch.distributed as dist

@@ -69,8 +69,13 @@ def main():
         if reason:
             st["reason"] = reason
         log = os.path.join(work, "logs", f"{name}.log")
-        if status in ("failed", "timeout") and os.path.exists(log):
-            st["log_tail"] = tail(log)
+        if name == "example" and os.path.exists(log):  # its own checks and closing summary
+            st["example_says"] = [ln.rstrip() for ln in open(log, errors="replace")
+                                  if re.match(r"(\[(reload|serve|delta|summary)\]|  (eval AUC|rows|checkpoint|program) )", ln)]
+        if name.startswith("bench_") and status == "ok" and os.path.exists(log):
+            st["bench_says"] = tail(log, 14)
+        if status in ("failed", "timeout") and name not in TEST_STEPS and os.path.exists(log):
+            st["log_tail"] = tail(log, 25)
         if name in TEST_STEPS:
             xml = os.path.join(work, f"{name}.xml")
             if os.path.exists(xml):
