@@ -41,6 +41,8 @@ cd "$ROOT"
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+PTH=""
+trap 'rm -rf "$WORK"; if [ -n "$PTH" ]; then rm -f "$PTH"; fi' EXIT
 mkdir -p "$WORK/logs"
 touch "$WORK/started"
 LOG=$OUTDIR/gpu_check.log
@@ -67,6 +69,9 @@ else
   PY=${GPU_CHECK_PYTHON:-python3}
   DEV=cuda
   export DYNAMICEMB_CUDA_ARCHS=90 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
+  # The system compiler, whose libstdc++ the process loads (README, GPUs: with a newer GCC
+  # first on the image's PATH the extension built but crashed formatting an error message).
+  if [ -z "${CC:-}" ] && [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 fi
 
 note() { echo "$*" >> "$WORK/notes.txt"; echo "[gpu_check] note: $*"; }
@@ -108,13 +113,16 @@ step() {
 
 # ---- environment --------------------------------------------------------------------------------
 "$PY" - > "$WORK/env.json" 2>>"$LOG" <<'EOF'
-import json, platform, shutil, subprocess, sys
+import json, os, platform, shutil, subprocess, sys
 import torch
 e = {"python": sys.version.split()[0], "python_path": sys.executable, "torch": torch.__version__,
      "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "machine": platform.node(),
-     "cpus": __import__("os").cpu_count(), "nvcc": shutil.which("nvcc")}
+     "cpus": os.cpu_count(), "nvcc": shutil.which("nvcc"), "gcc_on_path": shutil.which("gcc"),
+     "CC": os.environ.get("CC")}
 if e["nvcc"]:
     e["nvcc_version"] = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+for cc in {e["gcc_on_path"], e["CC"]} - {None}:
+    e[f"version of {cc}"] = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     e.update(gpu=p.name, gpu_sm=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / 2**30, 1))
@@ -147,8 +155,9 @@ else
     # Tests and example.py start fresh interpreters with PYTHONPATH=the repo only (serving
     # checks); a .pth file in the interpreter's site-packages shows them $SITE too (last).
     PTH=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_gpu_check_site.pth
-    if echo "$SITE" > "$PTH" 2>/dev/null; then trap 'rm -f "$PTH"' EXIT
-    else note "could not write $PTH: subprocesses that reset PYTHONPATH will not find torchrec"; fi
+    if ! echo "$SITE" > "$PTH" 2>/dev/null; then
+      note "could not write $PTH: subprocesses that reset PYTHONPATH will not find torchrec"; PTH=""
+    fi
   fi
 fi
 
@@ -247,5 +256,5 @@ for name, st in s["steps"].items():
     print(f"[gpu_check]   {name:34s} {st['status']:8s} {extra}")
 for n in s.get("not_run", []):
     print(f"[gpu_check] not run: {n['part']}: {n['why']}")
+sys.exit(1 if s.get("failed") else 0)  # a step failed or ran past its time box
 EOF
-rm -rf "$WORK"
