@@ -1,0 +1,288 @@
+"""What runs on the GPU machine beside a CPU build of fbgemm_gpu: the imports,
+then TorchRec and FBGEMM ops on tensors of DEVICE, each recorded as ok or as
+its error (nothing here fails the run). Part (a) of scripts/gpu_check.sh.
+
+    python scripts/gpu_probe.py OUT.json [--device cuda|cpu]
+
+The CPU build of fbgemm_gpu registers its ops for the CPU dispatch key only,
+so an op that reaches an fbgemm kernel with CUDA tensors is expected to fail
+("... is not available for the CUDA backend"); the probe says which ones do,
+and whether a TorchRec model whose tables are all dynamic (our kernels) still
+shards, trains and pipelines on CUDA on one rank.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def _version(name):
+    try:
+        import importlib.metadata as md
+        return md.version(name)
+    except Exception:  # not installed
+        return None
+
+
+def env_info(device):
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "device": str(device)}
+    for name in ("torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "tensordict", "torchmetrics", "pyre-extensions"):
+        info[name] = _version(name)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_sm=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                    gpu_count=torch.cuda.device_count())
+    return info
+
+
+# ---- the checks (each returns a short note or raises) ------------------------------------------
+
+
+@check
+def import_fbgemm_gpu(dev):
+    import fbgemm_gpu  # noqa: F401
+    return f"fbgemm ops registered: {hasattr(torch.ops.fbgemm, 'asynchronous_complete_cumsum')}"
+
+
+@check
+def import_torchrec(dev):
+    import torchrec  # noqa: F401
+    import torchrec.distributed  # noqa: F401
+    import torchrec.distributed.train_pipeline  # noqa: F401
+    import torchrec.models.dlrm  # noqa: F401
+    return "torchrec, .distributed, .train_pipeline, .models.dlrm"
+
+
+@check
+def import_dynamicemb_torchrec(dev):
+    import dynamicemb.planner  # noqa: F401
+    import dynamicemb.shard  # noqa: F401
+    from dynamicemb import _ops  # noqa: F401
+    return "dynamicemb.planner, dynamicemb.shard"
+
+
+def _kjt(dev):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5, 6], device=dev),
+        lengths=torch.tensor([1, 2, 0, 3], device=dev))
+
+
+@check
+def kjt_to_dict_split(dev):
+    kjt = _kjt(dev)
+    d = kjt.to_dict()
+    parts = kjt.split([1, 1])
+    assert d["f2"].values().tolist() == [4, 5, 6] and parts[1].values().tolist() == [4, 5, 6]
+    return "to_dict, split"
+
+
+@check
+def kjt_permute(dev):
+    p = _kjt(dev).permute([1, 0])
+    assert p.values().tolist() == [4, 5, 6, 1, 2, 3], p.values().tolist()
+    return "permute (fbgemm permute_2D_sparse_data)"
+
+
+@check
+def fbgemm_complete_cumsum(dev):
+    import fbgemm_gpu  # noqa: F401
+    out = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.tensor([1, 2, 3], device=dev))
+    assert out.tolist() == [0, 1, 3, 6]
+    return "asynchronous_complete_cumsum"
+
+
+@check
+def fbgemm_block_bucketize(dev):
+    import fbgemm_gpu  # noqa: F401
+    lengths = torch.tensor([2, 1], device=dev)
+    indices = torch.tensor([0, 5, 3], device=dev)
+    out = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, indices, False, False, torch.tensor([4], device=dev), 2, None)
+    return f"block_bucketize_sparse_features -> lengths {out[0].tolist()}"
+
+
+@check
+def fbgemm_jagged_to_dense(dev):
+    import fbgemm_gpu  # noqa: F401
+    values = torch.arange(6.0, device=dev).view(3, 2)
+    out = torch.ops.fbgemm.jagged_2d_to_dense(values, torch.tensor([0, 1, 3], device=dev), 2)
+    return f"jagged_2d_to_dense -> {tuple(out.shape)}"
+
+
+@check
+def keyed_tensor_regroup(dev):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+    kt = KeyedTensor(keys=["a", "b"], length_per_key=[2, 3], values=torch.randn(4, 5, device=dev))
+    out = KeyedTensor.regroup([kt], [["b"], ["a"]])
+    return f"regroup -> {[tuple(t.shape) for t in out]}"
+
+
+@check
+def unsharded_ebc(dev):
+    import torchrec
+    ebc = torchrec.EmbeddingBagCollection(device=dev, tables=[
+        torchrec.EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
+        torchrec.EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"])])
+    out = ebc(_kjt(dev))
+    out.values().sum().backward()
+    return f"EmbeddingBagCollection forward+backward -> {tuple(out.values().shape)}"
+
+
+@check
+def fbgemm_tbe(dev):
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    from bench_embedding import fbgemm_tbe as make
+    from dynamicemb.optimizer import EmbOptimType
+    tbe = make(1, 100, 8, EmbOptimType.EXACT_SGD, 0.1, 1, dev)
+    out = tbe(torch.tensor([1, 2, 3], device=dev), torch.tensor([0, 2, 3], device=dev))
+    out.sum().backward()
+    return f"SplitTableBatchedEmbeddingBagsCodegen forward+backward -> {tuple(out.shape)}"
+
+
+def _process_group(dev):
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.GroupMember.WORLD
+
+
+def _dlrm(dev, native: bool):
+    """TorchRec's DLRM with 3 sparse features, all on dynamic tables (or the
+    last on a native TBE table), sharded on one rank."""
+    import torchrec
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+
+    from dynamicemb import DynamicEmbTableOptions, EmbOptimType
+    from dynamicemb.planner import DynamicEmbeddingShardingPlanner, DynamicEmbParameterConstraints
+    from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder
+    pg = _process_group(dev)
+    tables = [torchrec.EmbeddingBagConfig(name=f"t{i}", feature_names=[f"f{i}"], embedding_dim=8,
+                                          num_embeddings=1000 if (native and i == 2) else 2**40) for i in range(3)]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8],
+                           over_arch_layer_sizes=[16, 1], dense_device=dev))
+    opts = DynamicEmbTableOptions(max_capacity=1 << 12, init_capacity=1 << 10)
+    constraints = {t.name: DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=opts)
+                   for t in tables if t.num_embeddings > 1000}
+    sharder = DynamicEmbeddingBagCollectionSharder(fused_params=dict(optimizer=EmbOptimType.EXACT_SGD,
+                                                                     learning_rate=0.1))
+    plan = DynamicEmbeddingShardingPlanner(tables, Topology(world_size=1, compute_device=dev.type),
+                                           constraints=constraints).collective_plan(model, [sharder], pg)
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=dev, plan=plan,
+                                    sharders=[sharder])
+
+
+def _batches(n, seed=0):
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(0, 3, (3 * 16,), generator=g)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+        out.append(Batch(dense_features=torch.randn(16, 4, generator=g),
+                         sparse_features=KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], values, lengths),
+                         labels=torch.randint(0, 2, (16,), generator=g).float()))
+    return out
+
+
+def _train_steps(model, dev, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for b in _batches(steps):
+        loss, _ = model(b.to(dev))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.detach().item()
+
+
+@check
+def dmp_dynamic_tables_train(dev):
+    loss = _train_steps(_dlrm(dev, native=False), dev)
+    return f"DLRM, 3 dynamic tables, DMP on 1 rank: 3 steps, loss {loss:.4f}"
+
+
+@check
+def dmp_native_table_train(dev):
+    loss = _train_steps(_dlrm(dev, native=True), dev)
+    return f"DLRM, 2 dynamic + 1 native (TBE) table, DMP on 1 rank: 3 steps, loss {loss:.4f}"
+
+
+@check
+def train_pipeline_sparse_dist(dev):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    model = _dlrm(dev, native=False)
+    pipe = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), dev)
+    it = iter(_batches(4, seed=1))
+    steps = 0
+    try:
+        while True:
+            pipe.progress(it)
+            steps += 1
+    except StopIteration:
+        pass
+    return f"TrainPipelineSparseDist, dynamic tables: {steps} steps"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+    result = {"env": env_info(dev), "checks": {}}
+    for fn in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            note = fn(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rec = {"ok": True, "note": note}
+        except BaseException as e:  # record and go on: the probe only reports
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            msg = str(e).strip().splitlines()
+            rec = {"ok": False, "error": f"{type(e).__name__}: {msg[0][:300] if msg else ''}",
+                   "where": traceback.format_exc().strip().splitlines()[-3][:300]}
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        result["checks"][fn.__name__] = rec
+        print(f"[probe] {fn.__name__:28s} {'ok  ' if rec['ok'] else 'FAIL'} "
+              f"{rec.get('note') or rec.get('error')}", flush=True)
+        with open(args.out, "w") as f:  # after every check: a probe cut short still reports
+            json.dump(result, f, indent=1)
+    ok = sum(r["ok"] for r in result["checks"].values())
+    print(f"[probe] {ok}/{len(CHECKS)} ok on {dev} ({result['env'].get('gpu', 'no GPU')})", flush=True)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
