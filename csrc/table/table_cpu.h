@@ -113,9 +113,10 @@ struct WrittenAtMatch {
 // (base: the first slot of its bucket), so that fn may look at later runs.
 // Prefetches per key, at two distances: its bucket's digests and, once they
 // are in, the lines of the slot its digest first matches (the key's, and
-// those of `written`); and each run's digests three runs ahead.
+// those of `written`); and each run's digests three runs ahead. (`ref` by
+// value: a local, which fn's stores cannot alias.)
 template <class Rec, class RunFn>
-void walk_runs(const Runs<Rec>& runs, const TableRef& ref, RunFn fn, const WrittenAtMatch& written = {}) {
+void walk_runs(const Runs<Rec>& runs, const TableRef ref, RunFn fn, const WrittenAtMatch& written = {}) {
   const Rec* recs = runs.recs;
   const int64_t m = runs.start[runs.count];
   const int64_t cap = ref.bucket_capacity;
