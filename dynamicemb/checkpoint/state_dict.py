@@ -254,14 +254,24 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
             cols[c].append(v)
         got.append(data["slot"])
         meta = data["meta"]
-    return {"slots": sorted(got), "meta": meta, "cols": {c: torch.cat(v) for c, v in cols.items()}}
+    # (v[0] is the empty template: one slot's column is used as DCP loaded it, without a copy)
+    return {"slots": sorted(got), "meta": meta,
+            "cols": {c: v[1] if len(v) == 2 else torch.cat(v) for c, v in cols.items()}}
 
 
-def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> List[torch.Tensor]:
+def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, rank: int, world: int) -> List[torch.Tensor]:
     """Sends row i of every column to rank dest[i]; returns the rows this
-    rank receives, column by column: one all_to_all of the rows as bytes."""
+    rank receives, column by column (its own first): the rows that stay are
+    not copied, the others go in one all_to_all, as bytes."""
+    stay = dest == rank
+    if bool(stay.all()):  # (a load on the world size of the save: nothing moves)
+        kept, dest, cols_out = cols, dest[:0], [c[:0] for c in cols]
+    else:
+        kept = [c[stay] for c in cols]
+        move = ~stay
+        dest, cols_out = dest[move], [c[move] for c in cols]
     order = torch.argsort(dest, stable=True)
-    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in cols]
+    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in cols_out]
     device = collective_device(pg)
     send = torch.bincount(dest, minlength=world).to(device)
     recv = torch.empty_like(send)
@@ -270,19 +280,19 @@ def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> L
     out = torch.empty(int(recv.sum()), buf.shape[1], dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, buf, recv.tolist(), send.tolist(), group=pg)
     out, res, at = out.cpu(), [], 0
-    for c, p in zip(cols, parts):
+    for c, p, k in zip(cols, parts, kept):
         w = p.shape[1]
         shape = (out.shape[0],) + tuple(c.shape[1:])
         if w == 0:  # (SGD's optimizer state)
-            res.append(torch.zeros(shape, dtype=c.dtype))
+            got = torch.zeros(shape, dtype=c.dtype)
         else:
-            col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
-            res.append(col.view(c.dtype).reshape(shape))
+            got = out[:, at:at + w].clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(shape)
+        res.append(torch.cat([k, got]) if got.shape[0] else k)
         at += w
     return res
 
 
-def _route(ref, cols: dict, pg, world: int) -> dict:
+def _route(ref, cols: dict, pg, rank: int, world: int) -> dict:
     """The rows and admission counts of one table that this rank owns."""
     if world == 1:
         return cols
@@ -291,7 +301,7 @@ def _route(ref, cols: dict, pg, world: int) -> dict:
     for key, names in (("keys", [c for c in _COLS if c in cols]), ("counter_keys", ["counter_keys", "counter_counts"])):
         if key in cols:  # the same on every rank: the model's table decides
             dest = owners(cols[key], dist_type, world, num_embeddings)
-            out.update(zip(names, _exchange([cols[c] for c in names], dest, pg, world)))
+            out.update(zip(names, _exchange([cols[c] for c in names], dest, pg, rank, world)))
     return out
 
 
@@ -341,7 +351,8 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
         todo.append(name)
         saved[name] = [i[name][1:] for i in infos if name in i]
     # 2. Each row to its owner, then every check that needs no change to the model.
-    routed = {n: _route(tables[n], found[n]["cols"] if n in found else _template(tables[n]), pg, world) for n in todo}
+    routed = {n: _route(tables[n], found[n]["cols"] if n in found else _template(tables[n]), pg, rank, world)
+              for n in todo}
     counters, error = {}, None
     try:
         for name in todo:
