@@ -9,6 +9,13 @@ parallel; the dump fsyncs its files), then writes the same number of bytes with
 plain torch.save followed by an fsync (timed),
 then loads the dump into a fresh table (timed). Peak extra memory during the
 dump is sampled from /proc/self/statm (RSS) every 2 ms.
+
+Then the same rows in a TorchRec model (an EBC with that one dynamic table,
+sharded by DistributedModelParallel, roundrobin routing so that each rank
+holds its own keys) are checkpointed both ways and loaded into a fresh model
+(timed, bytes on disk): DynamicEmbDump / DynamicEmbLoad, and
+torch.distributed.checkpoint (dcp.save(model.state_dict()); dcp.load into the
+fresh model's state_dict(), then load_state_dict). `--no-dcp` skips this part.
 """
 import argparse
 import os
@@ -83,6 +90,62 @@ def save_durably(obj, path):
         os.close(fd)
 
 
+def sharded_model(rows_per_rank, dim, world):
+    """An EBC with the one dynamic table "t" (Adam), sharded over the world."""
+    import torchrec
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+
+    from dynamicemb.planner import DynamicEmbeddingShardingPlanner, DynamicEmbParameterConstraints
+    from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder
+
+    cap = table(rows_per_rank, dim).table_options[0].max_capacity
+    configs = [torchrec.EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=2**40, feature_names=["f"])]
+    opts = DynamicEmbTableOptions(max_capacity=cap, init_capacity=cap, max_load_factor=1.0, score_strategy=1,
+                                  dist_type="roundrobin")
+    fused = dict(optimizer=EmbOptimType.ADAM)
+    sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused)
+    planner = DynamicEmbeddingShardingPlanner(configs, Topology(world_size=world, compute_device="cpu"),
+                                              constraints={"t": DynamicEmbParameterConstraints(
+                                                  use_dynamicemb=True, dynamicemb_options=opts)},
+                                              optimizer=fused["optimizer"])
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    plan = planner.collective_plan(ebc, [sharder])
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+
+
+def compare_dcp(rank, world, keys, dim, root) -> dict:
+    """DynamicEmbDump / DynamicEmbLoad against dcp.save / dcp.load + load_state_dict, same model and rows."""
+    import torch.distributed.checkpoint as dcp
+    from dynamicemb.stats import dynamic_modules
+
+    n = keys.numel()
+    model = sharded_model(n, dim, world)
+    module = next(dynamic_modules(model))
+    g = torch.Generator().manual_seed(rank)
+    for s in range(0, n, 1 << 20):
+        k = keys[s:s + (1 << 20)]
+        module.storage.load_rows(0, RowBatch(k, torch.randn(k.numel(), dim, generator=g),
+                                             torch.rand(k.numel(), 2 * dim, generator=g), torch.full_like(k, 7), None))
+    out = {}
+    dump, ckpt = os.path.join(root, "model_dump"), os.path.join(root, "model_dcp")
+    out["model_dump_s"], _ = timed_collective(lambda: DynamicEmbDump(dump, model))
+    out["dcp_save_s"], _ = timed_collective(lambda: dcp.save(model.state_dict(), checkpoint_id=ckpt))
+    del model, module
+    fresh = sharded_model(n, dim, world)
+    out["model_load_s"], _ = timed_collective(lambda: DynamicEmbLoad(dump, fresh))
+    del fresh
+    fresh = sharded_model(n, dim, world)
+
+    def load():
+        sd = fresh.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        fresh.load_state_dict(sd)
+    out["dcp_load_s"], _ = timed_collective(load)
+    out["dcp_loaded_all"] = next(dynamic_modules(fresh)).storage.size(0) == n
+    return out
+
+
 def rank_main(rank, world, port, args, root, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
@@ -110,8 +173,10 @@ def rank_main(rank, world, port, args, root, queue):
     m2 = table(n, dim)
     load_s, _ = timed_collective(lambda: DynamicEmbLoad(path, m2))
     ok = m2.storage.size(0) == n
+    del m2
+    dcp_res = compare_dcp(rank, world, keys, dim, root) if args.dcp else {}
     queue.put((rank, dict(rows=n, dump_s=dump_s, save_s=save_s, load_s=load_s, plain_bytes=plain_bytes,
-                          dump_extra_rss=mem.extra, loaded_all=ok)))
+                          dump_extra_rss=mem.extra, loaded_all=ok, **dcp_res)))
     dist.destroy_process_group()
 
 
@@ -122,6 +187,8 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--chunk-rows", type=int, default=1 << 18, help="slots scanned per part file")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--no-dcp", dest="dcp", action="store_false",
+                    help="skip the DynamicEmbDump / torch.distributed.checkpoint comparison on a TorchRec model")
     ap.add_argument("--out", default=default_out("bench_checkpoint"))
     args = ap.parse_args()
     warn = busy_warning(torch.get_num_threads())
@@ -142,8 +209,11 @@ def main():
         if any(p.exitcode for p in procs):
             raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         per_rank = dict(queue.get() for _ in procs)
-        dump_bytes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, "dump"))
-                         for f in fs)
+        def folder_bytes(name):
+            return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, name))
+                       for f in fs)
+        dump_bytes = folder_bytes("dump")
+        model_bytes = {"model_dump_bytes": folder_bytes("model_dump"), "dcp_bytes": folder_bytes("model_dcp")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = sum(r["rows"] for r in per_rank.values())
@@ -162,6 +232,10 @@ def main():
         "chunk_bytes_upper_bound": chunk_bytes,
         "loaded_all": all(r["loaded_all"] for r in per_rank.values()),
     }
+    if args.dcp:
+        for k in ("model_dump_s", "model_load_s", "dcp_save_s", "dcp_load_s"):
+            res[k] = max(r[k] for r in per_rank.values())
+        res.update(model_bytes, dcp_loaded_all=all(r["dcp_loaded_all"] for r in per_rank.values()))
     print(format_table(["what", "seconds", "GB/s", "Mrows/s"], [
         ["DynamicEmbDump", f"{dump_s:.2f}", f"{res['dump_gb_s']:.2f}", f"{rows / dump_s / 1e6:.2f}"],
         ["torch.save+fsync (same bytes)", f"{save_s:.2f}", f"{res['save_gb_s']:.2f}", f"{rows / save_s / 1e6:.2f}"],
@@ -171,6 +245,15 @@ def main():
     extra = max(res["dump_extra_rss_per_rank"].values())
     print(f"peak extra RSS during the dump: {extra / 2**20:.0f} MiB per rank (one chunk: "
           f"{chunk_bytes / 2**20:.0f} MiB); every row loaded back: {res['loaded_all']}")
+    if args.dcp:
+        print(f"\nThe same rows in a TorchRec model ({args.world} ranks), checkpointed and loaded into a fresh one:")
+        print(format_table(["what", "save s", "load s", "MiB on disk"], [
+            ["DynamicEmbDump / DynamicEmbLoad", f"{res['model_dump_s']:.2f}", f"{res['model_load_s']:.2f}",
+             f"{res['model_dump_bytes'] / 2**20:.1f}"],
+            ["dcp.save / dcp.load + load_state_dict", f"{res['dcp_save_s']:.2f}", f"{res['dcp_load_s']:.2f}",
+             f"{res['dcp_bytes'] / 2**20:.1f}"],
+        ]))
+        print(f"every row loaded back through DCP: {res['dcp_loaded_all']}")
     payload = {"benchmark": "bench_checkpoint", "config": {**vars(args), **env_info(torch.device("cpu"))},
                "per_rank": per_rank, "results": res}
     print(f"wrote {write_json(args.out, payload)}")

@@ -96,7 +96,10 @@ def key_checkpoint(d: dict) -> Dict[str, Any]:
     return {"rows": r["rows"], "dim": d["config"].get("dim"), "world": d["config"].get("world"),
             "dump_gb_s": r["dump_gb_s"], "save_gb_s": r["save_gb_s"], "load_gb_s": r["load_gb_s"],
             "dump_s": r["dump_s"], "save_s": r["save_s"], "load_s": r["load_s"],
-            "dump_vs_save": r["dump_vs_save"], "loaded_all": r["loaded_all"]}
+            "dump_vs_save": r["dump_vs_save"], "loaded_all": r["loaded_all"],
+            # The same rows in a TorchRec model: DynamicEmbDump / Load against DCP (absent with --no-dcp).
+            **{k: r[k] for k in ("model_dump_s", "model_load_s", "model_dump_bytes", "dcp_save_s", "dcp_load_s",
+                                 "dcp_bytes", "dcp_loaded_all") if k in r}}
 
 
 def key_inference(d: dict) -> Dict[str, Any]:
@@ -192,4 +195,11 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                           ["torch.save + fsync, same bytes", _f(k["save_s"], "{:.2f}"),
                            _f(k["save_gb_s"], "{:.2f}")],
                           ["DynamicEmbLoad", _f(k["load_s"], "{:.2f}"), _f(k["load_gb_s"], "{:.2f}")]]))
+        if "dcp_save_s" in k:
+            parts.append("**Checkpoint of the same rows in a TorchRec model**, loaded into a fresh one\n\n" + _md(
+                ["path", "save s", "load s", "MiB on disk"],
+                [["DynamicEmbDump / DynamicEmbLoad", _f(k["model_dump_s"], "{:.2f}"), _f(k["model_load_s"], "{:.2f}"),
+                  _f(k["model_dump_bytes"] / 2**20, "{:.0f}")],
+                 ["dcp.save / dcp.load + load_state_dict", _f(k["dcp_save_s"], "{:.2f}"),
+                  _f(k["dcp_load_s"], "{:.2f}"), _f(k["dcp_bytes"] / 2**20, "{:.0f}")]]))
     return "\n\n".join(parts) + "\n"

@@ -63,16 +63,30 @@ def slot_key(head: str, name: str, s: int) -> str:
     return f"{head}{name}.{KEY}.slot{s}"
 
 
+def _share(parts: List[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of the concatenation of `parts`, as a tensor of their
+    own (a view would serialize its whole storage)."""
+    pieces, at = [], 0
+    for p in parts:
+        a, b = max(lo - at, 0), min(hi - at, p.shape[0])
+        if a < b:
+            pieces.append(p if (a, b) == (0, p.shape[0]) and p._base is None else p[a:b])
+        at += p.shape[0]
+    if len(pieces) == 1 and pieces[0]._base is None:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else parts[0][:0].clone()
+
+
 class _Export:
     """One table's rows on this rank, exported when DCP serializes the first
-    of the rank's slots of it, and split evenly over those slots. Each part
+    of the rank's slots of it, and split evenly over those slots. Each share
     is handed out once; a slot asked again (a second save of the same state
     dict) gets a new export."""
 
     def __init__(self, ref, name: str, rank: int, world: int, slots: int):
         self.ref, self.name, self.rank, self.world, self.slots = ref, name, rank, world, slots
         self.mine = list(range(rank, slots, world))
-        self.cols: Optional[Dict[str, Optional[torch.Tensor]]] = None
+        self.cols: Dict[str, Optional[List[torch.Tensor]]] = {}
         self.left: set = set()
 
     def take(self, s: int) -> "OrderedDict":
@@ -82,42 +96,36 @@ class _Export:
         j, m = self.mine.index(s), len(self.mine)
         out = OrderedDict(format=FORMAT, version=VERSION, table=self.name, slot=s, slots=self.slots,
                           world_size=self.world, rank=self.rank, meta=self.meta)
-        for col, t in self.cols.items():
-            if t is None:
-                out[col] = None
-                continue
-            n = t.shape[0]
-            lo, hi = j * n // m, (j + 1) * n // m
-            # A view would serialize its whole storage: a share is a copy.
-            out[col] = t if (lo, hi) == (0, n) else t[lo:hi].clone()
+        for col, parts in self.cols.items():
+            n = sum(p.shape[0] for p in parts) if parts else 0
+            out[col] = _share(parts, j * n // m, (j + 1) * n // m) if parts else None
         if not self.left:
-            self.cols = None  # every slot has its rows: the copy goes
+            self.cols = {}  # every slot has its rows: the export goes
         return out
 
     def _export(self) -> None:
         ref = self.ref
         self.meta = dict(ref.meta(), has_optimizer_state=True)
-        rows: Dict[str, List[torch.Tensor]] = {}
-        for part in shard_parts(self.name, ref, True, CHUNK_ROWS):
-            for col, v in part.items():
-                if v is not None:
-                    rows.setdefault(col, []).append(v.materialize() if isinstance(v, RowBlocks) else v)
-        for part in counter_parts(ref, CHUNK_ROWS):
-            rows.setdefault("counter_keys", []).append(part["keys"])
-            rows.setdefault("counter_counts", []).append(part["counts"])
-        cols = {c: (torch.cat(rows[c]).cpu() if c in rows else None)  # cat copies: the tables may move on
-                for c in ("keys", "values", "optimizer_state", "scores", "timestamps", "counter_keys",
-                          "counter_counts")}
         dim, width = self.meta["dim"], self.meta["optimizer_state_width"]
         dtype = getattr(torch, self.meta["dtype"])
-        if cols["keys"] is None:
-            cols.update(keys=torch.zeros(0, dtype=torch.int64), values=torch.zeros(0, dim, dtype=dtype),
-                        scores=torch.zeros(0, dtype=torch.int64))
-        if cols["optimizer_state"] is None:
-            cols["optimizer_state"] = torch.zeros(cols["keys"].numel(), width, dtype=dtype)
-        if cols["counter_keys"] is None and ref.storage.admission_counter(ref.index) is not None:
-            empty = torch.zeros(0, dtype=torch.int64)
-            cols.update(counter_keys=empty, counter_counts=empty.clone())
+        i64 = torch.zeros(0, dtype=torch.int64)
+        cols: Dict[str, Optional[List[torch.Tensor]]] = {
+            "keys": [i64], "values": [torch.zeros(0, dim, dtype=dtype)],
+            "optimizer_state": [torch.zeros(0, width, dtype=dtype)], "scores": [i64], "timestamps": None,
+            "counter_keys": None, "counter_counts": None}
+        for part in shard_parts(self.name, ref, True, CHUNK_ROWS):
+            n = part["keys"].numel()
+            for col, v in part.items():
+                if v is None and col == "optimizer_state":
+                    v = torch.zeros(n, width, dtype=dtype)
+                if v is not None:  # export_rows' rows are copies (RowBlocks: read now), on the CPU for DCP
+                    v = (v.materialize() if isinstance(v, RowBlocks) else v).cpu()
+                    cols[col] = (cols[col] or []) + [v if v._base is None else v.clone()]
+        if ref.storage.admission_counter(ref.index) is not None:
+            cols["counter_keys"], cols["counter_counts"] = [i64], [i64]
+            for part in counter_parts(ref, CHUNK_ROWS):
+                cols["counter_keys"].append(part["keys"].cpu().clone())
+                cols["counter_counts"].append(part["counts"].cpu().clone())
         self.cols, self.left = cols, set(self.mine)
 
 
@@ -230,7 +238,8 @@ def _template(ref) -> dict:
 
 def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
     """Checks this rank's slots of one table against the model; returns
-    their slot numbers, meta and rows (columns concatenated)."""
+    their slot numbers, meta and rows: per column, a list of tensors (the
+    model's empty template, then each slot's, as DCP loaded them)."""
     where = f"table {name!r} in the state dict"
     cols = {c: [t] for c, t in _template(ref).items()}
     got, meta = [], None
@@ -255,14 +264,24 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
             cols[c].append(v)
         got.append(data["slot"])
         meta = data["meta"]
-    return {"slots": sorted(got), "meta": meta, "cols": {c: torch.cat(v) for c, v in cols.items()}}
+    return {"slots": sorted(got), "meta": meta, "cols": cols}
 
 
-def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> List[torch.Tensor]:
-    """Sends row i of every column to rank dest[i]; returns the rows this
-    rank receives, column by column: one all_to_all of the rows as bytes."""
+def _exchange(cols: List[List[torch.Tensor]], dests: List[torch.Tensor], pg, rank: int, world: int
+              ) -> List[List[torch.Tensor]]:
+    """Sends row i of every column (a list of pieces, dests: each piece's
+    ranks) to its rank; returns, per column, pieces of the rows this rank
+    gets. A collective. When every row stays (a load on the world size of
+    the save) nothing is copied; else the rows that move go in one
+    all_to_all, as bytes."""
+    if all(bool((d == rank).all()) for d in dests):
+        kept, moving, dest = cols, [c[0][:0] for c in cols], dests[0][:0]
+    else:
+        flat, dest = [torch.cat(c) for c in cols], torch.cat(dests)
+        stay = dest == rank
+        kept, moving, dest = [[f[stay]] for f in flat], [f[~stay] for f in flat], dest[~stay]
     order = torch.argsort(dest, stable=True)
-    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in cols]
+    parts = [(c[order] if c.dim() > 1 else c[order].unsqueeze(1)).contiguous().view(torch.uint8) for c in moving]
     device = collective_device(pg)
     send = torch.bincount(dest, minlength=world).to(device)
     recv = torch.empty_like(send)
@@ -271,28 +290,29 @@ def _exchange(cols: List[torch.Tensor], dest: torch.Tensor, pg, world: int) -> L
     out = torch.empty(int(recv.sum()), buf.shape[1], dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, buf, recv.tolist(), send.tolist(), group=pg)
     out, res, at = out.cpu(), [], 0
-    for c, p in zip(cols, parts):
+    for c, p, k in zip(moving, parts, kept):
         w = p.shape[1]
         shape = (out.shape[0],) + tuple(c.shape[1:])
         if w == 0:  # (SGD's optimizer state)
-            res.append(torch.zeros(shape, dtype=c.dtype))
+            got = torch.zeros(shape, dtype=c.dtype)
         else:
-            col = out[:, at:at + w].clone(memory_format=torch.contiguous_format)  # dense strides: viewable
-            res.append(col.view(c.dtype).reshape(shape))
+            got = out[:, at:at + w].clone(memory_format=torch.contiguous_format).view(c.dtype).reshape(shape)
+        res.append(k + [got])
         at += w
     return res
 
 
-def _route(ref, cols: dict, pg, world: int) -> dict:
-    """The rows and admission counts of one table that this rank owns."""
+def _route(ref, cols: dict, pg, rank: int, world: int) -> dict:
+    """The rows and admission counts of one table that this rank owns
+    (columns as lists of pieces, as _rows_of gives them)."""
     if world == 1:
         return cols
     dist_type, num_embeddings = ref.options.dist_type, ref.options.num_embeddings
     out = {}
     for key, names in (("keys", [c for c in _COLS if c in cols]), ("counter_keys", ["counter_keys", "counter_counts"])):
         if key in cols:  # the same on every rank: the model's table decides
-            dest = owners(cols[key], dist_type, world, num_embeddings)
-            out.update(zip(names, _exchange([cols[c] for c in names], dest, pg, world)))
+            dests = [owners(k, dist_type, world, num_embeddings) for k in cols[key]]
+            out.update(zip(names, _exchange([cols[c] for c in names], dests, pg, rank, world)))
     return out
 
 
@@ -342,19 +362,21 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
         todo.append(name)
         saved[name] = [i[name][1:] for i in infos if name in i]
     # 2. Each row to its owner, then every check that needs no change to the model.
-    routed = {n: _route(tables[n], found[n]["cols"] if n in found else _template(tables[n]), pg, world) for n in todo}
+    routed = {n: _route(tables[n], found[n]["cols"] if n in found else
+                        {c: [t] for c, t in _template(tables[n]).items()}, pg, rank, world) for n in todo}
     counters, error = {}, None
     try:
         for name in todo:
             ref, rows = tables[name], routed[name]
-            cap = ref.storage.max_rows(ref.index)
-            if cap is not None and rows["keys"].numel() > cap:
-                raise CheckpointError(f"table {name!r}: {rows['keys'].numel()} keys of the state dict go to rank "
-                                      f"{rank} of {world}, more than the table's maximum capacity there ({cap} rows)")
+            cap, n = ref.storage.max_rows(ref.index), sum(k.shape[0] for k in rows["keys"])
+            if cap is not None and n > cap:
+                raise CheckpointError(f"table {name!r}: {n} keys of the state dict go to rank {rank} of {world}, "
+                                      f"more than the table's maximum capacity there ({cap} rows)")
             adm = ref.storage.admission_counter(ref.index)
             if adm is not None:  # (its columns are there: _template)
-                counters[name] = build_counter(name, adm, rows["counter_keys"], rows["counter_counts"],
-                                               "the state dict", rank, world, "give the table a larger KVCounter")
+                counters[name] = build_counter(name, adm, torch.cat(rows["counter_keys"]),
+                                               torch.cat(rows["counter_counts"]), "the state dict", rank, world,
+                                               "give the table a larger KVCounter")
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, None, pg, world, "; the model is unchanged")
@@ -366,9 +388,10 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             strategy = ref.storage.strategy(ref.index)
             ref.storage.clear_table(ref.index)
             now = ref.storage.now(ref.index)  # ages become readings of the table's own clock
-            for lo in range(0, rows["keys"].numel(), CHUNK_ROWS):
-                restore_rows(ref, strategy, now, {c: rows[c][lo:lo + CHUNK_ROWS] for c in _COLS
-                                                  if rows.get(c) is not None}, True)
+            for i, keys in enumerate(rows["keys"]):  # piece by piece (a slot's, or what came from others)
+                for lo in range(0, keys.shape[0], CHUNK_ROWS):
+                    restore_rows(ref, strategy, now, {c: rows[c][i][lo:lo + CHUNK_ROWS] for c in _COLS if c in rows},
+                                 True)
             if name in counters:
                 ref.storage.admission_counter(ref.index).replace(counters[name])
             ref.storage.custom_scores[ref.index] = saved[name][0][2]

@@ -161,7 +161,8 @@ def test_a_state_dict_without_the_tables_reports_them_missing(ranks):
 def test_a_deep_copy_of_the_state_dict_is_a_snapshot_that_loads(ranks):
     r = ranks[0]
     assert r["deepcopy"] == "<All keys matched successfully>"
-    H.assert_same_entries(r["want"], r["deepcopy_entries"], r["copied_ns"], r["loaded_ns"])
+    H.assert_same_entries(r["want"], r["deepcopy_entries"], min(x["copied_ns"] for x in ranks),
+                          max(x["loaded_ns"] for x in ranks))  # each rank copies and loads its own rows
 
 
 def test_more_ranks_than_slots_is_refused_at_save(ranks):
