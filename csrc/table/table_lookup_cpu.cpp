@@ -20,6 +20,8 @@ namespace {
 
 constexpr int64_t kLookupBlock = 32;  // keys per pipeline stage (find_pipelined)
 
+// What a lookup copies per found key: nothing, or its row of a values tensor
+// (fetched when the key is found, copied a pipeline stage later).
 struct NoRows {
   void fetch(int64_t) const {}
   void copy(int64_t, int64_t) const {}
