@@ -109,12 +109,13 @@ struct WrittenAtMatch {
   const int64_t* timestamps = nullptr;
 };
 
-// Walks one part's runs in bucket order: fn(runs, r, base) for each run
+// Walks one part's runs in bucket order: fn(runs, r, base, ref) for each run
 // (base: the first slot of its bucket), so that fn may look at later runs.
 // Prefetches per key, at two distances: its bucket's digests and, once they
 // are in, the lines of the slot its digest first matches (the key's, and
-// those of `written`); and each run's digests three runs ahead. (`ref` by
-// value: a local, which fn's stores cannot alias.)
+// those of `written`); and each run's digests three runs ahead. fn gets
+// walk_runs' own copy of the ref: a local, which fn's stores (of digest
+// bytes, say) cannot alias, so its fields stay in registers.
 template <class Rec, class RunFn>
 void walk_runs(const Runs<Rec>& runs, const TableRef ref, RunFn fn, const WrittenAtMatch& written = {}) {
   const Rec* recs = runs.recs;
@@ -141,7 +142,7 @@ void walk_runs(const Runs<Rec>& runs, const TableRef ref, RunFn fn, const Writte
     // Digests also three runs ahead, for fn's look at the next two runs.
     if (r + 3 < runs.count) prefetch_bucket(ref, runs.bucket(r + 3) * cap);
     for (int64_t q = runs.start[r]; q < runs.start[r + 1]; ++q) ahead(q);
-    fn(runs, r, runs.bucket(r) * cap);
+    fn(runs, r, runs.bucket(r) * cap, static_cast<const TableRef&>(ref));
   }
 }
 

@@ -67,17 +67,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   auto evicted = [](const Rec& r) { return r.res == kEvicted; };
   constexpr int64_t kFillAhead = 4;  // runs; within walk_runs' digest prefetch (kDigestAhead keys)
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
-    const TableRef R = ref;
-    int64_t* const sk = R.keys;
-    int64_t* const sc = R.scores;
-    Epoch* const ep = R.epochs;
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first
     RunVictims victims[2] = {RunVictims(&path), RunVictims(&path)};  // of this run and the next
     // Whether the buckets of runs run, run + 1 and run + 2 are full (at
     // index run % 3, ...), each tested once, two runs ahead: a run writes only
     // its own bucket, and inserts only take slots, so a later one stays as tested.
     bool full_at[3] = {};
-    walk_runs(part, R, [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
+    walk_runs(part, ref, [&](const Runs<Rec>& runs, int64_t run, int64_t base, const TableRef& R) {
+      int64_t* const sk = R.keys;
+      int64_t* const sc = R.scores;
+      Epoch* const ep = R.epochs;
       Rec* rs = runs.begin(run);
       const int64_t len = runs.len(run);
       const int64_t b1 = run + 1 < runs.count ? runs.bucket(run + 1) * cap : -1;  // next run's
@@ -147,7 +146,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
         r.bucket = slot;
       }
       vic.reset();
-    }, WrittenAtMatch{sc, ep, R.timestamps});
+    }, WrittenAtMatch{ref.scores, ref.epochs, ref.timestamps});
   }, evicted);
   // Each key's slot and result, and the evicted (key, table, slot, score)
   // in input order, written in one pass.

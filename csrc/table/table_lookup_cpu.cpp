@@ -20,6 +20,8 @@ namespace {
 
 constexpr int64_t kLookupBlock = 32;  // keys per pipeline stage (find_pipelined)
 
+// What a lookup copies per found key: nothing, or its row of a values tensor
+// (fetched when the key is found, copied a pipeline stage later).
 struct NoRows {
   void fetch(int64_t) const {}
   void copy(int64_t, int64_t) const {}
@@ -140,10 +142,9 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
     r.digest = d;
   });
   bb.for_each_part([&](const Runs<Rec>& part) {
-    const TableRef R = ref;
     walk_runs(
-        part, R,
-        [&](const Runs<Rec>& runs, int64_t run, int64_t base) {
+        part, ref,
+        [&](const Runs<Rec>& runs, int64_t run, int64_t base, const TableRef& R) {
           Rec* rs = runs.begin(run);
           for (int64_t q = 0; q < runs.len(run); ++q) {
             const int64_t slot = R.find(Probe{base, rs[q].digest}, rs[q].key);
@@ -151,7 +152,7 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
             if (slot >= 0) R.refresh(slot, scoring, rs[q].score);
           }
         },
-        WrittenAtMatch{R.scores, nullptr, R.timestamps});
+        WrittenAtMatch{ref.scores, nullptr, ref.timestamps});
   });
   bb.scatter(where, [out, fnd](int64_t i, const Rec& r) {  // by value: see BucketBatch::each_record
     out[i] = r.bucket;
