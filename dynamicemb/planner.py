@@ -137,32 +137,58 @@ class DynamicEmbeddingShardingPlanner:
         index = o.max_capacity * (_TABLE_BYTES_PER_SLOT + 8)
         return device, index + (0 if o.storage_path is not None else self._value_bytes(name))
 
-    def _reserve_dynamic_storage(self) -> None:
-        """Takes our tables' bytes out of every rank's budget (as it was
-        before any reservation): on a CUDA topology the hash tables and the
-        values that fit global_hbm_for_values from HBM, the other values (the
-        host tier) from DDR; a cached table's cache from HBM and its backing
-        store from DDR (see _tier_bytes)."""
+    def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
+        """(HBM, DDR) bytes per rank of each dynamic table, as plan() charges
+        them: on a CUDA topology the hash table and the values that fit
+        global_hbm_for_values to HBM, the other values (the host tier) to
+        DDR; a cached table's cache to HBM and its backing store to DDR (see
+        _tier_bytes). On a CPU topology everything is DDR."""
         on_device = self._topology.compute_device == "cuda"
-        hbm = ddr = 0
+        out = {}
         for n, o in self.options.items():
             values, table = self._value_bytes(n), o.max_capacity * _TABLE_BYTES_PER_SLOT
             if o.caching:
                 cache, store = self._tier_bytes(n)
-                hbm, ddr = (hbm + cache, ddr + store) if on_device else (hbm, ddr + cache + store)
+                out[n] = (cache, store) if on_device else (0, cache + store)
             elif not on_device:
-                ddr += values + table
+                out[n] = (0, values + table)
             elif o.values_on_device(values):
-                hbm += values + table
+                out[n] = (values + table, 0)
             else:
-                hbm, ddr = hbm + table, ddr + values
+                out[n] = (table, values)
+        return out
+
+    def _reserve_dynamic_storage(self) -> None:
+        """Takes our tables' bytes (tier_bytes_per_rank) out of every rank's
+        budget (as it was before any reservation). Refuses, naming the table,
+        when one does not fit: the first whose bytes, added to those of the
+        tables before it, exceed a rank's HBM or DDR."""
+        tiers = self.tier_bytes_per_rank()
+        hbm = sum(h for h, _ in tiers.values())
+        ddr = sum(d for _, d in tiers.values())
         for d, (free_hbm, free_ddr) in zip(self._topology.devices, self._free):
-            for kind, need, have in (("HBM", hbm, free_hbm), ("DDR", ddr, free_ddr)):
+            for kind, col, need, have in (("HBM", 0, hbm, free_hbm), ("DDR", 1, ddr, free_ddr)):
                 if need > have:
-                    raise ValueError(f"dynamic tables need {need} bytes of {kind} per rank "
-                                     f"({self.dynamic_bytes_per_rank()}), more than rank {d.rank} has ({have} bytes)")
+                    raise ValueError(self._overflow_message(tiers, kind, col, have, d.rank))
             d.storage.hbm = free_hbm - hbm
             d.storage.ddr = free_ddr - ddr
+
+    def _overflow_message(self, tiers, kind: str, col: int, have: int, rank: int) -> str:
+        taken, before = 0, []
+        for name, bytes_ in tiers.items():
+            if taken + bytes_[col] > have:
+                break
+            taken += bytes_[col]
+            before.append(name)
+        o = self.options[name]
+        what = ("its cache" if kind == "HBM" else "its backing store") if o.caching else \
+            ("its values, optimizer state and hash table" if bytes_[1 - col] == 0 else
+             ("its hash table" if kind == "HBM" else "its values and optimizer state (host tier)"))
+        total = sum(b[col] for b in tiers.values())
+        return (f"table {name!r} does not fit in {kind}: it needs {bytes_[col]} bytes of {kind} per rank "
+                f"({what}, {o.max_capacity} rows per rank), but rank {rank} has {have - taken} of its {have} "
+                f"bytes left after the tables before it ({before}); all dynamic tables need {total} bytes of "
+                f"{kind} per rank ({ {n: b[col] for n, b in tiers.items()} })")
 
     # ---- plans -------------------------------------------------------------------------
 
