@@ -121,3 +121,12 @@ def test_all_to_all_formula():
     assert a["fwd_pooled"] == a["bwd_grads"] == 7 * b * 26 * 128 * 4
     assert a["fwd_ids"] == 7 * b * 26 // 8 * 8 + b * 26 * 4 * 7
     assert a["total"] == a["fwd_ids"] + 2 * a["fwd_pooled"]
+
+
+def test_docs_table_is_the_scripts(cases):
+    """docs/scale.md's results table is the script's output (every column
+    but the checkpoint seconds, which follow the measured dump rate)."""
+    text = open(plan_scale.DOC).read()
+    block = re.search(r"<!-- plan_scale:begin.*?-->\n(.*?)\n\n", text, flags=re.S)[1].splitlines()[2:]
+    doc = [[cell.strip() for cell in line.strip("|").split("|")][:-1] for line in block]
+    assert doc == [[str(x) for x in row][:-1] for row in plan_scale.summary_rows(cases)]
