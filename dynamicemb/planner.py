@@ -181,7 +181,8 @@ class DynamicEmbeddingShardingPlanner:
             taken += bytes_[col]
             before.append(name)
         o = self.options[name]
-        what = ("its cache" if kind == "HBM" else "its backing store") if o.caching else \
+        what = ("its cache" if kind == "HBM" else "its backing store" if bytes_[0] else
+                "its cache and backing store") if o.caching else \
             ("its values, optimizer state and hash table" if bytes_[1 - col] == 0 else
              ("its hash table" if kind == "HBM" else "its values and optimizer state (host tier)"))
         total = sum(b[col] for b in tiers.values())
