@@ -142,7 +142,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         # The overflow (tiers/cache_overflow.py): spare rows after the caches'
         # rows, the running forward's block (a pin's `block` once sealed), the
         # tables warned of it.
-        self._spare = SpareRows(self._weights, self.cached)
+        self._spare = SpareRows(self._weights)
         self._step_block = OverflowBlock()
         self._warned: set = set()
 

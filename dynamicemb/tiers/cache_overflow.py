@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from dynamicemb import rules
+from dynamicemb.types import DynamicEmbCheckMode
 
 
 class OverflowBlock:
@@ -84,7 +85,7 @@ class SpareRows:
     which overflow blocks use: allocated upwards while blocks live, from the
     start again once none does."""
 
-    def __init__(self, weights: List[torch.Tensor], cached: List[bool]):
+    def __init__(self, weights: List[torch.Tensor]):
         self._weights = weights  # the storage's list, by reference (an item is replaced to grow it)
         self._base = [w.shape[0] for w in weights]  # the cache's rows
         self._top = [0] * len(weights)
@@ -114,7 +115,6 @@ def pending(pins) -> List[OverflowBlock]:
 def warn_or_raise(mode, message: str, warned: set, t: int) -> Optional[str]:
     """Under ERROR, raises; under WARNING, the message the first time for
     table t (None after, and under IGNORE)."""
-    from dynamicemb.types import DynamicEmbCheckMode
     if mode == DynamicEmbCheckMode.ERROR:
         raise RuntimeError(message)
     if mode == DynamicEmbCheckMode.WARNING and t not in warned:

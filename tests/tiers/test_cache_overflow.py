@@ -110,3 +110,24 @@ def test_ignore_mode_says_nothing(tmp_path):
         warnings.simplefilter("always")
         _train(small, batches(2, seed=4), prefetch=False)
     assert not [w for w in caught if "cannot hold" in str(w.message)]
+
+
+def _dmp_overflow(rank, world):
+    import torch.distributed as dist
+
+    import tiered_dmp as td
+    from tiered_dmp import models
+    pg = dist.group.WORLD
+    data = td.zipf_batches(steps=4, batch_size=64)  # far more distinct keys per rank than one bucket
+    small = td.build("ebc", pg, models.SGD, cache_rows=2 * td.BUCKET, safe_check_mode=DynamicEmbCheckMode.IGNORE)
+    ref = td.build("ebc", pg, models.SGD)
+    for got, want in zip(td.train(small, data, pg), td.train(ref, data, pg)):
+        assert torch.equal(got, want)
+    td.assert_same_rows(small, ref, pg, "overflowing cache")
+    import dynamicemb
+    return [s["bypassed"] for s in dynamicemb.table_stats(small, pg).values()]
+
+
+def test_two_ranks_train_as_all_in_memory():
+    from tiered_dmp import run_ranks
+    assert all(min(b) > 0 for b in run_ranks(_dmp_overflow, 2))
