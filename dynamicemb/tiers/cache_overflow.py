@@ -96,7 +96,7 @@ class SpareRows:
         begin = self._base[t] + self._top[t]
         if begin + n > w.shape[0]:
             grown = torch.empty(max(begin + n, self._base[t] + 2 * (w.shape[0] - self._base[t])), w.shape[1],
-                                dtype=w.dtype, device=w.device)
+                                dtype=w.dtype, device=w.device, pin_memory=w.is_pinned())
             grown[:w.shape[0]] = w
             self._weights[t] = grown
         self._top[t] += n

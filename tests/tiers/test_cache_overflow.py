@@ -131,3 +131,19 @@ def _dmp_overflow(rank, world):
 def test_two_ranks_train_as_all_in_memory():
     from tiered_dmp import run_ranks
     assert all(min(b) > 0 for b in run_ranks(_dmp_overflow, 2))
+
+
+def test_two_forwards_before_their_backwards_keep_every_key_in_one_place(tmp_path):
+    """A second forward before the first's backward: the first's overflow
+    rows go back to the store first (that backward then finds them gone, as
+    any key moved meanwhile: no update), so no key is in two places and the
+    keys stored are those of an all-in-memory module."""
+    small, ref = _small("host", tmp_path, EmbOptimType.EXACT_SGD), module()
+    a, b = batches(2, seed=6)
+    for m in (small, ref):
+        ya, yb = m(*a), m(*b)
+        _loss(ya).backward()
+        _loss(yb).backward()
+    assert small.table_stats()["t0"]["bypassed"] > 0
+    for t in range(2):
+        assert all_rows(small, t).keys() == all_rows(ref, t).keys()  # all_rows: no key in two places
