@@ -63,11 +63,16 @@ def test_a_too_small_cache_trains_as_all_in_memory(kind, prefetch, optimizer, tm
         assert torch.equal(got, want)
 
 
-def test_lfu_scores_count_every_access_as_in_memory(tmp_path):
+@pytest.mark.parametrize("strategy", ["LFU", "STEP", "CUSTOMIZED"])
+def test_scores_are_those_of_an_in_memory_table(strategy, tmp_path):
     from dynamicemb import DynamicEmbScoreStrategy
     data = batches(5, seed=2)
-    small = module(store=make_store("host"), cache_rows=CACHE, strategy=DynamicEmbScoreStrategy.LFU)
-    ref = module(strategy=DynamicEmbScoreStrategy.LFU)
+    s = DynamicEmbScoreStrategy[strategy]
+    small = module(store=make_store("host"), cache_rows=CACHE, strategy=s)
+    ref = module(strategy=s)
+    if strategy == "CUSTOMIZED":
+        for m in (small, ref):
+            m.set_score(7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train(small, data, False)
