@@ -416,8 +416,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             if self._init_in_forward:
                 res.masked_fill_(kind == 2, InsertResult.INSERTED)
         pinned = slots
-        over = slots < 0  # in the step's overflow block, their rows written: not new, not failed
-        if bool(over.any()):
+        if self._step_block.has(tables):  # keys in the step's overflow block, their rows written: not new, not failed
+            over = slots < 0
             res.masked_fill_(over, InsertResult.ASSIGNED)
             pinned = slots.index_select(0, where_true(~over))
         # No key of the step is provisional any more (a key found unfresh stays so).

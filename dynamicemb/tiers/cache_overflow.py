@@ -27,6 +27,10 @@ class OverflowBlock:
     def add(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
         self._parts.setdefault(t, []).append((keys, rows, scores))
 
+    def has(self, tables) -> bool:
+        """Whether the block (not sealed yet) has rows of any of `tables`."""
+        return any(t in self._parts for t in tables)
+
     def seal(self) -> "OverflowBlock":
         """Sorts each table's keys (find looks them up by bisection)."""
         for t, parts in self._parts.items():
