@@ -11,8 +11,9 @@ __all__ = ["dynamic_modules", "table_stats"]
 STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected")
 # Tables with caching=True also report their tiers: forward lookups found in
 # the cache (hits) or not (misses), cache rows written back to the backing
-# store, rows in each tier, and the cache's capacity.
-TIER_KEYS = ("hits", "misses", "write_backs", "cache_rows", "store_rows", "cache_capacity")
+# store, keys a step served outside a too small cache (bypassed), rows in
+# each tier, and the cache's capacity.
+TIER_KEYS = ("hits", "misses", "write_backs", "bypassed", "cache_rows", "store_rows", "cache_capacity")
 
 
 def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingTables]:

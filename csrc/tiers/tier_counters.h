@@ -1,7 +1,9 @@
 // Columns of a cached storage's per-table tier counters [num_tables,
 // kTierCounters] (int64), which dynamicemb/tiers/cache.py tallies on the
 // host: keys found in the cache, keys missed, rows written back to the
-// backing store, keys the backing store evicted (lost), new keys stored.
+// backing store, keys the backing store evicted (lost), new keys stored, keys a step served
+// outside the cache (bypassed: the cache could not hold them; they are
+// read from and written back to the store around that step).
 // Defined here with the other counters so that Python reads the columns by
 // name (dynamicemb.rules.TierCounter).
 #pragma once
@@ -10,8 +12,9 @@
 namespace dynamicemb {
 namespace tiers {
 
-enum TierCounter : int64_t { kHits = 0, kMisses = 1, kWriteBacks = 2, kLost = 3, kNew = 4, kTierCounters = 5 };
-constexpr const char* kTierCounterNames[kTierCounters] = {"hits", "misses", "write_backs", "lost", "new"};
+enum TierCounter : int64_t { kHits = 0, kMisses = 1, kWriteBacks = 2, kLost = 3, kNew = 4, kBypassed = 5,
+                           kTierCounters = 6 };
+constexpr const char* kTierCounterNames[kTierCounters] = {"hits", "misses", "write_backs", "lost", "new", "bypassed"};
 
 }  // namespace tiers
 }  // namespace dynamicemb

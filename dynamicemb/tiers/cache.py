@@ -27,10 +27,13 @@ from dynamicemb._ops import ops
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.storage import HashTableStorage, Placement
-from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage, RowBatch
+from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.table import EvictedKeys, InsertOutput
+from dynamicemb.tiers.cache_checkpoint import CacheCheckpoint
+from dynamicemb.tiers.cache_overflow import (OverflowBlock, SpareRows, block_rows, in_blocks, insert_scores_of,
+                                             pending, warn_or_raise)
 from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
-from dynamicemb.types import InsertResult
+from dynamicemb.types import DynamicEmbCheckMode, InsertResult
 
 _T = rules.TierCounter
 assert (InsertResult.INSERTED, InsertResult.ASSIGNED) == (0, 1)  # _insert's results from a bool mask
@@ -60,9 +63,10 @@ class _Pin(dict):
     def __init__(self, keys: Optional[torch.Tensor] = None):
         super().__init__()
         self.keys = keys
+        self.block: Optional[OverflowBlock] = None  # a forward's overflow rows (tiers/cache_overflow.py)
 
 
-class CachedStorage(EmbeddingStorage, Placement):
+class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
     """The tiers over a HashTableStorage of each table's cache (`tables`), which
     it holds: the table calls back `insert` and `stored` (Placement) to
     store a step's keys, so that a cached group's missing keys come from the
@@ -135,6 +139,12 @@ class CachedStorage(EmbeddingStorage, Placement):
         # forward's row-order pass, one pass over them instead of two. On a
         # device the prefetch writes them, off the forward's stream.
         self._init_in_forward = device.type == "cpu"
+        # The overflow (tiers/cache_overflow.py): spare rows after the caches'
+        # rows, the running forward's block (a pin's `block` once sealed), the
+        # tables warned of it.
+        self._spare = SpareRows(self._weights)
+        self._step_block = OverflowBlock()
+        self._warned: set = set()
 
     # ---- what the held storage answers ------------------------------------------------------
 
@@ -150,7 +160,9 @@ class CachedStorage(EmbeddingStorage, Placement):
         return self._weights
 
     def find(self, keys, table_ids):
-        return self.tables.find(keys, table_ids)
+        rows = self.tables.find(keys, table_ids)
+        blocks = pending(self._forward_pins)
+        return block_rows(blocks, keys, table_ids, rows) if blocks else rows
 
     def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
         return self.tables.insert_rows(table_id, keys, values, optimizer_state, step)
@@ -203,7 +215,27 @@ class CachedStorage(EmbeddingStorage, Placement):
         """A training batch's backward ran (the oldest pending one), or the
         last forward gets none (`newest`): its keys are no longer pinned."""
         if self._forward_pins:
-            self._forward_pins.pop(-1 if newest else 0)
+            self._return_block(self._forward_pins.pop(-1 if newest else 0))
+
+    def _return_block(self, pin: "_Pin") -> None:
+        """A forward's overflow rows (updated by its backward, if it came) go
+        back to the store with their scores; the spare rows are free once no
+        block lives."""
+        block = pin.block
+        pin.block = None
+        if block:
+            for t, (keys, rows, scores) in block.tables.items():
+                self._put(t, keys, self._weights[t].index_select(0, rows), scores)
+        if not pending(self._forward_pins):
+            self._spare.reset()
+
+    def _return_blocks(self) -> None:
+        """Every live overflow block goes back to the store, before a pending
+        backward (whose updates of those rows are then lost, as a flush's)."""
+        if pending(self._forward_pins):
+            self.version += 1  # their rows hold no key now
+            for pin in list(self._forward_pins):
+                self._return_block(pin)
 
     # ---- the two tiers -----------------------------------------------------------------------
 
@@ -253,9 +285,11 @@ class CachedStorage(EmbeddingStorage, Placement):
         forward scores it) or, for LFU, its stored count added to this
         access's. Returns (slots, results: a fetched key is ASSIGNED, a new one
         INSERTED or EVICTED, its row not yet written; the evicted keys).
-        When a key finds no slot, every key placed here is taken out again
-        (those fetched go back to the store with their rows) and the cache
-        too small error is raised."""
+        Keys that find no slot (FAILED, slot -1): under ERROR every key
+        placed here is taken out again (those fetched go back to the store
+        with their rows) and the cache too small error is raised; else a
+        forward's go to its overflow block (_overflow), a prefetch's stay
+        where they were (its forward places them)."""
         ht, _ = self.groups[g]
         if missing is None:
             fetched = self._take(g, keys, local_tids)
@@ -270,17 +304,34 @@ class CachedStorage(EmbeddingStorage, Placement):
         out = self._cache_insert(g, keys, local_tids, scores, held=held)
         self._write_back(g, out.evicted)
         idx, res = out.indices, out.results
+        failed = None
         if ht.get_counters()["failed"] != failures:
             failed = res == InsertResult.FAILED
-            # The step fails: undo its placements (the evicted rows are in the
-            # store already) so that every key stays in one tier with its row.
-            placed = ~failed
-            if missing is not None:  # the others were there before
-                placed &= torch.zeros_like(placed).index_fill_(0, missing, True)
-            ht.erase(keys[placed], local_tids[placed])
-            self._give_back(fetched, keys)
-            self._too_small(g, keys, local_tids, failed)
+            try:
+                self._too_small(g, keys, local_tids, failed)
+            except RuntimeError:
+                # The step fails: undo its placements (the evicted rows are in the
+                # store already) so that every key stays in one tier with its row.
+                placed = ~failed
+                if missing is not None:  # the others were there before
+                    placed &= torch.zeros_like(placed).index_fill_(0, missing, True)
+                ht.erase(keys[placed], local_tids[placed])
+                self._give_back(fetched, keys)
+                raise
         for t, (pos, rows, stored) in fetched.items():
+            if failed is not None:
+                off = failed.index_select(0, pos)
+                if bool(off.any()):
+                    o = where_true(off)
+                    if exact:  # a prefetch's: back to the store as they were
+                        self._put(t, keys.index_select(0, pos.index_select(0, o)), rows.index_select(0, o),
+                                  stored.index_select(0, o))
+                    else:
+                        self._overflow(g, t, keys, local_tids, scores, pos.index_select(0, o), rows.index_select(0, o),
+                                       stored.index_select(0, o))
+                        res.index_fill_(0, pos.index_select(0, o), InsertResult.ASSIGNED)  # fetched, slot -1
+                    keep = where_true(~off)
+                    pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
             slot = idx.index_select(0, pos)
             w = self._weights[t]
             scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
@@ -289,7 +340,33 @@ class CachedStorage(EmbeddingStorage, Placement):
             elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
+        if failed is not None and not exact:
+            new = failed & (res == InsertResult.FAILED)  # failed and not fetched: new keys
+            _, tables = self.groups[g]
+            for lt in torch.unique(local_tids[new]).tolist():
+                self._overflow(g, tables[lt], keys, local_tids, scores, where_true(new & (local_tids == lt)))
         return idx, res, out.evicted
+
+    def _overflow(self, g: int, t: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, pos: torch.Tensor,
+                  rows: Optional[torch.Tensor] = None, stored: Optional[torch.Tensor] = None) -> None:
+        """Table t's keys at `pos` of a forward's insert found no cache slot:
+        they get rows in the step's overflow block, with their rows from the
+        store (`rows`, `stored` scores) or, new, their initial rows."""
+        ht, _ = self.groups[g]
+        k = keys.index_select(0, pos)
+        at = self._spare.take(t, pos.numel())
+        w = self._weights[t]
+        sc = insert_scores_of(ht, scores, pos)
+        if rows is not None:
+            w.index_copy_(0, at, rows.to(device=w.device, dtype=w.dtype))
+            if rules.counts_accesses(ht.strategy):
+                sc = sc + stored.to(sc.device)
+        else:
+            tids = torch.full_like(k, t)
+            ops.emb_init_rows(self._weights, at, tids.to(w.device), k.to(w.device), self.dims, self.init_params,
+                              self.seed)
+        self._step_block.add(t, k, at, sc)
+        self.tier_counters[t, _T.BYPASSED] += pos.numel()
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
                       held: Optional[torch.Tensor] = None) -> InsertOutput:
@@ -338,9 +415,14 @@ class CachedStorage(EmbeddingStorage, Placement):
                              torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
             if self._init_in_forward:
                 res.masked_fill_(kind == 2, InsertResult.INSERTED)
+        pinned = slots
+        if self._step_block.has(tables):  # keys in the step's overflow block, their rows written: not new, not failed
+            over = slots < 0
+            res.masked_fill_(over, InsertResult.ASSIGNED)
+            pinned = slots.index_select(0, where_true(~over))
         # No key of the step is provisional any more (a key found unfresh stays so).
-        fresh.index_fill_(0, slots, False)
-        self._step_slots[g] = slots  # the forward's pin (find_or_insert)
+        fresh.index_fill_(0, pinned, False)
+        self._step_slots[g] = pinned  # the forward's pin (find_or_insert)
         # Per table, the keys found in the cache, missed, new: one count.
         counts = torch.bincount(local_tids * 3 + kind, minlength=3 * len(tables)).view(-1, 3).cpu()
         self.tier_counters[tables] += (counts @ _KIND_TO_COUNTERS).numpy()  # a group's tables are distinct
@@ -357,20 +439,36 @@ class CachedStorage(EmbeddingStorage, Placement):
         self.tier_counters[t, _T.LOST] += self.store.put_group([self.names[t]], {0: part})[0]
 
     def _too_small(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, failed: torch.Tensor) -> None:
+        """Keys of this insert found no cache slot: raises under a failing
+        table's ERROR mode, else warns once per table under WARNING (its
+        overflow is then served from the store: _overflow)."""
         _, tables = self.groups[g]
-        lt = int(local_tids[failed][0])
+        lts = torch.unique(local_tids[failed]).tolist()
+        lts.sort(key=lambda lt: self.options[tables[lt]].safe_check_mode != DynamicEmbCheckMode.ERROR)
+        msgs = [m for m in (warn_or_raise(self.options[tables[lt]].safe_check_mode,
+                                          self._too_small_message(g, lt, keys, local_tids, failed),
+                                          self._warned, tables[lt]) for lt in lts) if m]
+        if msgs:
+            warnings.warn("; ".join(msgs), RuntimeWarning, stacklevel=2)
+
+    def _too_small_message(self, g: int, lt: int, keys: torch.Tensor, local_tids: torch.Tensor,
+                           failed: torch.Tensor) -> str:
+        _, tables = self.groups[g]
         t = tables[lt]
         need = int((local_tids == lt).sum()) + self._pinned_count(g, lt, keys, local_tids)
         o = self.options[t]
         rows = -(-2 * need // o.bucket_capacity) * o.bucket_capacity  # whole buckets, as the cache is sized
         per_rank = rows * self.widths[t] * self._weights[t].element_size()
-        raise RuntimeError(
-            f"dynamicemb: table {self.names[t]!r}: its cache ({self.capacity(t)} rows on this rank) cannot hold "
-            f"one step's rows: {int((failed & (local_tids == lt)).sum())} of the {need} keys this step needs at "
-            f"once (the batch's and those pinned for a pending backward or a prefetched batch) found no slot; "
-            f"give the cache at least {rows} rows on each rank (global_hbm_for_values >= "
-            f"{per_rank * o.num_shards} bytes: {per_rank} on each of its {o.num_shards} ranks) so that no bucket "
-            f"overflows")
+        msg = (f"dynamicemb: table {self.names[t]!r}: its cache ({self.capacity(t)} rows on this rank) cannot hold "
+               f"one step's rows: {int((failed & (local_tids == lt)).sum())} of the {need} keys this step needs at "
+               f"once (the batch's and those pinned for a pending backward or a prefetched batch) found no slot; "
+               f"give the cache at least {rows} rows on each rank (global_hbm_for_values >= "
+               f"{per_rank * o.num_shards} bytes: {per_rank} on each of its {o.num_shards} ranks) so that no bucket "
+               f"overflows")
+        if o.safe_check_mode == DynamicEmbCheckMode.ERROR:
+            return msg
+        return msg + ("; until then, each step reads and writes the keys that find no slot in the backing store "
+                      "(counted as 'bypassed' in table_stats; this warning is given once per table)")
 
     # ---- the module's calls ------------------------------------------------------------------
 
@@ -378,10 +476,24 @@ class CachedStorage(EmbeddingStorage, Placement):
         self._step_slots = {}
         mine = next((i for i, p in enumerate(self._prefetch_pins) if p.keys is keys), None)
         self._reuse = None if mine is None else self._prefetch_pins[mine]
+        # A later forward before an earlier one's backward: the earlier
+        # overflow goes back first (its keys are in one place: the store).
+        self._return_blocks()
+        self._step_block = OverflowBlock()
         try:
             res = self.tables.find_or_insert(keys, table_ids, counts, step, inverse)
+        except RuntimeError:
+            if self._step_block:
+                pin = _Pin()
+                pin.block = self._step_block.seal()
+                self._return_block(pin)
+            raise
         finally:
             self._reuse = None
+        block = self._step_block.seal() if self._step_block else None
+        self._step_block = OverflowBlock()
+        if block is not None:
+            res.rows = block_rows([block], res.keys, res.table_ids, res.rows)
         # This batch's keys are pinned from now on as a forward's: the pin of
         # its prefetch (known by its keys, else the oldest pending one) goes,
         # and those before it (their forwards are not coming); that of a later
@@ -389,8 +501,11 @@ class CachedStorage(EmbeddingStorage, Placement):
         # forward(i)) stays until that batch's forward.
         del self._prefetch_pins[:1 if mine is None else mine + 1]
         pin = _Pin()
-        pin.update(self._step_slots)  # every key of a cached group has its slot (else the step raised)
+        pin.update(self._step_slots)  # every key of a cached group has its slot or an overflow row
+        pin.block = block
         self._forward_pins.append(pin)
+        for old in self._forward_pins[:-_PENDING_FORWARDS]:
+            self._return_block(old)
         del self._forward_pins[:-_PENDING_FORWARDS]
         return res
 
@@ -406,8 +521,16 @@ class CachedStorage(EmbeddingStorage, Placement):
         for g, mask, lt in self.tables.split(table_ids):
             if not self._group_cached[g]:
                 continue
-            ht, _ = self.groups[g]
+            ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
+            blocks = pending(self._forward_pins)
+            if blocks:  # keys in a pending forward's overflow block stay there: their forward places them
+                out = torch.zeros(k.shape, dtype=torch.bool, device=k.device)
+                for i, t in enumerate(tables):
+                    sel = where_true(lt == i)
+                    out.index_copy_(0, sel, in_blocks(blocks, k.index_select(0, sel), t))
+                if bool(out.any()):
+                    k, lt = k[~out], lt[~out]
             slots, cached = ht.lookup(k, lt)
             at = where_true(~cached)
             if not at.numel():
@@ -419,11 +542,18 @@ class CachedStorage(EmbeddingStorage, Placement):
             # stored ones): LFU counts no access yet, the others score as usual.
             scores = self.tables.insert_scores(g, lt, torch.zeros_like(k), ht.step)
             idx, res, _ = self._place(g, k, lt, scores, held=None, exact=True)
+            placed = res != InsertResult.FAILED
+            if not bool(placed.all()):  # the cache holds only some: the forward places the others
+                keep = where_true(placed)
+                idx, res, k, lt = idx[keep], res[keep], k[keep], lt[keep]
+                pin[g] = torch.cat([pin[g], idx])
+                slots = None
             new = res != InsertResult.ASSIGNED
             self._fresh[g].index_copy_(0, idx, new)
             if not self._init_in_forward:
                 self.tables.init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
-            pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
+            if slots is not None:
+                pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
 
     def stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
         fresh = self._fresh[g]
@@ -431,38 +561,15 @@ class CachedStorage(EmbeddingStorage, Placement):
             return slots
         return slots.masked_fill(fresh.index_select(0, slots.clamp(min=0)) & (slots >= 0), -1)
 
-    def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
-        """The eval forward over both tiers, nothing moved: each table's rows
-        of the batch's distinct keys (from the cache or read from the store)
-        gathered into a small block, then the forward over the blocks."""
-        ukeys, utids, inverse, _ = ops.emb_unique(indices, offsets, feature_table, self.num_tables)
-        slots = self.find(ukeys, utids)
-        local = torch.full_like(ukeys, -1)
-        blocks = []
-        for t in range(self.num_tables):
-            sel = where_true(utids == t)
-            w = self._weights[t]
-            block = torch.zeros(sel.numel(), w.shape[1], dtype=w.dtype, device=w.device)
-            r = slots[sel]
-            have = r >= 0
-            block[have.to(w.device)] = w[r[have].to(w.device)]
-            if self.cached[t] and bool((~have).any()):
-                miss = where_true(~have)
-                found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
-                block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
-                have[miss[found]] = True
-            local[sel] = torch.where(have, torch.arange(sel.numel(), device=ukeys.device), -1)
-            blocks.append(block)
-        return ops.emb_forward(blocks, local, ukeys, inverse, offsets, feature_table, self.dims, per_sample_weights,
-                               pooling, self.eval_init_params, self.seed, output_dtype)
-
     def _settle(self) -> None:
         """Takes the provisional keys out of the cache: those that pending
         prefetches made new, whose rows are initial values no forward has
         used. What reads or writes the tiers as a whole (flush, export, stats,
         eval lookups, loads) then sees only keys that training forwards
         stored, as without prefetch; a settled batch's forward stores its new
-        keys again, with the same initial rows."""
+        keys again, with the same initial rows. Live overflow blocks go back
+        to the store first."""
+        self._return_blocks()
         for g, fresh in enumerate(self._fresh):
             if fresh is None or not bool(fresh.any()):
                 continue
@@ -474,124 +581,3 @@ class CachedStorage(EmbeddingStorage, Placement):
             for pin in self._prefetch_pins:
                 pin.keys = None  # some of its slots are empty now: its forward finds its keys
             self.version += 1  # rows returned before may belong to no key now
-
-    # ---- checkpoints, export, accounting ------------------------------------------------------
-
-    def _resume(self, t: int) -> None:
-        """A reopened persistent store: the table's CUSTOMIZED score as at its
-        last flush, and its clock scores carried to this table's clock (ages
-        as at the flush, as a checkpoint load does)."""
-        state = self.store.load_state(self.names[t])
-        if not state:
-            return
-        saved, layout = state.get("layout"), self._layout(t)
-        if saved is not None and saved != layout:
-            raise ValueError(
-                f"table {self.names[t]!r}: its backing store holds this rank's rows of the table sharded over "
-                f"{saved['num_shards']} ranks by {saved['dist_type']!r}; the table is now sharded over "
-                f"{layout['num_shards']} by {layout['dist_type']!r}, so keys would be looked up on ranks that do "
-                f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
-                f"DynamicEmbLoad (any world size)")
-        self.custom_scores[t] = int(state.get("custom_score", 0))
-        if rules.score_is_clock(self.strategy(t)) and "clock" in state:
-            self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
-
-    def _layout(self, t: int) -> dict:
-        """Which of a table's keys this rank's store holds."""
-        return {"num_shards": self.options[t].num_shards, "dist_type": self.options[t].dist_type}
-
-    def saved_state(self) -> Optional[dict]:
-        for t in range(self.num_tables):
-            state = self.store.load_state(self.names[t]) if self.cached[t] else None
-            if state:
-                return state.get("module")
-        return None
-
-    def flush(self, state: Optional[dict] = None) -> None:
-        """Writes every cached row back to the store (the cache is then empty)
-        and makes the store durable, with `state` (the module's counters) and
-        each table's CUSTOMIZED score and clock."""
-        self._settle()
-        if self._forward_pins:
-            cached = [n for n, c in zip(self.names, self.cached) if c]
-            warnings.warn(f"dynamicemb: flush() of tables {cached} between a training forward and its backward: "
-                          f"the backward's updates of that batch's rows are lost (they leave the cache now); "
-                          f"flush between steps", RuntimeWarning, stacklevel=3)
-        self._forward_pins.clear()
-        self._prefetch_pins.clear()
-        for t in range(self.num_tables):
-            if not self.cached[t]:
-                continue
-            g, lt = self.group_of[t]
-            w = self._weights[t]
-            for b in self.groups[g][0].export(table_id=lt):
-                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
-            self.tables.clear_table(t)
-            self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
-                                                  "clock": self.now(t), "layout": self._layout(t)})
-        self.store.flush()
-
-    def close(self) -> None:
-        if self.owns_store:
-            self.store.close()
-
-    def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
-        self._settle()
-        yield from self.tables.export_rows(table_id, batch_size, lazy)
-        if self.cached[table_id]:
-            dim = self.dims[table_id]
-            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
-
-    def export(self, table_id, batch_size=1 << 16, threshold=None):
-        self._settle()
-        yield from self.tables.export(table_id, batch_size, threshold)
-        if self.cached[table_id]:
-            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                if threshold is not None:
-                    keep = scores >= threshold
-                    keys, rows, scores = keys[keep], rows[keep], scores[keep]
-                if keys.numel():
-                    yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
-
-    def load_rows(self, table_id, batch: RowBatch) -> None:
-        self._settle()
-        if not self.cached[table_id]:
-            return self.tables.load_rows(table_id, batch)
-        dim = self.dims[table_id]
-        state = batch.optimizer_state
-        if state is None or state.shape[1] == 0:
-            state = torch.zeros(batch.keys.numel(), self.widths[table_id] - dim, dtype=batch.values.dtype)
-        rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
-        lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
-        if lost:
-            raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "
-                               f"(at most {self.table_max_rows[table_id]} rows on this rank)")
-
-    def clear_table(self, table_id: int) -> int:
-        self._settle()
-        self._forward_pins.clear()  # pins are slots: of keys no longer there
-        self._prefetch_pins.clear()
-        removed = self.tables.clear_table(table_id)
-        if self.cached[table_id]:
-            removed += self.store.size(self.names[table_id])
-            self.store.clear(self.names[table_id])
-        return removed
-
-    def max_rows(self, table_id: int) -> int:
-        return self.table_max_rows[table_id] if self.cached[table_id] else self.tables.max_rows(table_id)
-
-    def stats(self, table_id):
-        s = self.tables.stats(table_id)
-        if not self.cached[table_id]:
-            return s
-        c = self.tier_counters[table_id].tolist()
-        store_rows = self.store.size(self.names[table_id])
-        g, lt = self.group_of[table_id]
-        begin, end = self.groups[g][0].table_slot_range(lt)
-        cache_rows = self.size(table_id) - int(self._fresh[g][begin:end].sum())  # stored keys only
-        s.update(size=cache_rows + store_rows, capacity=self.table_max_rows[table_id],
-                 inserted=c[_T.NEW], evicted=c[_T.LOST], hits=c[_T.HITS], misses=c[_T.MISSES],
-                 write_backs=c[_T.WRITE_BACKS], cache_rows=cache_rows, store_rows=store_rows,
-                 cache_capacity=self.capacity(table_id))
-        return s

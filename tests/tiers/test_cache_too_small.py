@@ -1,6 +1,7 @@
-"""A step whose keys do not fit a table's cache fails with a RuntimeError
-that names the table and the size it needs, loses no row, and the size it
-names is enough: a module (and a 2-rank DMP model) given that
+"""Under safe_check_mode ERROR, a step whose keys do not fit a table's
+cache fails with a RuntimeError that names the table and the size it needs,
+loses no row, and the size it names is enough (WARNING and IGNORE degrade
+instead: test_cache_overflow.py): a module (and a 2-rank DMP model) given that
 global_hbm_for_values trains the step as all-in-memory tables do."""
 import re
 
@@ -9,10 +10,12 @@ import torch
 import torch.distributed as dist
 
 import tiered_dmp as td
+from dynamicemb import DynamicEmbCheckMode
 from dynamicemb.tiers import HostStore
 from tier_helpers import BUCKET, DIM, all_rows, module, step
 from tiered_dmp import models, run_ranks
 
+ERROR = DynamicEmbCheckMode.ERROR
 _NEEDED = re.compile(r"global_hbm_for_values >= (\d+) bytes: (\d+) on each of its (\d+) ranks")
 
 
@@ -32,7 +35,7 @@ def test_module_error_names_the_table_and_a_size_that_works():
     ids = torch.cat([torch.arange(64) * 7 + 3, torch.arange(16)])
     lengths = torch.tensor([4] * 16 + [1] * 16)
     batch = (ids, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
-    small = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET)
+    small = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET, safe_check_mode=ERROR)
     with pytest.raises(RuntimeError, match="cannot hold") as err:
         step(small, batch)
     needed = _needed_bytes(str(err.value), ["t0"], ranks=1)
@@ -51,7 +54,7 @@ def _dmp_too_small(rank, world):
     pg = dist.group.WORLD
     # 200 distinct keys per table: ~100 per rank, far more than one bucket.
     batch = {f: [[k * 13 + 1, k * 13 + 2] for k in range(100)] for f in td.FEATURES}
-    small = td.build("ebc", pg, models.SGD, cache_rows=2 * td.BUCKET)  # one bucket per rank
+    small = td.build("ebc", pg, models.SGD, cache_rows=2 * td.BUCKET, safe_check_mode=ERROR)  # one bucket per rank
     with pytest.raises(RuntimeError, match="cannot hold") as err:
         small(td.local_kjt(batch, pg))
     needed = torch.tensor(_needed_bytes(str(err.value), td.TABLES, ranks=world))
@@ -73,7 +76,7 @@ def test_dmp_error_names_the_table_and_a_size_that_works():
 def test_a_failed_step_leaves_every_row_where_it_was():
     """The keys a failing step took from the store go back with their rows,
     and its new keys are not kept: both tiers hold what they held before."""
-    m = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET)
+    m = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET, safe_check_mode=ERROR)
     stored = torch.arange(20) * 7 + 3
     step(m, (torch.cat([stored, torch.arange(4)]), torch.tensor([0, 20, 24])))
     m.flush()  # every row is in the store now
@@ -97,7 +100,7 @@ def test_keys_another_group_placed_before_the_failure_hold_their_initial_rows():
         opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 12, bucket_capacity=BUCKET),
                 DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 12, bucket_capacity=BUCKET, caching=True,
                                        global_hbm_for_values=cache_rows * DIM * 4,
-                                       backing_store=HostStore(bucket_capacity=BUCKET))]
+                                       backing_store=HostStore(bucket_capacity=BUCKET), safe_check_mode=ERROR)]
         return BatchedDynamicEmbeddingTables(opts, table_names=["plain", "cached"], optimizer=EmbOptimType.EXACT_SGD,
                                              learning_rate=0.1, seed=3)
 

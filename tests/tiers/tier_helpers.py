@@ -72,12 +72,12 @@ def make_store(kind: str, tmp_path=None):
 
 
 def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, strategy=None, tables=2,
-           storage_path=None, device="cpu"):
+           storage_path=None, device="cpu", **options):
     """Two tables; with `store` (or a FileStore in `storage_path`), each
-    keeps cache_rows rows in its cache."""
+    keeps cache_rows rows in its cache; `options`: more table options."""
     width = DIM * (3 if optimizer == EmbOptimType.ADAM else 1) + (1 if optimizer ==
                                                                    EmbOptimType.EXACT_ROWWISE_ADAGRAD else 0)
-    extra = {} if strategy is None else {"score_strategy": strategy}
+    extra = dict(options) if strategy is None else {"score_strategy": strategy, **options}
     cached = store is not None or storage_path is not None
     opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 15, bucket_capacity=BUCKET, caching=cached,
                                    global_hbm_for_values=cache_rows * width * 4 if cached else 0,

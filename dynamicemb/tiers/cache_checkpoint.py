@@ -1,0 +1,163 @@
+"""CachedStorage's checkpoint, export and accounting methods (a mixin of
+tiers/cache.py's CachedStorage, whose state they read): flush and reopen a
+persistent store, export and load both tiers' rows, clear, stats, and the
+eval forward over both tiers."""
+import warnings
+from typing import Optional
+
+import torch
+
+from dynamicemb import rules
+from dynamicemb._ops import ops
+from dynamicemb.positions import where_true
+from dynamicemb.storage_protocol import RowBatch
+
+_T = rules.TierCounter
+
+
+class CacheCheckpoint:
+    """Both tiers as a whole: what eval lookups, checkpoints, exports and stats see."""
+
+    def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
+        """The eval forward over both tiers, nothing moved: each table's rows
+        of the batch's distinct keys (from the cache or read from the store)
+        gathered into a small block, then the forward over the blocks."""
+        ukeys, utids, inverse, _ = ops.emb_unique(indices, offsets, feature_table, self.num_tables)
+        slots = self.find(ukeys, utids)
+        local = torch.full_like(ukeys, -1)
+        blocks = []
+        for t in range(self.num_tables):
+            sel = where_true(utids == t)
+            w = self._weights[t]
+            block = torch.zeros(sel.numel(), w.shape[1], dtype=w.dtype, device=w.device)
+            r = slots[sel]
+            have = r >= 0
+            block[have.to(w.device)] = w[r[have].to(w.device)]
+            if self.cached[t] and bool((~have).any()):
+                miss = where_true(~have)
+                found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
+                block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
+                have[miss[found]] = True
+            local[sel] = torch.where(have, torch.arange(sel.numel(), device=ukeys.device), -1)
+            blocks.append(block)
+        return ops.emb_forward(blocks, local, ukeys, inverse, offsets, feature_table, self.dims, per_sample_weights,
+                               pooling, self.eval_init_params, self.seed, output_dtype)
+
+    def _resume(self, t: int) -> None:
+        """A reopened persistent store: the table's CUSTOMIZED score as at its
+        last flush, and its clock scores carried to this table's clock (ages
+        as at the flush, as a checkpoint load does)."""
+        state = self.store.load_state(self.names[t])
+        if not state:
+            return
+        saved, layout = state.get("layout"), self._layout(t)
+        if saved is not None and saved != layout:
+            raise ValueError(
+                f"table {self.names[t]!r}: its backing store holds this rank's rows of the table sharded over "
+                f"{saved['num_shards']} ranks by {saved['dist_type']!r}; the table is now sharded over "
+                f"{layout['num_shards']} by {layout['dist_type']!r}, so keys would be looked up on ranks that do "
+                f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
+                f"DynamicEmbLoad (any world size)")
+        self.custom_scores[t] = int(state.get("custom_score", 0))
+        if rules.score_is_clock(self.strategy(t)) and "clock" in state:
+            self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
+
+    def _layout(self, t: int) -> dict:
+        """Which of a table's keys this rank's store holds."""
+        return {"num_shards": self.options[t].num_shards, "dist_type": self.options[t].dist_type}
+
+    def saved_state(self) -> Optional[dict]:
+        for t in range(self.num_tables):
+            state = self.store.load_state(self.names[t]) if self.cached[t] else None
+            if state:
+                return state.get("module")
+        return None
+
+    def flush(self, state: Optional[dict] = None) -> None:
+        """Writes every cached row back to the store (the cache is then empty)
+        and makes the store durable, with `state` (the module's counters) and
+        each table's CUSTOMIZED score and clock."""
+        self._settle()
+        if self._forward_pins:
+            cached = [n for n, c in zip(self.names, self.cached) if c]
+            warnings.warn(f"dynamicemb: flush() of tables {cached} between a training forward and its backward: "
+                          f"the backward's updates of that batch's rows are lost (they leave the cache now); "
+                          f"flush between steps", RuntimeWarning, stacklevel=3)
+        self._forward_pins.clear()
+        self._prefetch_pins.clear()
+        for t in range(self.num_tables):
+            if not self.cached[t]:
+                continue
+            g, lt = self.group_of[t]
+            w = self._weights[t]
+            for b in self.groups[g][0].export(table_id=lt):
+                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
+            self.tables.clear_table(t)
+            self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
+                                                  "clock": self.now(t), "layout": self._layout(t)})
+        self.store.flush()
+
+    def close(self) -> None:
+        if self.owns_store:
+            self.store.close()
+
+    def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
+        self._settle()
+        yield from self.tables.export_rows(table_id, batch_size, lazy)
+        if self.cached[table_id]:
+            dim = self.dims[table_id]
+            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
+                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
+
+    def export(self, table_id, batch_size=1 << 16, threshold=None):
+        self._settle()
+        yield from self.tables.export(table_id, batch_size, threshold)
+        if self.cached[table_id]:
+            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
+                if threshold is not None:
+                    keep = scores >= threshold
+                    keys, rows, scores = keys[keep], rows[keep], scores[keep]
+                if keys.numel():
+                    yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
+
+    def load_rows(self, table_id, batch: RowBatch) -> None:
+        self._settle()
+        if not self.cached[table_id]:
+            return self.tables.load_rows(table_id, batch)
+        dim = self.dims[table_id]
+        state = batch.optimizer_state
+        if state is None or state.shape[1] == 0:
+            state = torch.zeros(batch.keys.numel(), self.widths[table_id] - dim, dtype=batch.values.dtype)
+        rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
+        lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
+        if lost:
+            raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "
+                               f"(at most {self.table_max_rows[table_id]} rows on this rank)")
+
+    def clear_table(self, table_id: int) -> int:
+        self._settle()
+        self._forward_pins.clear()  # pins are slots: of keys no longer there
+        self._prefetch_pins.clear()
+        removed = self.tables.clear_table(table_id)
+        if self.cached[table_id]:
+            removed += self.store.size(self.names[table_id])
+            self.store.clear(self.names[table_id])
+        return removed
+
+    def max_rows(self, table_id: int) -> int:
+        return self.table_max_rows[table_id] if self.cached[table_id] else self.tables.max_rows(table_id)
+
+    def stats(self, table_id):
+        s = self.tables.stats(table_id)
+        if not self.cached[table_id]:
+            return s
+        c = self.tier_counters[table_id].tolist()
+        store_rows = self.store.size(self.names[table_id])
+        g, lt = self.group_of[table_id]
+        begin, end = self.groups[g][0].table_slot_range(lt)
+        cache_rows = self.size(table_id) - int(self._fresh[g][begin:end].sum())  # stored keys only
+        s.update(size=cache_rows + store_rows, capacity=self.table_max_rows[table_id],
+                 inserted=c[_T.NEW], evicted=c[_T.LOST], hits=c[_T.HITS], misses=c[_T.MISSES],
+                 write_backs=c[_T.WRITE_BACKS], bypassed=c[_T.BYPASSED], cache_rows=cache_rows, store_rows=store_rows,
+                 cache_capacity=self.capacity(table_id))
+        return s
