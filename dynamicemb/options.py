@@ -157,11 +157,11 @@ class DynamicEmbTableOptions:
         # Fields the planner fills in later (dim, max_capacity, ...) may be None here.
         self._check(lambda msg: f"DynamicEmbTableOptions: {msg}", complete=False)
 
-    def validate(self, name: str) -> None:
+    def validate(self, name: str, complete: bool = True) -> None:
         """Raises ValueError naming the table for options that cannot work
-        (again: fields may have been set since construction), now that every
-        field must be filled in."""
-        self._check(lambda msg: f"table {name!r}: {msg}", complete=True)
+        (again: fields may have been set since construction); `complete`:
+        every field must be filled in by now (dim, max_capacity)."""
+        self._check(lambda msg: f"table {name!r}: {msg}", complete=complete)
 
     def _check(self, where, complete: bool) -> None:
         def bad(msg):
