@@ -102,7 +102,8 @@ def check_finite_weights(weights, offsets: torch.Tensor, features, owner: str) -
     """Refuses NaN / inf per-sample weights (they would poison the rows they
     update). One reduction when all are finite; `offsets` ([F * B + 1]) and
     `features` (F names) name the first bad weight's feature otherwise."""
-    if weights is None or weights.numel() == 0 or bool(torch.isfinite(weights).all()):
+    # The sum is non-finite if any weight is (one reduction); an overflow of finite ones is checked exactly.
+    if weights is None or bool(torch.isfinite(weights.sum())) or bool(torch.isfinite(weights).all()):
         return
     i = int((~torch.isfinite(weights)).nonzero()[0])
     features = list(features)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dynamicemb import DynamicEmbCheckMode, DynamicEmbPoolingMode, EmbOptimType
-from emb_helpers import DEBUG_INIT, bags, make_module, random_batch, stored
+from emb_helpers import DEBUG_INIT, bags, debug_rows, make_module, random_batch, stored
 
 SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
 FTM = [0, 1, 0]  # table 0 serves two features
@@ -135,3 +135,16 @@ def test_ignore_counts_silently():
         warnings.simplefilter("error")
         out.backward(grad)
     assert m.table_stats()["t0"]["nonfinite_grads"] == 2
+
+
+def test_finite_gradients_whose_sum_overflows_are_applied():
+    # The cheap detector (the gradient's sum) overflows here; the exact
+    # per-row check then finds every row finite and updates it (EXACT_SGD by hand).
+    m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.ERROR)
+    out = m(*bags([[1], [2]]))
+    grad = torch.zeros(out.shape)
+    grad[:, 0] = 3e38
+    out.backward(grad)
+    assert m.table_stats()["t0"]["nonfinite_grads"] == 0
+    want = debug_rows([1, 2], 4) - torch.tensor(m.learning_rate, dtype=torch.float32) * grad
+    torch.testing.assert_close(stored(m, 0, [1, 2])[1], want, rtol=1e-6, atol=0)
