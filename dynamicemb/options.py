@@ -1,6 +1,8 @@
 """Per-table options (API.md §1), the admission types, and table sizing."""
 import enum
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -8,7 +10,7 @@ import torch
 
 from dynamicemb import rules
 from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
-from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy
+from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy, strategy_code
 
 
 class DynamicEmbInitializerMode(enum.IntEnum):
@@ -32,6 +34,22 @@ class DynamicEmbInitializerArgs:
     lower: Optional[float] = None
     upper: Optional[float] = None
     value: float = 0.0
+
+    def __post_init__(self):
+        try:
+            self.mode = DynamicEmbInitializerMode(self.mode)
+        except ValueError:
+            raise ValueError(f"DynamicEmbInitializerArgs.mode: unknown initializer {self.mode!r}; use one of "
+                             f"{[m.name for m in DynamicEmbInitializerMode]}") from None
+        for f in ("mean", "std_dev", "lower", "upper", "value"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+                raise ValueError(f"DynamicEmbInitializerArgs.{f} must be a finite number, got {v!r}")
+        if self.std_dev < 0:
+            raise ValueError(f"DynamicEmbInitializerArgs.std_dev must be >= 0, got {self.std_dev}")
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"DynamicEmbInitializerArgs: initializer lower bound {self.lower} exceeds upper bound "
+                             f"{self.upper}")
 
     def packed(self, num_embeddings: Optional[int], stream: int) -> list:
         """The float64 row the kernels take (init::Args), its columns in
@@ -58,7 +76,7 @@ class FrequencyAdmissionStrategy:
     threshold: int
 
     def __post_init__(self):
-        if self.threshold < 1:
+        if not _positive_int(self.threshold):
             raise ValueError(f"admission threshold must be >= 1, got {self.threshold}")
 
 
@@ -69,6 +87,16 @@ class KVCounter:
 
     capacity: int
     bucket_capacity: int = 128
+
+    def __post_init__(self):
+        if not _positive_int(self.capacity):
+            raise ValueError(f"KVCounter.capacity must be a positive int, got {self.capacity!r}")
+        if not _positive_int(self.bucket_capacity) or self.bucket_capacity % 16:
+            raise ValueError(f"KVCounter.bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity!r}")
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
 
 
 @dataclass
@@ -125,36 +153,76 @@ class DynamicEmbTableOptions:
         rows = rows // self.bucket_capacity * self.bucket_capacity
         return max(self.bucket_capacity, min(rows, self.max_capacity))
 
-    def validate(self, name: str) -> None:
-        """Raises ValueError naming the table for options that cannot work."""
-        def bad(msg):
-            raise ValueError(f"table {name!r}: {msg}")
+    def __post_init__(self):
+        # Fields the planner fills in later (dim, max_capacity, ...) may be None here.
+        self._check(lambda msg: f"DynamicEmbTableOptions: {msg}", complete=False)
 
-        if self.dim is None or self.dim <= 0:
+    def validate(self, name: str, complete: bool = True) -> None:
+        """Raises ValueError naming the table for options that cannot work
+        (again: fields may have been set since construction); `complete`:
+        every field must be filled in by now (dim, max_capacity)."""
+        self._check(lambda msg: f"table {name!r}: {msg}", complete=complete)
+
+    def _check(self, where, complete: bool) -> None:
+        def bad(msg):
+            raise ValueError(where(msg))
+
+        def given(v):
+            return complete or v is not None
+
+        if given(self.dim) and not _positive_int(self.dim):
             bad(f"dim must be a positive int, got {self.dim!r}")
         if self.index_type not in (torch.int64, torch.int32):
             bad(f"index_type must be torch.int64 or torch.int32, got {self.index_type}")
         if self.embedding_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             bad(f"embedding_dtype must be float32, float16 or bfloat16, got {self.embedding_dtype}")
-        if not isinstance(self.bucket_capacity, int) or self.bucket_capacity <= 0 or self.bucket_capacity % 16:
+        if not _positive_int(self.bucket_capacity) or self.bucket_capacity % 16:
             bad(f"bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity!r}")
-        if self.max_capacity is None or self.max_capacity <= 0:
+        if given(self.max_capacity) and not _positive_int(self.max_capacity):
             bad(f"max_capacity must be a positive int, got {self.max_capacity!r}")
-        if self.init_capacity is not None and not 0 < self.init_capacity <= self.max_capacity:
-            bad(f"init_capacity {self.init_capacity} must be in (0, max_capacity={self.max_capacity}]")
-        if not 0 < self.max_load_factor <= 1:
-            bad(f"max_load_factor must be in (0, 1], got {self.max_load_factor}")
+        if self.init_capacity is not None and not (
+                _positive_int(self.init_capacity) and (self.max_capacity is None or self.init_capacity <= self.max_capacity)):
+            bad(f"init_capacity {self.init_capacity!r} must be in (0, max_capacity={self.max_capacity}]")
+        if not (isinstance(self.max_load_factor, (int, float)) and 0 < self.max_load_factor <= 1):
+            bad(f"max_load_factor must be in (0, 1], got {self.max_load_factor!r}")
+        try:
+            strategy_code(self.score_strategy)
+        except (ValueError, TypeError):
+            bad(f"unknown score_strategy {self.score_strategy!r}; use a DynamicEmbScoreStrategy or "
+                f"(TIMESTAMP, LFU)")
+        for f in ("initializer_args", "eval_initializer_args"):
+            if not isinstance(getattr(self, f), DynamicEmbInitializerArgs):
+                bad(f"{f} must be a DynamicEmbInitializerArgs, got {getattr(self, f)!r}")
+        try:
+            self.safe_check_mode = DynamicEmbCheckMode(self.safe_check_mode)
+        except ValueError:
+            bad(f"unknown safe_check_mode {self.safe_check_mode!r}; use ERROR, WARNING or IGNORE")
+        for f in ("caching", "training"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f"{f} must be a bool, got {getattr(self, f)!r}")
         if self.dist_type not in ("hash_roundrobin", "roundrobin", "continuous"):
             bad(f"unknown dist_type {self.dist_type!r}; use 'hash_roundrobin', 'roundrobin' or 'continuous'")
-        if self.global_hbm_for_values < 0:
-            bad(f"global_hbm_for_values must be >= 0 bytes, got {self.global_hbm_for_values}")
+        if not isinstance(self.global_hbm_for_values, numbers.Integral) or self.global_hbm_for_values < 0:
+            bad(f"global_hbm_for_values must be >= 0 bytes, got {self.global_hbm_for_values!r}")
+        if self.num_embeddings is not None and not _positive_int(self.num_embeddings):
+            bad(f"num_embeddings must be a positive int, got {self.num_embeddings!r}")
+        if not _positive_int(self.num_shards):
+            bad(f"num_shards must be a positive int, got {self.num_shards!r}")
+        if self.admit_strategy is not None and not isinstance(self.admit_strategy, FrequencyAdmissionStrategy):
+            bad(f"admit_strategy must be a FrequencyAdmissionStrategy, got {self.admit_strategy!r}")
+        if self.admission_counter is not None and not isinstance(self.admission_counter, KVCounter):
+            bad(f"admission_counter must be a KVCounter, got {self.admission_counter!r}")
+        if (self.admit_strategy is None) != (self.admission_counter is None):
+            bad("admit_strategy and admission_counter must be given together")
+        if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
+            bad(f"storage_path must be a directory path, got {self.storage_path!r}")
+        if not complete:  # caching, the cache's bytes and its store may be set in either order
+            return
         if self.caching and self.global_hbm_for_values <= 0:
             bad("caching=True needs global_hbm_for_values > 0: the bytes of the cache (values and optimizer "
                 "state) over all ranks")
         if (self.backing_store is not None or self.storage_path is not None) and not self.caching:
             bad("backing_store and storage_path are for caching=True (rows the cache does not hold)")
-        if (self.admit_strategy is None) != (self.admission_counter is None):
-            bad("admit_strategy and admission_counter must be given together")
 
 
 # ---- sizing (used by the planner; importable without torchrec) -------------------------

@@ -56,6 +56,7 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
     if options.num_embeddings is not None and options.num_embeddings != config.num_embeddings:
         raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings} contradicts "
                          f"the table's num_embeddings={config.num_embeddings}")
+    options.validate(name, complete=False)  # fields set since construction: named by table before the copy
     max_cap = options.max_capacity or get_sharded_table_capacity(config.num_embeddings, world_size,
                                                                  options.bucket_capacity)
     out = dataclasses.replace(options, dim=config.embedding_dim, embedding_dtype=dtype, max_capacity=max_cap,

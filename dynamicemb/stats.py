@@ -8,7 +8,7 @@ from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 
 __all__ = ["dynamic_modules", "table_stats"]
 
-STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected")
+STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected", "nonfinite_grads")
 # Tables with caching=True also report their tiers: forward lookups found in
 # the cache (hits) or not (misses), cache rows written back to the backing
 # store, keys a step served outside a too small cache (bypassed), rows in
@@ -36,7 +36,7 @@ def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingT
 
 def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[str, int]]:
     """{table_name: {size, capacity, inserted, evicted, failed,
-    admission_rejected}}: this rank's, or summed over the ranks of `pg`."""
+    admission_rejected, nonfinite_grads}}: this rank's, or summed over the ranks of `pg`."""
     stats: Dict[str, Dict[str, int]] = {}
     for m in dynamic_modules(model):
         for name, s in m.table_stats().items():

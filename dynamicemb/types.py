@@ -84,3 +84,31 @@ def canonical_device(device) -> torch.device:
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+# ---- input checks shared by the module, the input dist and serving ------------------------
+
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_ids(values: torch.Tensor, features, owner: str) -> None:
+    """Refuses ids that are not integers (a cast would silently truncate them)."""
+    if not isinstance(values, torch.Tensor) or values.dtype not in ID_DTYPES:
+        raise TypeError(f"{owner}: ids of features {list(features)} must be int64 or int32, "
+                        f"got {getattr(values, 'dtype', type(values).__name__)}")
+
+
+def check_finite_weights(weights, offsets: torch.Tensor, features, owner: str) -> None:
+    """Refuses NaN / inf per-sample weights (they would poison the rows they
+    update). One reduction when all are finite; `offsets` ([F * B + 1]) and
+    `features` (F names) name the first bad weight's feature otherwise."""
+    # The sum is non-finite if any weight is (one reduction); an overflow of finite ones is checked exactly.
+    if weights is None or bool(torch.isfinite(weights.sum())) or bool(torch.isfinite(weights).all()):
+        return
+    i = int((~torch.isfinite(weights)).nonzero()[0])
+    features = list(features)
+    bag = int(torch.searchsorted(offsets.to(torch.int64), torch.tensor(i, device=offsets.device), right=True)) - 1
+    B = max(1, (offsets.numel() - 1) // max(1, len(features)))
+    f = min(bag // B, len(features) - 1)
+    raise ValueError(f"{owner}: per-sample weight {i} (feature {features[f]!r}, bag {bag % B}) is "
+                     f"{float(weights[i])}; weights must be finite")

@@ -19,7 +19,8 @@ from dynamicemb.inference.frozen import FrozenTable
 from dynamicemb.inference.quantize import storage_width, to_storage, value_dtype
 from dynamicemb.inference.sources import dump_tables
 from dynamicemb.table import ScoredHashTable
-from dynamicemb.types import DynamicEmbPoolingMode, DynamicEmbScoreStrategy, InsertResult, canonical_device
+from dynamicemb.types import (DynamicEmbPoolingMode, DynamicEmbScoreStrategy, InsertResult, canonical_device,
+                              check_finite_weights)
 
 def _capacity(n: int, bucket_capacity: int, load_factor: float) -> int:
     return bucket_capacity * max(1, math.ceil(n / (bucket_capacity * load_factor)))
@@ -203,9 +204,12 @@ class InferenceEmbeddingTable(nn.Module):
         """Ids in TBE layout -> the pooled [B, sum dims] (or [ids, dim] with NONE) tensor."""
         if values.dtype not in (torch.int64, torch.int32) or offsets.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"InferenceEmbeddingTable {self.table_names}: ids and offsets must be int64 or int32, "
-                            f"got {values.dtype} and {offsets.dtype}")
+                            f"got {values.dtype} and {offsets.dtype} (features {self.feature_names})")
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(torch.float32)
+            if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):  # data-dependent: eager only
+                check_finite_weights(per_sample_weights, offsets, self.feature_names, f"InferenceEmbeddingTable "
+                                     f"{self.table_names}")
         out = ops.emb_lookup_forward([self.slot_keys], [self.slot_digests], [self.table_buckets],
                                       [self.bucket_capacity], [0] * len(self.dims), list(range(len(self.dims))),
                                       self.weights(), values.to(torch.int64), offsets.to(torch.int64),

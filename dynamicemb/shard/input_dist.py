@@ -11,6 +11,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb._ops import ops
+from dynamicemb.types import check_finite_weights, check_ids
 
 
 class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
@@ -30,7 +31,13 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         if sparse_features.variable_stride_per_key():
             raise NotImplementedError("dynamicemb: variable batch sizes per feature (VBE) are not supported")
+        # Refused here, before the routing casts them: float ids would be
+        # truncated silently, NaN weights would poison the rows they update.
+        keys = sparse_features.keys()
+        check_ids(sparse_features.values(), keys, "dynamicemb (input dist)")
         w = sparse_features.weights_or_none()
+        if w is not None and torch.is_floating_point(w):
+            check_finite_weights(w, sparse_features.offsets(), keys, "dynamicemb (input dist)")
         lengths, values, weights, permute = ops.route_keys(
             sparse_features.lengths().to(torch.int64).contiguous(),
             sparse_features.values().to(torch.int64).contiguous(),

@@ -169,3 +169,27 @@ def test_packing_keeps_every_key_and_reads_near_its_load_factor():
     assert keys.numel() / m.slot_keys.numel() > 0.5
     got = m(keys, torch.arange(keys.numel() + 1))
     assert torch.equal(got, values)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_integer_ids_and_non_finite_weights_refused(bad):
+    raw = _tables()
+    m = InferenceEmbeddingTable(_frozen(raw), is_weighted=True)
+    values = torch.tensor([int(raw["t0"][0][0]), 7, int(raw["t2"][0][1])])
+    lengths = torch.tensor([1, 0, 0, 1, 1, 0])  # B = 2; t1_f bag 1 holds index 1
+    kjt = torchrec.KeyedJaggedTensor(keys=["t2_f", "t1_f", "t0_f"], values=values.to(torch.float64),
+                                     lengths=torch.tensor([1, 0, 0, 1, 1, 0]))
+    with pytest.raises(TypeError, match=r"ids of features \['t2_f', 't1_f', 't0_f'\] must be int64 or int32, "
+                                        r"got torch.float64"):
+        m(kjt)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    with pytest.raises(TypeError, match=r"got torch.float32 and torch.int64 \(features \['t0_f', 't1_f', 't2_f'\]\)"):
+        m(values.to(torch.float32), offsets)
+    w = torch.tensor([1.0, bad, 0.5])
+    with pytest.raises(ValueError, match=rf"per-sample weight 1 \(feature 't1_f', bag 1\) is {bad}"):
+        m(values, offsets, w)
+    # Through a KJT in another feature order: the weights follow their ids.
+    kjt = torchrec.KeyedJaggedTensor(keys=["t1_f", "t0_f", "t2_f"], values=values[[1, 0, 2]],
+                                     lengths=torch.tensor([0, 1, 1, 0, 1, 0]), weights=w[[1, 0, 2]])
+    with pytest.raises(ValueError, match=rf"per-sample weight 1 \(feature 't1_f', bag 1\) is {bad}"):
+        m(kjt)

@@ -193,7 +193,13 @@ def test_dynamic_table_must_be_row_wise():
 
 
 def test_unknown_dist_type_names_the_table():
-    msg = _error(models.ebc_configs(["d_table"]), models.dynamic_constraints(["d_table"], dist_type="modulo"))
+    # Refused when the options are built (issue 35); one set after that, by
+    # the planner, naming the table.
+    with pytest.raises(ValueError, match="DynamicEmbTableOptions: unknown dist_type 'modulo'"):
+        models.dynamic_constraints(["d_table"], dist_type="modulo")
+    constraints = models.dynamic_constraints(["d_table"])
+    constraints["d_table"].dynamicemb_options.dist_type = "modulo"
+    msg = _error(models.ebc_configs(["d_table"]), constraints)
     assert "d_table" in msg and "modulo" in msg
 
 
@@ -295,8 +301,12 @@ def test_cached_tables_charge_their_cache_to_hbm_and_their_store_to_ddr(tmp_path
 
 
 def test_host_tier_refusals_name_the_table():
+    with pytest.raises(ValueError, match="DynamicEmbTableOptions: global_hbm_for_values must be >= 0"):
+        DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=-1)  # refused when built (issue 35)
+    options = DynamicEmbTableOptions(dim=4, max_capacity=128)
+    options.global_hbm_for_values = -1  # or set later: validate names the table
     with pytest.raises(ValueError, match="t_table.*global_hbm_for_values must be >= 0"):
-        DynamicEmbTableOptions(dim=4, max_capacity=128, global_hbm_for_values=-1).validate("t_table")
+        options.validate("t_table")
     with pytest.raises(ValueError, match="t_table.*caching=True needs global_hbm_for_values > 0"):
         DynamicEmbTableOptions(dim=4, max_capacity=128, caching=True).validate("t_table")
     with pytest.raises(ValueError, match="t_table.*backing_store and storage_path are for caching=True"):

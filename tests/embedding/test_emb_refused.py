@@ -1,0 +1,150 @@
+"""Refused at the door (issue 35 §2): ids that are not integers and
+non-finite per-sample weights are named errors that store nothing; a
+non-finite gradient is counted per table (nonfinite_grads) and, per
+safe_check_mode, fails the step before any row is written (ERROR) or
+leaves out just the rows it reaches (WARNING, IGNORE)."""
+import warnings
+
+import pytest
+import torch
+
+from dynamicemb import DynamicEmbCheckMode, DynamicEmbPoolingMode, EmbOptimType
+from emb_helpers import DEBUG_INIT, bags, debug_rows, make_module, random_batch, stored
+
+SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
+FTM = [0, 1, 0]  # table 0 serves two features
+B = 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_non_integer_ids_refused(dtype):
+    m = make_module([4, 4], feature_table_map=[0, 1])
+    before = m.table_stats()
+    with pytest.raises(TypeError, match=rf"indices must be an int64 or int32 tensor, got {dtype} "
+                                        rf"\(features \['t0', 't1'\], tables \['t0', 't1'\]\)"):
+        m(torch.tensor([1, 2, 3]).to(dtype), torch.tensor([0, 1, 2, 3, 3]))
+    assert m.table_stats() == before and m.step == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_refused(bad):
+    m = make_module([4, 4], feature_table_map=[0, 1])
+    indices, offsets = bags([[1, 2], [3], [4], [5, 6]])  # B = 2: features t0 (bags 0, 1), t1 (bags 0, 1)
+    w = torch.ones(6)
+    w[4] = bad  # index 4: feature t1, bag 1
+    with pytest.raises(ValueError, match=rf"per-sample weight 4 \(feature 't1', bag 1\) is {bad}; "
+                                         r"weights must be finite"):
+        m(indices, offsets, w)
+    assert all(s["size"] == 0 for s in m.table_stats().values()) and m.step == 0
+
+
+def _batch_and_poison(pooling, seed):
+    """A batch, an output gradient, and where to poison it: the (table, key)
+    pairs a poisoned entry reaches, computed from the batch by hand."""
+    gen = torch.Generator().manual_seed(seed)
+    indices, offsets = random_batch(gen, FTM, [12, 12], B, max_len=3, min_len=1)
+    dims = 4
+    poison, bad = [], set()
+    if pooling == NONE:  # output row i is index i
+        for i in (1, indices.numel() - 1):
+            poison.append((i, 2))
+            f = int(torch.searchsorted(offsets, torch.tensor(i), right=True) - 1) // B
+            bad.add((FTM[f], int(indices[i])))
+    else:  # output [B, F * dims]: feature f's slice of bag b reaches the bag's indices
+        for f, b in ((0, 1), (2, 3)):
+            poison.append((b, f * dims + 1))
+            j = f * B + b
+            bad |= {(FTM[f], int(k)) for k in indices[offsets[j]:offsets[j + 1]].tolist()}
+    return indices, offsets, poison, bad
+
+
+def _rows(m, indices, offsets):
+    """{(table, key): stored row (values and optimizer state)} of the batch's keys."""
+    out = {}
+    for j in range(len(FTM) * B):
+        t = FTM[j // B]
+        for k in indices[offsets[j]:offsets[j + 1]].tolist():
+            out[(t, k)] = stored(m, t, [k])[1][0]
+    return out
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.ADAM, EmbOptimType.EXACT_ROWWISE_ADAGRAD],
+                         ids=lambda o: o.name)
+@pytest.mark.parametrize("pooling", [SUM, MEAN, NONE], ids=lambda p: p.name)
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_warning_skips_the_rows_a_non_finite_gradient_reaches(pooling, optimizer, bad_value):
+    # Reference: the same step with the poisoned entries zeroed; the rows they
+    # do not reach see exactly the same gradient, those they reach are left as they were.
+    kw = dict(pooling=pooling, optimizer=optimizer, feature_table_map=FTM, initializer_args=DEBUG_INIT,
+              safe_check_mode=DynamicEmbCheckMode.WARNING)
+    m, ref = make_module([4, 4], **kw), make_module([4, 4], **kw)
+    indices, offsets, poison, bad = _batch_and_poison(pooling, seed=3)
+    for step in range(2):  # the second step: the module goes on after a skipped update
+        out, out_ref = m(indices, offsets), ref(indices, offsets)
+        before = _rows(m, indices, offsets)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        ref_grad = grad.clone()
+        for p in poison:
+            grad[p] = bad_value
+        out_ref.backward(ref_grad)
+        with pytest.warns(RuntimeWarning, match="non-finite") as caught:
+            out.backward(grad)
+        assert len([w for w in caught if "non-finite" in str(w.message)]) == 1  # once per step
+        got, want = _rows(m, indices, offsets), _rows(ref, indices, offsets)
+        for tk in got:
+            assert torch.equal(got[tk], before[tk] if tk in bad else want[tk]), tk
+        # The rows the reference changed, this one did not.
+        for tk in bad:
+            assert torch.equal(got[tk], before[tk])
+        stats = m.table_stats()
+        for t, name in enumerate(m.table_names):
+            assert stats[name]["nonfinite_grads"] == (step + 1) * len({k for tt, k in bad if tt == t})
+        assert all(s["nonfinite_grads"] == 0 for s in ref.table_stats().values())
+
+
+@pytest.mark.parametrize("pooling", [SUM, NONE], ids=lambda p: p.name)
+def test_error_raises_before_any_row_is_written(pooling):
+    m = make_module([4, 4], pooling=pooling, optimizer=EmbOptimType.ADAM, feature_table_map=FTM,
+                    initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.ERROR)
+    indices, offsets, poison, bad = _batch_and_poison(pooling, seed=5)
+    out = m(indices, offsets)
+    before = _rows(m, indices, offsets)
+    grad = torch.ones(out.shape)
+    for p in poison:
+        grad[p] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"table 't[01]': \d+ rows got a non-finite \(NaN / inf\) gradient "
+                                                 r"at optimizer step 1; no row was updated"):
+        out.backward(grad)
+    after = _rows(m, indices, offsets)
+    assert all(torch.equal(after[tk], before[tk]) for tk in before)
+    counts = [len({k for tt, k in bad if tt == t}) for t in range(2)]
+    assert [m.table_stats()[n]["nonfinite_grads"] for n in m.table_names] == counts
+    # The module goes on: a finite step updates every row.
+    out = m(indices, offsets)
+    out.backward(torch.ones(out.shape))
+    after = _rows(m, indices, offsets)
+    assert all(not torch.equal(after[tk], before[tk]) for tk in before)
+
+
+def test_ignore_counts_silently():
+    m = make_module([4], safe_check_mode=DynamicEmbCheckMode.IGNORE, initializer_args=DEBUG_INIT)
+    out = m(*bags([[1, 2], [2, 3]]))
+    grad = torch.ones(out.shape)
+    grad[0, 0] = float("nan")  # bag 0: keys 1 and 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out.backward(grad)
+    assert m.table_stats()["t0"]["nonfinite_grads"] == 2
+
+
+def test_finite_gradients_whose_sum_overflows_are_applied():
+    # The cheap detector (the gradient's sum) overflows here; the exact
+    # per-row check then finds every row finite and updates it (EXACT_SGD by hand).
+    m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.ERROR)
+    out = m(*bags([[1], [2]]))
+    grad = torch.zeros(out.shape)
+    grad[:, 0] = 3e38
+    out.backward(grad)
+    assert m.table_stats()["t0"]["nonfinite_grads"] == 0
+    want = debug_rows([1, 2], 4) - torch.tensor(m.learning_rate, dtype=torch.float32) * grad
+    torch.testing.assert_close(stored(m, 0, [1, 2])[1], want, rtol=1e-6, atol=0)

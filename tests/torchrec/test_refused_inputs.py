@@ -1,0 +1,51 @@
+"""Refused at the door under DMP (issue 35 §2): a KeyedJaggedTensor whose
+ids are not integers, or whose weights are not finite, is a named error
+before the input dist casts or routes anything; nothing is stored."""
+import torch
+import torchrec
+
+import models
+from dynamicemb.stats import table_stats
+from multiprocess import run_ranks
+
+TABLES = ["a_table", "b_table"]
+FEATURES = [t.replace("table", "feature") for t in TABLES]
+
+
+def _refused(rank, world):
+    pg = models.rank_groups()[0]
+    got = {}
+    for kind in ("weighted_ebc", "ec"):
+        configs = (models.ec_configs if kind == "ec" else models.ebc_configs)(TABLES, dim=8, num_embeddings=64)
+        model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+        batch = models.random_batch(FEATURES, 4, 64, seed=0)
+        good = models.kjt(batch, weighted=kind == "weighted_ebc")
+        bad_ids = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values().to(torch.float32),
+                                             lengths=good.lengths(), weights=good.weights_or_none())
+        cases = {"float ids": bad_ids}
+        if kind == "weighted_ebc":
+            w = good.weights().clone()
+            w[-1] = float("nan")
+            cases["nan weight"] = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(),
+                                                             lengths=good.lengths(), weights=w)
+        for what, features in cases.items():
+            try:
+                model(features)
+                got[f"{kind}/{what}"] = None
+            except (TypeError, ValueError) as e:
+                got[f"{kind}/{what}"] = f"{type(e).__name__}: {e}"
+        got[f"{kind}/stored"] = sum(s["size"] for s in table_stats(model).values())
+        models.loss_of(models.resolved(model(good))).backward()  # a good batch still trains
+        got[f"{kind}/stored after a good batch"] = sum(s["size"] for s in table_stats(model).values())
+    return got
+
+
+def test_dmp_refuses_float_ids_and_nan_weights():
+    got = run_ranks(_refused, 1)[0]
+    for kind in ("weighted_ebc", "ec"):
+        assert got[f"{kind}/float ids"] == (f"TypeError: dynamicemb (input dist): ids of features {FEATURES} must "
+                                            f"be int64 or int32, got torch.float32")
+        assert got[f"{kind}/stored"] == 0 and got[f"{kind}/stored after a good batch"] > 0
+    msg = got["weighted_ebc/nan weight"]
+    assert msg.startswith("ValueError: dynamicemb (input dist): per-sample weight ") and \
+        "(feature 'b_feature', bag 3) is nan; weights must be finite" in msg, msg
