@@ -25,7 +25,8 @@ threading.active_count(). After the run every dump is loaded into a fresh
 in-memory module and its row counts checked against those at the dump
 (table_stats()'s size: cache + store for the cached table).
 Growth = max over samples after --warmup minus the first sample at or after
---warmup. JSON -> benchmark/results/soak.json, plot -> results/soak.png.
+--warmup; RSS drift = peak of the last third of those samples minus the peak
+of the first third (RSS saw-tooths by a few MiB with the dump cycle). JSON -> benchmark/results/soak.json, plot -> results/soak.png.
 """
 import argparse
 import os
@@ -150,8 +151,12 @@ def summarize(args, samples, dumps, events, final, wall) -> dict:
     after = [s for s in samples if s["step"] >= args.warmup]
     base = after[0] if after else samples[-1]
     growth = {k: max(s[k] for s in after) - base[k] for k in METRICS} if after else {}
+    # RSS saw-tooths with the dump/flush cycle (a few MiB): the drift compares
+    # the peaks of the last and first thirds after warm-up, which a leak raises.
+    third = max(1, len(after) // 3)
+    drift = max(s["rss_mib"] for s in after[-third:]) - max(s["rss_mib"] for s in after[:third]) if after else 0.0
     return {"args": vars(args), "env": env_info(torch.device("cpu")), "wall_s": wall, "events": events,
-            "samples": samples, "baseline": base, "growth_after_warmup": growth,
+            "samples": samples, "baseline": base, "growth_after_warmup": growth, "rss_drift_mib": drift,
             "last_vs_baseline": {k: samples[-1][k] - base[k] for k in METRICS},
             "final_vs_baseline": {k: final[k] - base[k] for k in METRICS}, "final_after_close": final,
             "dumps": dumps, "all_dumps_loadable": all(d["loadable"] for d in dumps)}
@@ -172,8 +177,9 @@ def plot(res, path):
         ax.set_xlabel("step")
         if len(keys) > 1:
             ax.legend()
-    fig.suptitle(f"soak: {res['args']['steps']} steps, growth after warm-up "
-                 + ", ".join(f"{k} {v:+.1f}" for k, v in res["growth_after_warmup"].items()), fontsize=9)
+    fig.suptitle(f"soak: {res['args']['steps']} steps, max growth after warm-up "
+                 + ", ".join(f"{k} {v:+.1f}" for k, v in res["growth_after_warmup"].items())
+                 + f"; RSS drift {res['rss_drift_mib']:+.1f} MiB", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -210,7 +216,9 @@ def main(argv=None) -> dict:
             for s in res["samples"]]
     print(format_table(["step", "rss MiB", "fds", "py threads", "os threads"], rows))
     print(f"events {res['events']}; wall {res['wall_s']:.1f} s")
-    print("growth after warm-up (step >= %d): %s" % (args.warmup, res["growth_after_warmup"]))
+    print("max growth after warm-up (step >= %d, vs the first sample there): %s" % (args.warmup,
+                                                                                   res["growth_after_warmup"]))
+    print(f"RSS drift (peak of the last third after warm-up - peak of the first): {res['rss_drift_mib']:+.2f} MiB")
     print("after close, vs baseline: %s; every dump loadable: %s" % (res["final_vs_baseline"],
                                                                       res["all_dumps_loadable"]))
     if args.out:
