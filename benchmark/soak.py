@@ -26,7 +26,8 @@ in-memory module and its row counts checked against those at the dump
 (table_stats()'s size: cache + store for the cached table).
 Growth = max over samples after --warmup minus the first sample at or after
 --warmup; RSS drift = peak of the last third of those samples minus the peak
-of the first third (RSS saw-tooths by a few MiB with the dump cycle). JSON -> benchmark/results/soak.json, plot -> results/soak.png.
+of the first third (RSS saw-tooths by a few MiB with the dump cycle).
+JSON -> benchmark/results/soak.json, plot -> benchmark/results/soak.png.
 """
 import argparse
 import os
