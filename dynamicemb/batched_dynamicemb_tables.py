@@ -187,7 +187,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 raise ValueError(f"per_sample_weights must be 1-D with one weight per index ({indices.numel()}), "
                                  f"got shape {tuple(per_sample_weights.shape)}")
             per_sample_weights = per_sample_weights.to(torch.float32).contiguous()
-            check_finite_weights(per_sample_weights, offsets, self.feature_labels(), "dynamicemb")
+            check_finite_weights(per_sample_weights, offsets, self.feature_labels, "dynamicemb")  # names on error only
         return indices, offsets, per_sample_weights
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,

@@ -101,12 +101,13 @@ def check_ids(values: torch.Tensor, features, owner: str) -> None:
 def check_finite_weights(weights, offsets: torch.Tensor, features, owner: str) -> None:
     """Refuses NaN / inf per-sample weights (they would poison the rows they
     update). One reduction when all are finite; `offsets` ([F * B + 1]) and
-    `features` (F names) name the first bad weight's feature otherwise."""
+    `features` (F names, or a function returning them: built only for the
+    message) name the first bad weight's feature otherwise."""
     # The sum is non-finite if any weight is (one reduction); an overflow of finite ones is checked exactly.
     if weights is None or bool(torch.isfinite(weights.sum())) or bool(torch.isfinite(weights).all()):
         return
     i = int((~torch.isfinite(weights)).nonzero()[0])
-    features = list(features)
+    features = list(features() if callable(features) else features)
     bag = int(torch.searchsorted(offsets.to(torch.int64), torch.tensor(i, device=offsets.device), right=True)) - 1
     B = max(1, (offsets.numel() - 1) // max(1, len(features)))
     f = min(bag // B, len(features) - 1)
