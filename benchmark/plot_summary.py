@@ -210,9 +210,31 @@ def panel_checkpoint(ax, k: Dict[str, Any]) -> None:
                  f"in parallel\n(dump / torch.save rate: {k['dump_vs_save']:.2f})", fontsize=10)
 
 
+def panel_soak(ax, k: Dict[str, Any]) -> None:
+    steps = [s["step"] for s in k["samples"]]
+    ax.plot(steps, [s["rss_mib"] for s in k["samples"]], "-", color=OURS, marker=".", label="RSS (MiB)")
+    ax.axvline(k["warmup"], color=OTHER, ls="--", lw=0.8, label="end of warm-up")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("RSS MiB")
+    ax.margins(y=0.4)
+    right = ax.twinx()
+    right.plot(steps, [s["fds"] for s in k["samples"]], ":", color="tab:green", label="open fds")
+    right.plot(steps, [s["threads_os"] for s in k["samples"]], "-.", color="tab:purple", label="OS threads")
+    right.set_ylabel("count")
+    right.margins(y=0.4)
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right", ncol=2)
+    g = k["growth_after_warmup"]
+    ax.set_title(f"Soak: {k['steps']} steps (growth, eviction, flushes, evals, dumps)\nafter warm-up: RSS "
+                 f"max growth {g['rss_mib']:+.1f} MiB, drift {k['rss_drift_mib']:+.1f} MiB; fds {g['fds']:+d}, "
+                 f"threads {g['threads_os']:+d}", fontsize=10)
+
+
 PANELS: List[Tuple[str, Callable]] = [
     ("table", panel_table), ("torchrec", panel_torchrec), ("tiers", panel_tiers),
     ("inference", panel_inference), ("embedding", panel_embedding), ("checkpoint", panel_checkpoint),
+    ("soak", panel_soak),
 ]
 
 

@@ -1,7 +1,7 @@
 """Runs every benchmark with short settings, merges their JSON into
 benchmark/results/summary.json and draws benchmark/results/summary.png.
 
-    bash scripts/dev.sh python benchmark/run_all.py                  # all (~5-8 min on 2 CPU cores)
+    bash scripts/dev.sh python benchmark/run_all.py                  # all (~6-9 min on 2 CPU cores)
     bash scripts/dev.sh python benchmark/run_all.py --only table,inference
     bash scripts/dev.sh python benchmark/run_all.py --from-json      # redraw from the JSON already there
     bash scripts/dev.sh python benchmark/run_all.py --publish        # ... and copy to docs/
@@ -68,6 +68,8 @@ BENCHMARKS: List[Bench] = [
     Bench("tiers", "bench_tiers.py", ["--quick"], "bench_tiers.json"),
     Bench("checkpoint", "bench_checkpoint.py", ["--rows", "2000000"], "bench_checkpoint.json"),
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),
+    # ~1 min: 600 steps of growth, eviction, flushes, evals and dumps; RSS, fds and threads stay flat
+    Bench("soak", "soak.py", ["--steps", "600", "--warmup", "150", "--every", "20"], "soak.json"),
 ]
 NAMES = [b.name for b in BENCHMARKS]
 PUBLISH_DIR = os.path.join(ROOT, "docs")

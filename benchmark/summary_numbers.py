@@ -109,9 +109,17 @@ def key_inference(d: dict) -> Dict[str, Any]:
             "memory_mib": {k: v / 2**20 for k, v in d.get("memory_bytes", {}).items()}}
 
 
+def key_soak(d: dict) -> Dict[str, Any]:
+    a = d["args"]
+    return {"steps": a["steps"], "warmup": a["warmup"], "events": d["events"],
+            "growth_after_warmup": d["growth_after_warmup"], "rss_drift_mib": d["rss_drift_mib"],
+            "final_vs_baseline": d["final_vs_baseline"], "all_dumps_loadable": d["all_dumps_loadable"],
+            "samples": [{k: s[k] for k in ("step", "rss_mib", "fds", "threads_os")} for s in d["samples"]]}
+
+
 KEY_NUMBERS: Dict[str, Callable[[dict], Dict[str, Any]]] = {
     "table": key_table, "embedding": key_embedding, "torchrec": key_torchrec, "tiers": key_tiers,
-    "checkpoint": key_checkpoint, "inference": key_inference,
+    "checkpoint": key_checkpoint, "inference": key_inference, "soak": key_soak,
 }
 
 
@@ -202,4 +210,16 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                   _f(k["model_dump_bytes"] / 2**20, "{:.0f}")],
                  ["dcp.save / dcp.load + load_state_dict", _f(k["dcp_save_s"], "{:.2f}"),
                   _f(k["dcp_load_s"], "{:.2f}"), _f(k["dcp_bytes"] / 2**20, "{:.0f}")]]))
+    if "soak" in key:
+        k = key["soak"]
+        g, fin = k["growth_after_warmup"], k["final_vs_baseline"]
+        ev = k["events"]
+        parts.append(f"**Soak** ({k['steps']} training steps with growth, eviction, {ev['flushes']} flushes, "
+                     f"{ev['evals']} evals, {ev['incremental']} incremental dumps, {ev['dumps']} non-blocking "
+                     f"dumps; every dump loadable: {'yes' if k['all_dumps_loadable'] else 'NO'})\n\n" + _md(
+                         ["after warm-up (step >= %d)" % k["warmup"], "RSS MiB", "open fds", "OS threads"],
+                         [["max growth", _f(g["rss_mib"]), str(g["fds"]), str(g["threads_os"])],
+                          ["drift (last third - first third, peaks)", _f(k["rss_drift_mib"]), "-", "-"],
+                          ["after close, vs warm-up", _f(fin["rss_mib"]), str(fin["fds"]),
+                           str(fin["threads_os"])]]))
     return "\n\n".join(parts) + "\n"

@@ -82,3 +82,19 @@ def inference(median_s):
                    "vs_torchrec_int8": ref / s, "times": [s]} for k, s in median_s.items()}
     return {"env": ENV, "config": {"rows": 1000, "dim": 64, "repeats": 3}, "results": results,
             "memory_bytes": {"float32": 2**20, "int8": 2**18}}
+
+
+def soak(rss_mib, steps=600, warmup=150, every=50):
+    """rss_mib: the RSS of each sample (fds and threads flat); growth and
+    drift computed as soak.summarize does."""
+    samples = [{"step": i * every, "rss_mib": r, "fds": 12, "threads_py": 1, "threads_os": 9}
+               for i, r in enumerate(rss_mib)]
+    after = [x for x in samples if x["step"] >= warmup]
+    growth = {k: max(x[k] for x in after) - after[0][k] for k in ("rss_mib", "fds", "threads_py", "threads_os")}
+    third = max(1, len(after) // 3)
+    drift = max(x["rss_mib"] for x in after[-third:]) - max(x["rss_mib"] for x in after[:third])
+    return {"args": {"steps": steps, "warmup": warmup, "every": every}, "env": ENV,
+            "events": {"evals": 85, "flushes": 24, "incremental": 30, "dumps": 6},
+            "samples": samples, "baseline": after[0], "growth_after_warmup": growth, "rss_drift_mib": drift,
+            "final_vs_baseline": {"rss_mib": -3.5, "fds": -3, "threads_py": 0, "threads_os": 0},
+            "all_dumps_loadable": True, "dumps": []}

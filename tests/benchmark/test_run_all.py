@@ -38,7 +38,10 @@ def write(results, name, payload):
     return payload
 
 
-def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=()):
+SOAK_RSS = [300.0, 310.0, 320.0, 322.0, 325.0, 321.0, 324.0, 326.0, 323.0, 325.0, 324.0, 326.0, 322.0]
+
+
+def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True):
     p = {
         "table": write(results, "bench_table.json", samples.table({
             0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
@@ -51,6 +54,8 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
             {"dynamic": 0.060, "native": 0.050, "mc": 0.240}, failed=failed_models)),
         "inference": write(results, "inference.json", samples.inference(INF_CASES)),
     }
+    if with_soak:
+        p["soak"] = write(results, "soak.json", samples.soak(SOAK_RSS))
     if with_tiers:
         p["tiers"] = write(results, "bench_tiers.json", samples.tiers(
             [(b, f, pf, 20.0 * (1 + (1 - f) * (2 if b == "file" else 1) * (0.5 if pf else 1)), f ** 0.2)
@@ -67,7 +72,7 @@ def run_cli(*args):
     return r.returncode, r.stdout + r.stderr
 
 
-def test_from_json_merges_all_benchmarks_and_draws_six_panels(tmp_path):
+def test_from_json_merges_all_benchmarks_and_draws_every_panel(tmp_path):
     res = str(tmp_path)
     payloads = all_payloads(res)
     rc, out = run_cli("--from-json", "--results-dir", res)
@@ -133,19 +138,25 @@ def test_from_json_merges_all_benchmarks_and_draws_six_panels(tmp_path):
     assert "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md
     assert "| DynamicEmbDump | 2.00 | 0.20 |" in md
 
-    # Six panels, two a row: 16 x (1.2 + 3 x 4.8) inches at 100 dpi.
-    assert png_size(tmp_path / "summary.png") == (1600, 1560)
-    assert "6 panels" in out
+    so = k["soak"]
+    assert [x["rss_mib"] for x in so["samples"]] == SOAK_RSS and so["warmup"] == 150
+    # After warm-up (step >= 150: from the 4th sample, 322) the peak is 326; the thirds' peaks are 325 and 326.
+    assert so["growth_after_warmup"]["rss_mib"] == pytest.approx(4.0) and so["rss_drift_mib"] == pytest.approx(1.0)
+    assert "| max growth | 4.0 | 0 | 0 |" in md
+
+    # Seven panels, two a row: 16 x (1.2 + 4 x 4.8) inches at 100 dpi.
+    assert png_size(tmp_path / "summary.png") == (1600, 2040)
+    assert "7 panels" in out
 
 
 def test_missing_benchmarks_are_left_out_of_the_picture(tmp_path):
     res = str(tmp_path)
-    payloads = all_payloads(res, with_tiers=False, with_checkpoint=False, failed_models=("mc",))
+    payloads = all_payloads(res, with_tiers=False, with_checkpoint=False, failed_models=("mc",), with_soak=False)
     rc, out = run_cli("--from-json", "--results-dir", res)
     assert rc == 0, out
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["benchmarks"] == payloads
-    for name in ("tiers", "checkpoint"):
+    for name in ("tiers", "checkpoint", "soak"):
         assert s["runs"][name]["status"] == "missing" and name not in s["key_numbers"]
     assert s["key_numbers"]["torchrec"]["models"]["mc"] == {"status": "n/a", "reason": "rank 0: RuntimeError: boom"}
     assert "n/a: rank 0: RuntimeError: boom" in (tmp_path / "summary.md").read_text()
@@ -258,7 +269,7 @@ def test_a_script_past_the_timeout_is_ended_with_the_processes_it_started(tmp_pa
 
 
 def test_a_json_without_the_expected_fields_is_reported_and_left_out(tmp_path):
-    all_payloads(str(tmp_path), with_tiers=False)
+    all_payloads(str(tmp_path), with_tiers=False, with_soak=False)
     write(str(tmp_path), "bench_checkpoint.json", {"benchmark": "bench_checkpoint", "config": {}})
     assert run_all.main(["--results-dir", str(tmp_path), "--from-json"]) == 1
     s = json.loads((tmp_path / "summary.json").read_text())
