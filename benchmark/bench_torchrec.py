@@ -83,6 +83,19 @@ def zipf_ids(n: int, alpha: float, g: torch.Generator, salt: int) -> torch.Tenso
     return scramble((ranks + salt) & _MASK)
 
 
+def with_new_ids(values: torch.Tensor, share: float, step: int, rank: int, g: torch.Generator) -> torch.Tensor:
+    """`values` with a `share` of its positions (chosen at random) replaced
+    by ids never used before: a counter unique to (step, rank, position),
+    scrambled into the key range (a Zipf id meeting one by chance is
+    negligible), so the tables grow, then evict, at every step."""
+    n = values.numel()
+    pick = torch.randperm(n, generator=g)[:round(share * n)]
+    fresh = (2**39 + ((step * 64 + rank) << 24)) + torch.arange(pick.numel(), dtype=torch.int64)
+    out = values.clone()
+    out[pick] = scramble(fresh & _MASK)
+    return out
+
+
 def make_batches(args, rank, n_steps):
     """(features, labels) per step for this rank: raw keys (dynamic, mc) or
     folded keys (native) in one KJT of `tables` features."""
@@ -94,6 +107,9 @@ def make_batches(args, rank, n_steps):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + rank)
         per = args.batch * args.pooling
         values = torch.cat([zipf_ids(per, args.alpha, g, salt=t * 0x9E3779B1) for t in range(args.tables)])
+        new_share = getattr(args, "new_share", 0.0)
+        if new_share > 0:
+            values = with_new_ids(values, new_share, step, rank, g)
         lengths = torch.full((args.tables * args.batch,), args.pooling, dtype=torch.int64)
         labels = torch.randint(0, 2, (args.batch,), generator=g).float()
         out.append((keys, values, lengths, labels))
@@ -439,6 +455,8 @@ def main():
     ap.add_argument("--batch", type=int, default=4096, help="samples per rank per step")
     ap.add_argument("--pooling", type=int, default=10, help="ids per sample per feature")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    ap.add_argument("--new-share", type=float, default=0.0,
+                    help="share of each step's ids replaced by ids never seen before (growth and eviction)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2,
@@ -526,7 +544,9 @@ def main():
                    "ebc": f"{args.tables} tables x dim {args.dim}, SUM pooling, one feature per table",
                    "batch_per_rank": args.batch, "pooling_factor": args.pooling,
                    "ids": f"Zipf({args.alpha}) over [0, 2**40) (truncated power-law inverse CDF, fixed scramble), "
-                          "per step, rank and table; generated before timing",
+                          "per step, rank and table; generated before timing"
+                          + (f"; {100 * args.new_share:g}% of them replaced by ids never seen before"
+                             if args.new_share else ""),
                    "dense": f"Linear({args.tables * args.dim} -> 1), BCE-with-logits vs random labels, SGD "
                             f"lr {args.lr} (DDP over gloo)",
                    "step": "forward + backward (fused table update) + dense SGD step, between barriers; a step's "
