@@ -20,7 +20,7 @@ kernel in place (cuda_view).
 import json
 import os
 import struct
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -132,12 +132,16 @@ def cuda_view(whole: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _HostBytes:
-    """__cuda_array_interface__ of registered host bytes; holds them alive."""
+    """__cuda_array_interface__ of registered host bytes; holds them alive,
+    and unregisters them when the CUDA tensor over them goes."""
 
     def __init__(self, whole: torch.Tensor):
         self.whole = whole
         self.__cuda_array_interface__ = {"shape": (whole.numel(),), "typestr": "|u1", "data": (whole.data_ptr(), True),
                                          "version": 3, "strides": None}
+
+    def __del__(self):
+        torch.cuda.cudart().cudaHostUnregister(self.whole.data_ptr())
 
 
 def load(cls, path: str, mmap: bool = True, device=None):
@@ -163,5 +167,4 @@ def load(cls, path: str, mmap: bool = True, device=None):
         if not k.startswith("weight_"):
             t = t.clone() if device.type == "cuda" and mmap else t.to(device)
         m.register_buffer(k, t.to(device))
-    m.mapped_from: Optional[str] = path if mmap else None
     return m

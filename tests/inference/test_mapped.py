@@ -133,3 +133,38 @@ def test_serves_a_table_4x_its_memory(tmp_path, dtype, dim):
     grown = rep["most"]["RssAnon"] - rep["before"]["RssAnon"]
     print(f"\n{dtype}: table {table_bytes / 2**20:.1f} MiB, RssAnon grew {grown / 2**20:.1f} MiB (before {rep['before']['RssAnon'] / 2**20:.0f} MiB); RssFile {rep['most']['RssFile'] / 2**20:.0f} MiB")
     assert grown < table_bytes // 4, (grown, table_bytes, rep)
+
+
+def test_cli_save_and_serve(tmp_path, capsys):
+    """A dump -> `save` -> `serve` (mapped, and read), against from_dump's module."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbTableOptions
+    from dynamicemb.inference.__main__ import main
+    module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=1024)] * 2,
+                                           table_names=["u", "v"], feature_names=[["uf"], ["vf"]])
+    module(torch.arange(40), torch.arange(0, 41, 10)).sum().backward()
+    dump, table = str(tmp_path / "dump"), str(tmp_path / "t.safetensors")
+    DynamicEmbDump(dump, module)
+    batch = {"values": [1, 2, 3, 50, 7], "offsets": [0, 2, 3, 3, 5]}
+    (tmp_path / "batch.json").write_text(json.dumps(batch))
+    main(["save", dump, table, "--dtype", "int8"])
+    assert "saved 40 keys" in capsys.readouterr().out
+    want = InferenceEmbeddingTable.from_dump(dump, dtype="int8")(torch.tensor(batch["values"]),
+                                                                  torch.tensor(batch["offsets"]))
+    for extra in ([], ["--no-mmap"]):
+        main(["serve", table, "--input", str(tmp_path / "batch.json"), "--output", str(tmp_path / "out.pt")] + extra)
+        assert torch.equal(torch.load(tmp_path / "out.pt"), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cuda_mapped_rows(tmp_path, dtype):
+    """On CUDA: the index in device memory, the rows read from the registered
+    host mapping; the same answers as the table held in device memory."""
+    tables = _tables()
+    m = InferenceEmbeddingTable(tables, pooling=["MEAN", "SUM"], dtype=dtype, device="cuda")
+    path = m.save(str(tmp_path / "t.safetensors"))
+    mapped = InferenceEmbeddingTable.load(path, device="cuda")
+    assert mapped.slot_keys.is_cuda and mapped.weight_0.is_cuda
+    for s in range(3):
+        batch = tuple(x.cuda() for x in _batch(tables, 3, 5, 3, s, False))
+        assert torch.equal(mapped(*batch), m(*batch))
