@@ -47,7 +47,8 @@ def _config(module) -> dict:
 
 def save(module, path: str) -> str:
     """Writes `module` (an InferenceEmbeddingTable) to the safetensors file
-    `path`, streaming each buffer (no second copy), and fsyncs it."""
+    `path`, streaming each buffer (no second copy), fsynced, replacing any
+    file there atomically."""
     bufs = {k: v.detach().cpu().contiguous() for k, v in module.named_buffers()}
     order = sorted(bufs, key=lambda k: -bufs[k].element_size())  # each tensor aligned to its element size
     header, offset = {}, 0
@@ -58,13 +59,22 @@ def save(module, path: str) -> str:
     header["__metadata__"] = {"format": FORMAT, "config": json.dumps(_config(module))}
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % _PAGE)  # the data starts on a page (the format allows trailing spaces)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
-        for k in order:
-            if bufs[k].numel():
-                f.write(memoryview(bufs[k].view(torch.uint8).numpy()).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
+    # Written beside and renamed over `path`: a process serving the old file
+    # keeps its pages (truncating a mapped file would fault its readers).
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for k in order:
+                if bufs[k].numel():
+                    f.write(memoryview(bufs[k].view(torch.uint8).numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return path
 
 

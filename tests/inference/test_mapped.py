@@ -168,3 +168,16 @@ def test_cuda_mapped_rows(tmp_path, dtype):
     for s in range(3):
         batch = tuple(x.cuda() for x in _batch(tables, 3, 5, 3, s, False))
         assert torch.equal(mapped(*batch), m(*batch))
+
+
+def test_save_over_a_served_file(tmp_path):
+    """Saving over the file a mapped table serves replaces it (rename): the
+    served table keeps answering from the old rows, a new load reads the new."""
+    old, new = InferenceEmbeddingTable(_tables(0)), InferenceEmbeddingTable(_tables(1))
+    path = old.save(str(tmp_path / "t.safetensors"))
+    served = InferenceEmbeddingTable.load(path)
+    new.save(path)
+    batch = _batch(_tables(0), 3, 4, 2, 0, False)
+    assert torch.equal(served(*batch), old(*batch))
+    assert torch.equal(InferenceEmbeddingTable.load(path)(*batch), new(*batch))
+    assert os.listdir(tmp_path) == ["t.safetensors"]
