@@ -6,13 +6,19 @@ Batch: 512 samples x 26 features (one table each) x 10 ids per bag, Zipf(1.05)
 ids over each table's rows. Compared, on the same rows:
   - dynamicemb exported program (torch.export of InferenceEmbeddingTable), float32 and int8;
   - TorchRec's quantized CPU inference EmbeddingBagCollection (int8, a static table: ids are row numbers);
-  - the training module's eval path (BatchedDynamicEmbeddingTables.eval()).
+  - the training module's eval path (BatchedDynamicEmbeddingTables.eval());
+  - the same tables saved and memory-mapped (InferenceEmbeddingTable.load(path,
+    mmap=True), float32 and int8): warm (pages in the page cache), and cold
+    (the file's pages evicted with posix_fadvise(DONTNEED) before each load:
+    the first batch after the load).
 Reports ids/s (Mkeys/s = 2^20 ids/s) at the median batch time and p50 / p99
 batch latency; writes benchmark/results/inference.json. Target: the int8
 program at >= 0.8x the rate of TorchRec's quantized module.
 """
 import argparse
+import os
 import statistics
+import tempfile
 
 import torch
 
@@ -27,11 +33,29 @@ def zipf_ids(rows: int, n: int, g: torch.Generator, s: float = 1.05) -> torch.Te
     return torch.multinomial(p / p.sum(), n, replacement=True, generator=g)
 
 
+def cold_first_batch(path: str, batch, repeats: int) -> list:
+    """Seconds of the first batch of a freshly mapped table whose pages were
+    evicted from the page cache (as after a restart on a cold machine)."""
+    from dynamicemb.inference import InferenceEmbeddingTable
+    times = []
+    for _ in range(repeats):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file was fsynced: no dirty page stays
+        os.close(fd)
+        m = InferenceEmbeddingTable.load(path, mmap=True)
+        dt, _ = timed(lambda: m(*batch), torch.device("cpu"))
+        times.append(dt)
+        del m
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--cold-repeats", type=int, default=5)
+    ap.add_argument("--tmp", default=None, help="where the mapped tables' files go (default: a temporary folder)")
     ap.add_argument("--out", default=default_out("inference"))
     args = ap.parse_args()
     import torchrec
@@ -55,11 +79,16 @@ def main():
                                                                 offsets)))
     n_ids = FEATURES * BATCH * POOL
 
-    progs = {}
+    progs, mapped, files, file_bytes = {}, {}, {}, {}
+    tmp = tempfile.TemporaryDirectory(dir=args.tmp)
     for dtype in ("float32", "int8"):
         m = InferenceEmbeddingTable([FrozenTable(n, k, w, [n + "_f"]) for n, k, w in zip(names, keys, weights)],
                                     dtype=dtype)
         progs[dtype] = (export(m).module(), m.memory_bytes())
+        files[dtype] = m.save(os.path.join(tmp.name, f"{dtype}.safetensors"))
+        file_bytes[dtype] = os.path.getsize(files[dtype])
+        mapped[dtype] = InferenceEmbeddingTable.load(files[dtype], mmap=True)
+        del m
     ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
         name=n, embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[n + "_f"]) for n in names])
     with torch.no_grad():
@@ -80,6 +109,8 @@ def main():
         "dynamicemb program int8": lambda b: progs["int8"][0](*b["dyn"]),
         "torchrec quantized EBC int8 (static)": lambda b: qebc(b["static"]).values(),
         "training module eval (float32)": lambda b: train(*b["dyn"]),
+        "mapped float32 (warm)": lambda b: mapped["float32"](*b["dyn"]),
+        "mapped int8 (warm)": lambda b: mapped["int8"](*b["dyn"]),
     }
     # Same answers where the rows are the same (float32 program vs the training module).
     assert torch.equal(cases["dynamicemb program float32"](batches[0]), cases["training module eval (float32)"](batches[0]))
@@ -91,6 +122,10 @@ def main():
                 dt, _ = timed(lambda: fn(batches[r % len(batches)]), dev)
                 if r >= 2:
                     times[name].append(dt)
+        for dtype in ("float32", "int8"):
+            times[f"mapped {dtype} (cold: first batch)"] = cold_first_batch(files[dtype], batches[0]["dyn"],
+                                                                           args.cold_repeats)
+    tmp.cleanup()
     ref = statistics.median(times["torchrec quantized EBC int8 (static)"])
     rows, results = [], {}
     for name, ts in times.items():
@@ -103,11 +138,12 @@ def main():
           f"{args.dim}, {torch.get_num_threads()} threads")
     print(format_table(["case", "Mids/s", "p50 ms", "p99 ms", "vs torchrec int8"], rows))
     print(f"memory: program float32 {progs['float32'][1] / 2**20:.0f} MiB, int8 {progs['int8'][1] / 2**20:.0f} MiB "
-          f"(raw float32 rows {FEATURES * args.rows * args.dim * 4 / 2**20:.0f} MiB)")
+          f"(raw float32 rows {FEATURES * args.rows * args.dim * 4 / 2**20:.0f} MiB); mapped files float32 "
+          f"{file_bytes['float32'] / 2**20:.0f} MiB, int8 {file_bytes['int8'] / 2**20:.0f} MiB (in the page cache)")
     ok = results["dynamicemb program int8"]["vs_torchrec_int8"] >= 0.8
     print(f"target (int8 program >= 0.8x torchrec int8): {'met' if ok else 'NOT met'}")
     path = write_json(args.out, dict(env=env_info(dev), config=vars(args), results=results,
-                                     memory_bytes={k: v[1] for k, v in progs.items()}))
+                                     memory_bytes={k: v[1] for k, v in progs.items()}, mapped_file_bytes=file_bytes))
     print(f"wrote {path}")
 
 

@@ -177,6 +177,23 @@ class InferenceEmbeddingTable(nn.Module):
             pooling = [v["pooling"] for v in found.values()]
         return cls(tables, pooling=pooling, dtype=dtype, **kwargs)
 
+    def save(self, path: str) -> str:
+        """Writes the table to one safetensors file `path` (its hash index,
+        rows and configuration) that load() maps; returns `path`."""
+        from dynamicemb.inference.mapped import save
+        return save(self, path)
+
+    @classmethod
+    def load(cls, path: str, mmap: bool = True, device=None) -> "InferenceEmbeddingTable":
+        """The table saved at `path`. With mmap (the default) its buffers are
+        views of a memory map of the file: served through the page cache
+        with no copy in the process's memory, so a table larger than the
+        memory the process may use is served; on CUDA the hash index is
+        copied to the device and the rows are read from the mapped host
+        pages (registered with CUDA). mmap=False reads it into memory."""
+        from dynamicemb.inference.mapped import load
+        return load(cls, path, mmap=mmap, device=device)
+
     # ---- what it holds -----------------------------------------------------------------
 
     def weights(self) -> List[torch.Tensor]:
