@@ -241,7 +241,7 @@ def test_optimizer_state_layouts_map_to_ours(tmp_path, nv, width, ours, state):
     rows = source_rows(8, S.STEP, seed=3, opt_width=width)
     src = _dump_a(tmp_path, rows, {"opt_type": nv, "lr": 0.05, "eps": 1e-8, "initial_accumulator_value": 0.0},
                   opt=width > 0)
-    import_nvidia(src, str(tmp_path / "dst"), score_strategy="STEP")
+    import_nvidia(src, str(tmp_path / "dst"), score_strategy="STEP", world_size=1)  # loads in its layout
     m = _plain(ours)
     DynamicEmbLoad(str(tmp_path / "dst"), m)
     got = H.entries(m)["a"]
