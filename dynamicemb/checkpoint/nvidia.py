@@ -39,6 +39,7 @@ from dynamicemb.checkpoint.format import (FORMAT_VERSION, CheckpointError, Synce
 from dynamicemb.fsync import fsync_dir
 from dynamicemb.optimizer import optimizer_code
 from dynamicemb.options import DynamicEmbInitializerArgs, DynamicEmbInitializerMode
+from dynamicemb.positions import by_group
 from dynamicemb.routing import owners
 from dynamicemb.types import DynamicEmbScoreStrategy, strategy_code
 
@@ -244,6 +245,21 @@ def import_nvidia(src: str, dst: str, score_strategy=None, dist_type="hash_round
     return manifest
 
 
+def _by_owner(part: Dict[str, torch.Tensor], own: torch.Tensor, world: int):
+    """(rank, its rows of part) per rank owning some: one grouping of the
+    positions and one gather per tensor, then contiguous slices."""
+    if world == 1:
+        yield 0, part
+        return
+    order, counts = by_group(own, world)
+    part = {k: v.index_select(0, order) for k, v in part.items()}
+    start = 0
+    for d, c in enumerate(counts):
+        if c:
+            yield d, {k: v[start:start + c] for k, v in part.items()}
+        start += c
+
+
 def _strategy(table: str, meta: dict, given) -> int:
     s = given if given is not None else meta.get("score_strategy", "TIMESTAMP")
     if isinstance(s, str):
@@ -306,15 +322,19 @@ def _import_table(root, name, t, score_strategy, dist_type, num_embeddings, worl
         if have_scores and os.path.getsize(files["emb_scores"][r]) != 8 * rows[r]:
             raise NvidiaImportError(f"table {name!r}: {files['emb_scores'][r]} does not hold one int64 score "
                                     f"per key ({rows[r]})")
+    clock = rules.score_is_clock(strategy)
+    current = meta.get("current_score")
+    # The newest score: the reference of clock ages without the dump's time, the step or score without
+    # the dump's current one (one pass over the score files, 8 bytes a row).
+    need_top = clock and "timestamp" not in meta or not clock and current is None and (
+        rules.scored_by_step(strategy) or rules.scored_by_caller(strategy))
     top = 0
-    if have_scores:
+    if have_scores and need_top:
         for r in range(world):
             for s in range(0, rows[r], chunk_rows):
                 top = max(top, int(_read(files["emb_scores"][r], s, min(chunk_rows, rows[r] - s), 1,
                                          torch.int64).max()))
-    clock = rules.score_is_clock(strategy)
     ref = int(meta.get("timestamp", top)) if clock else 0
-    current = meta.get("current_score")
     parts = [0] * world_out
     files_out, rows_out = [], [0] * world_out
 
@@ -333,12 +353,9 @@ def _import_table(root, name, t, score_strategy, dist_type, num_embeddings, worl
             if has_state:
                 st = _read(files["opt_values"][r], s, c, their_width, sdt) if has_opt else torch.zeros(c, 0)
                 part["optimizer_state"] = _map_state(ours, st, width).to(out_dt).contiguous()
-            own = owners(keys, dist_type, world_out, num_embeddings)
-            for d in range(world_out):
-                keep = own == d
-                if bool(keep.any()):
-                    emit(d, "part", {k: v[keep] for k, v in part.items()})
-                    rows_out[d] += int(keep.sum())
+            for d, rows_d in _by_owner(part, owners(keys, dist_type, world_out, num_embeddings), world_out):
+                emit(d, "part", rows_d)
+                rows_out[d] += rows_d["keys"].numel()
     counter = bool(files.get("counter_keys"))
     for r in range(world) if counter else ():
         n, rem = divmod(os.path.getsize(files["counter_keys"][r]), 8)
@@ -349,11 +366,9 @@ def _import_table(root, name, t, score_strategy, dist_type, num_embeddings, worl
             c = min(chunk_rows, n - s)
             keys = _read(files["counter_keys"][r], s, c, 1, torch.int64)
             counts = _read(files["counter_frequencies"][r], s, c, 1, torch.int64)
-            own = owners(keys, dist_type, world_out, num_embeddings)
-            for d in range(world_out):
-                keep = own == d
-                if bool(keep.any()):
-                    emit(d, "counter", {"keys": keys[keep], "counts": counts[keep]})
+            for d, rows_d in _by_owner({"keys": keys, "counts": counts},
+                                       owners(keys, dist_type, world_out, num_embeddings), world_out):
+                emit(d, "counter", rows_d)
     step = custom = 0
     if rules.scored_by_step(strategy):  # their current score is the next step's; ours the last step
         step = int(current) - 1 if current is not None else top
