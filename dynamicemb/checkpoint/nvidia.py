@@ -144,7 +144,11 @@ def _discover(src: str) -> Dict[str, dict]:
                                         f"{m['world']} in {d}")
             t["files"].setdefault(m["item"], {})[int(m["rank"])] = os.path.join(d, n)
     if not found:
-        raise NvidiaImportError(f"{src} holds no NVIDIA dynamicemb dump files (TABLE_emb_keys.rank_R.world_size_W)")
+        old = sorted(n for _, _, ns in os.walk(src) for n in ns if n.endswith("_keys"))
+        hint = (f"; {old[0]} looks like their first layout (TABLE_keys / TABLE_values, before per-rank file "
+                f"names): load it with NVIDIA dynamicemb and dump it again") if old else ""
+        raise NvidiaImportError(f"{src} holds no NVIDIA dynamicemb dump files (TABLE_emb_keys.rank_R.world_size_W)"
+                                + hint)
     for name, t in found.items():
         meta_path = os.path.join(t["dir"], f"{name}_opt_args.json")
         t["meta"] = {}

@@ -292,6 +292,15 @@ def test_missing_rank_file_is_refused(tmp_path):
         import_nvidia(src, str(tmp_path / "dst"))
 
 
+def test_not_a_dump_is_refused(tmp_path):
+    os.makedirs(tmp_path / "v1")
+    (tmp_path / "v1" / "a_keys").write_bytes(b"\0" * 8)
+    with pytest.raises(NvidiaImportError, match="a_keys looks like their first layout"):
+        import_nvidia(str(tmp_path / "v1"), str(tmp_path / "dst"))
+    with pytest.raises(NvidiaImportError, match="no NVIDIA dynamicemb dump at"):
+        import_nvidia(str(tmp_path / "none"), str(tmp_path / "dst2"))
+
+
 def test_timestamp_ages_without_dump_time_count_from_the_newest(tmp_path):
     """Without the dump's timer reading, TIMESTAMP ages count from the
     table's newest score: the newest key loads as the most recent."""
