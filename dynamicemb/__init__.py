@@ -1,5 +1,6 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
-from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.aliases import DynamicEmbEvictStrategy
+from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables, BatchedDynamicEmbeddingTablesV2
 from dynamicemb.optimizer import EmbOptimType
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
@@ -23,7 +24,9 @@ from dynamicemb.types import (
 
 __all__ = [
     "BatchedDynamicEmbeddingTables",
+    "BatchedDynamicEmbeddingTablesV2",
     "DynamicEmbDump",
+    "DynamicEmbEvictStrategy",
     "DynamicEmbInitializerArgs",
     "DynamicEmbLoad",
     "DynamicEmbInitializerMode",

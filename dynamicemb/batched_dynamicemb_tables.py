@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dynamicemb._ops import ops
+from dynamicemb.aliases import renamed
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
@@ -407,3 +408,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         """{table_name: {size, capacity, inserted, evicted, failed, admission_rejected, nonfinite_grads}}."""
         return {n: dict(self.storage.stats(t), nonfinite_grads=int(self.nonfinite_grads[t]))
                 for t, n in enumerate(self.table_names)}
+
+
+class BatchedDynamicEmbeddingTablesV2(BatchedDynamicEmbeddingTables):
+    """NVIDIA dynamicemb's name of this module (deprecated): the same module,
+    with a DeprecationWarning that names ours."""
+
+    def __init__(self, *args, **kwargs):
+        renamed("BatchedDynamicEmbeddingTablesV2", "BatchedDynamicEmbeddingTables")
+        super().__init__(*args, **kwargs)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
+from dynamicemb.aliases import flat_per_table
 from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.types import strategy_label
 
@@ -22,10 +23,17 @@ __all__ = ["get_score", "incremental_dump", "set_score"]
 Threshold = Union[int, Dict[str, int]]
 
 
-def _per_table(value: Threshold, name: str) -> int:
+def _per_table(value: Threshold, name: str, strategy: int) -> int:
     if isinstance(value, dict):
         if name not in value:
-            raise ValueError(f"no score threshold given for table {name!r}")
+            hint = ""
+            if not (rules.scored_by_step(strategy) or rules.scored_by_caller(strategy)):
+                # The NVIDIA porting idiom incremental_dump(m, get_score(m)) lands here.
+                hint = (f": table {name!r} scores by {strategy_label(strategy)}, which get_score(model) does not "
+                        f"return (STEP and CUSTOMIZED tables only); pass the thresholds the previous "
+                        f"incremental_dump returned (its second result), or 0 the first time (every row), or "
+                        f"one int for every table")
+            raise ValueError(f"no score threshold given for table {name!r}{hint}")
         return int(value[name])
     return int(value)
 
@@ -36,9 +44,11 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
     device. With `pg`, every rank receives the keys and values of all ranks
     (concatenated in rank order) on the CPU."""
     out, nxt = {}, {}
+    score_threshold = flat_per_table(score_threshold, "incremental_dump(score_threshold=...)",
+                                     "{table: threshold} (or one int)")
     for name, ref in model_tables(model, what="incremental_dump").items():
         now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
-        threshold = _per_table(score_threshold, name)
+        threshold = _per_table(score_threshold, name, ref.storage.strategy(ref.index))
         storage, t = ref.storage, ref.index
         keys, values = [], []
         for k, rows, _ in storage.export(t, threshold=threshold):
@@ -80,14 +90,15 @@ def set_score(model: torch.nn.Module, score: Threshold) -> None:
     STEP counter, for every such table or per table name. Tables sharing a
     module share its step."""
     tables = model_tables(model, what="set_score")
+    score = flat_per_table(score, "set_score(score=...)", "{table: score} (or one int)")
     if isinstance(score, dict) and set(score) - set(tables):
         raise ValueError(f"set_score: the model has no dynamic tables named {sorted(set(score) - set(tables))}; "
                          f"it has {sorted(tables)}")
     for name, ref in tables.items():
         if isinstance(score, dict) and name not in score:
             continue
-        value = _per_table(score, name)
         strategy = ref.storage.strategy(ref.index)
+        value = _per_table(score, name, strategy)
         if rules.scored_by_caller(strategy):
             ref.storage.custom_scores[ref.index] = value
         elif rules.scored_by_step(strategy):

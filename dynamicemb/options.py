@@ -3,12 +3,14 @@ import enum
 import math
 import numbers
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from dynamicemb import rules
+from dynamicemb.aliases import renamed, score_strategy_of_evict
 from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy, strategy_code
 
@@ -21,6 +23,14 @@ class DynamicEmbInitializerMode(enum.IntEnum):
     UNIFORM = 2
     CONSTANT = 3
     DEBUG = 4  # key mod 100000 / 100 + j / 10000: readable values for tests
+
+    @classmethod
+    def _missing_(cls, value):
+        """NVIDIA's string values ("uniform"): accepted, with a DeprecationWarning."""
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            renamed(f"DynamicEmbInitializerMode({value!r})", f"DynamicEmbInitializerMode.{value.upper()}", 5)
+            return cls[value.upper()]
+        return None
 
 
 @dataclass
@@ -99,6 +109,19 @@ def _positive_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
 
 
+_WARNED_STORAGES = weakref.WeakSet()  # external_storage objects already warned about
+
+
+def _first_sight(obj) -> bool:
+    try:
+        if obj in _WARNED_STORAGES:
+            return False
+        _WARNED_STORAGES.add(obj)
+    except TypeError:  # not weakly referable: warn each time
+        pass
+    return True
+
+
 @dataclass
 class DynamicEmbTableOptions:
     dim: Optional[int] = None
@@ -133,6 +156,12 @@ class DynamicEmbTableOptions:
     # HostStore (host memory).
     backing_store: Optional[object] = None
     storage_path: Optional[str] = None
+    # NVIDIA dynamicemb's names (deprecated, API.md "Coming from NVIDIA
+    # dynamicemb"): evict_strategy sets score_strategy; external_storage (an
+    # NVIDIA Storage) becomes the backing store of a cached table
+    # (dynamicemb.tiers.NvidiaStorageStore wraps it).
+    evict_strategy: Optional[object] = None
+    external_storage: Optional[object] = None
 
     @property
     def local_hbm_for_values(self) -> int:
@@ -154,8 +183,29 @@ class DynamicEmbTableOptions:
         return max(self.bucket_capacity, min(rows, self.max_capacity))
 
     def __post_init__(self):
+        self._aliases()
         # Fields the planner fills in later (dim, max_capacity, ...) may be None here.
         self._check(lambda msg: f"DynamicEmbTableOptions: {msg}", complete=False)
+
+    def _aliases(self) -> None:
+        """NVIDIA's option names as ours (aliases.py)."""
+        if self.evict_strategy is not None:
+            strategy = score_strategy_of_evict(self.evict_strategy)
+            renamed(f"evict_strategy={self.evict_strategy}", f"score_strategy=DynamicEmbScoreStrategy.{strategy.name}"
+                    " (eviction follows the score strategy)", 5)
+            # As in NVIDIA's, an explicit score strategy decides; the default (TIMESTAMP) yields.
+            if self.score_strategy is DynamicEmbScoreStrategy.TIMESTAMP:
+                self.score_strategy = strategy
+            self.evict_strategy = None
+        # Once per storage: the module re-creates options (dataclasses.replace) with it.
+        if self.external_storage is not None and _first_sight(self.external_storage):
+            renamed("external_storage", "backing_store (a dynamicemb.tiers.BackingStore, with caching=True and "
+                    "global_hbm_for_values for the cache in front of it); an NVIDIA Storage is wrapped by "
+                    "dynamicemb.tiers.NvidiaStorageStore", 5)
+        if self.external_storage is not None:
+            if self.backing_store is not None:
+                raise ValueError("DynamicEmbTableOptions: give backing_store or external_storage, not both")
+            self.caching = True
 
     def validate(self, name: str, complete: bool = True) -> None:
         """Raises ValueError naming the table for options that cannot work
@@ -219,8 +269,9 @@ class DynamicEmbTableOptions:
         if not complete:  # caching, the cache's bytes and its store may be set in either order
             return
         if self.caching and self.global_hbm_for_values <= 0:
-            bad("caching=True needs global_hbm_for_values > 0: the bytes of the cache (values and optimizer "
-                "state) over all ranks")
+            bad(("external_storage puts a cache in front of the store: " if self.external_storage is not None
+                 else "") + "caching=True needs global_hbm_for_values > 0: the bytes of the cache (values and "
+                "optimizer state) over all ranks")
         if (self.backing_store is not None or self.storage_path is not None) and not self.caching:
             bad("backing_store and storage_path are for caching=True (rows the cache does not hold)")
 

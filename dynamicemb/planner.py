@@ -133,7 +133,7 @@ class DynamicEmbeddingShardingPlanner:
         row = self._value_bytes(name) // o.max_capacity
         cached = o.cache_rows(row, 1)
         device = cached * (row + _TABLE_BYTES_PER_SLOT)
-        if o.backing_store is not None:
+        if o.backing_store is not None or o.external_storage is not None:
             return device, 0
         index = o.max_capacity * (_TABLE_BYTES_PER_SLOT + 8)
         return device, index + (0 if o.storage_path is not None else self._value_bytes(name))

@@ -3,7 +3,10 @@
 Prints the manifest summary (tables, rows per rank, dims, optimizer, sizes)
 and verifies every file's size and checksum (exit status 1 if one fails).
 Also lists PATH.tmp-* / PATH.old-* siblings: left by dumps that died (or still
-being written); delete them when no dump to PATH is running."""
+being written); delete them when no dump to PATH is running.
+
+Import a dump of NVIDIA dynamicemb: python -m dynamicemb.checkpoint
+import-nvidia SRC DST [options] (see import-nvidia --help)."""
 import argparse
 import os
 import sys
@@ -29,7 +32,51 @@ def _list_stale(path: str) -> None:
               f"delete it if no dump to this path is running)")
 
 
+def import_main(argv) -> int:
+    """python -m dynamicemb.checkpoint import-nvidia SRC DST [options]"""
+    from dynamicemb.checkpoint.nvidia import import_nvidia
+
+    ap = argparse.ArgumentParser(prog="python -m dynamicemb.checkpoint import-nvidia",
+                                 description="Writes the dump NVIDIA dynamicemb's DynamicEmbDump wrote at SRC as a "
+                                             "dynamicemb checkpoint at DST (loads on any world size). A "
+                                             "per-table option takes VALUE or TABLE=VALUE,TABLE=VALUE.")
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--score-strategy", default=None,
+                    help="the tables' score strategy (TIMESTAMP, STEP, CUSTOMIZED, LFU, NO_EVICTION); default: "
+                         "the dump's metadata, else TIMESTAMP")
+    ap.add_argument("--dist-type", default="hash_roundrobin", help="the target model's dist_type")
+    ap.add_argument("--num-embeddings", default=None, help="the tables' num_embeddings (continuous)")
+    ap.add_argument("--world-size", type=int, default=None, help="ranks to split the files for (default: the dump's)")
+    ap.add_argument("--optimizer", default=None, help="NVIDIA's optimizer (EmbOptimType value) where the dump "
+                                                      "does not record it")
+    ap.add_argument("--no-optim", action="store_true", help="drop the optimizer state")
+    ap.add_argument("--dtype", default=None, help="the target model's embedding dtype (default: the dump's)")
+    ap.add_argument("--dim", default=None, help="the dim, for a dump without rows")
+    args = ap.parse_args(argv)
+
+    def per_table(v, kind=str):  # "VALUE" or "TABLE=VALUE,TABLE=VALUE"
+        if v is None or "=" not in str(v):
+            return None if v is None else kind(v)
+        return {t: kind(x) for t, x in (p.split("=", 1) for p in str(v).split(","))}
+    try:
+        m = import_nvidia(args.src, args.dst, score_strategy=per_table(args.score_strategy),
+                          dist_type=per_table(args.dist_type), num_embeddings=per_table(args.num_embeddings, int),
+                          world_size=args.world_size, optimizer=per_table(args.optimizer), optim=not args.no_optim,
+                          dtype=per_table(args.dtype), dim=per_table(args.dim, int))
+    except (CheckpointError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rows = {n: sum(t["rows_per_rank"]) for n, t in m["tables"].items()}
+    print(f"{args.dst}: imported {len(rows)} table(s) from {args.src}: "
+          + ", ".join(f"{n} ({r} rows)" for n, r in sorted(rows.items())))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "import-nvidia":
+        return import_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m dynamicemb.checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
+from dynamicemb.aliases import flat_per_table
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.stats import dynamic_modules
 from dynamicemb.storage_protocol import require_checkpoint_protocol
@@ -66,6 +67,7 @@ def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = 
             tables[name] = TableRef(m, i)
     if table_names is None:
         return tables
+    table_names = flat_per_table(table_names, f"{what}(table_names=...)", "a list of table names")
     missing = [n for n in table_names if n not in tables]
     if missing:
         raise ValueError(f"the model has no dynamic tables named {missing}; it has {sorted(tables)}")

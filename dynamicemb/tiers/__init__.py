@@ -10,9 +10,10 @@ from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage import EmbeddingStorage, HashTableStorage
 from dynamicemb.tiers.cache import CachedStorage
 from dynamicemb.tiers.file_store import FileStore
+from dynamicemb.tiers.nvidia_store import NvidiaStorageStore
 from dynamicemb.tiers.store import BackingStore, HostStore
 
-__all__ = ["BackingStore", "CachedStorage", "FileStore", "HostStore", "make_storage"]
+__all__ = ["BackingStore", "CachedStorage", "FileStore", "HostStore", "NvidiaStorageStore", "make_storage"]
 
 
 def _rank() -> int:
@@ -21,8 +22,16 @@ def _rank() -> int:
 
 
 def _backing_store(names: Sequence[str], options: Sequence[DynamicEmbTableOptions]) -> BackingStore:
-    """The one store of a module's cached tables, from their options."""
+    """The one store of a module's cached tables, from their options (an
+    NVIDIA external_storage wrapped: one adapter per storage object)."""
     given = {id(o.backing_store): o.backing_store for o in options if o.caching and o.backing_store is not None}
+    for o in options:
+        key = ("nvidia", id(o.external_storage))
+        if o.caching and o.external_storage is not None and o.backing_store is None and key not in given:
+            ext = o.external_storage
+            if isinstance(ext, type):  # NVIDIA passes a Storage class: built with the table's options
+                ext = ext(o, None)
+            given[key] = NvidiaStorageStore(ext)
     paths = {o.storage_path for o in options if o.caching and o.storage_path is not None}
     cached = [n for n, o in zip(names, options) if o.caching]
     if len(given) + len(paths) > 1:
