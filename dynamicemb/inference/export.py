@@ -10,7 +10,15 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from dynamicemb._ops import LIBRARY
 from dynamicemb.inference.table import InferenceEmbeddingTable
+
+
+def ops_library() -> str:
+    """The path of dynamicemb's ops library (libdynamicemb_ops.so): the ops'
+    registrations and kernels with no Python dependency, which a C++ server
+    loads (dlopen) before a package (examples/serve_cpp)."""
+    return LIBRARY
 
 
 def example_inputs(module: InferenceEmbeddingTable, batch_size: int = 2, ids_per_bag: int = 2,
@@ -29,10 +37,13 @@ def example_inputs(module: InferenceEmbeddingTable, batch_size: int = 2, ids_per
 
 
 def dynamic_shapes(module: InferenceEmbeddingTable, weighted: bool):
-    """Any id count and any batch size (offsets hold F * batch + 1 entries)."""
+    """Any id count and any batch size: offsets hold F * batch + 1 entries
+    (the lookup op checks that), given as a free dim; AOTInductor would
+    derive a batch dim from F * batch + 1 in floating point, off by one for
+    some sizes."""
     ids = torch.export.Dim("ids", min=0)
-    batch = torch.export.Dim("batch", min=1)
-    shapes = ({0: ids}, {0: len(module.feature_names) * batch + 1})
+    bags = torch.export.Dim("bags", min=2)
+    shapes = ({0: ids}, {0: bags})
     return shapes + ({0: ids},) if weighted else shapes
 
 
