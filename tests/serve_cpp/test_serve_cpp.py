@@ -85,19 +85,30 @@ def _serve(client, case, tmp_path, *args, env=None):
     return r, load_outputs(out), expected
 
 
+def _needed(path):
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    ldd = subprocess.run(["ldd", path], capture_output=True, text=True, check=True,
+                         env={**os.environ, "LD_LIBRARY_PATH": torch_lib}).stdout
+    return [line.split()[0] for line in ldd.strip().split("\n")]
+
+
 def test_ops_library_has_no_python_dependency():
     lib = ops_library()
     tools = [t for t in ("ldd", "nm") if shutil.which(t) is None]
     if tools:
         pytest.skip(f"{' and '.join(tools)} not found")
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    ldd = subprocess.run(["ldd", lib], capture_output=True, text=True, check=True,
-                         env={**os.environ, "LD_LIBRARY_PATH": torch_lib}).stdout
-    needed = [line.split()[0] for line in ldd.strip().split("\n")]
-    assert "libtorch_cpu.so" in needed and not [n for n in needed if "python" in n], ldd
+    needed = _needed(lib)
+    assert "libtorch_cpu.so" in needed and not [n for n in needed if "python" in n], needed
     symbols = subprocess.run(["nm", "-D", lib], capture_output=True, text=True, check=True).stdout.split("\n")
-    py = [s for s in symbols if s.split(" ")[-1].lstrip("_").startswith("Py")]
+    py = [s for s in symbols if s.split(" ")[-1].lstrip("_").startswith(("Py", "PyInit"))]
     assert not py, f"Python symbols in {lib}: {py[:5]}"
+
+
+def test_client_links_no_python(client):
+    if shutil.which("ldd") is None:
+        pytest.skip("ldd not found")
+    needed = _needed(client)
+    assert "libtorch_cpu.so" in needed and not [n for n in needed if "python" in n], needed
 
 
 @pytest.mark.parametrize("case", ["float32", "int8"])
