@@ -35,6 +35,7 @@ echo "$ROOT" > "$site/dynamicemb-dev.pth"
   exit 1
 }
 mkdir -p dynamicemb/lib
+rm -f dynamicemb/_C.*.so  # the former Python extension module (the ops now live in lib/)
 built=build/lib/dynamicemb/lib/libdynamicemb_ops.so
 dest=dynamicemb/lib/libdynamicemb_ops.so
 if ! cmp -s "$built" "$dest"; then
