@@ -25,9 +25,9 @@ ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 def _build(tsan: bool) -> str:
     """The client's path, built (incrementally) by the example's build script."""
-    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"no C++ toolchain to build examples/serve_cpp: {' and '.join(missing)} not found")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:  # cmake is optional (build.sh falls back to one compiler line)
+        pytest.skip(f"no C++ compiler to build examples/serve_cpp: {cxx} not found")
     r = subprocess.run(["bash", BUILD], env={**ENV, "PYTHON": sys.executable, "SERVE_CPP_TSAN": str(int(tsan))},
                        capture_output=True, text=True)
     assert r.returncode == 0, f"examples/serve_cpp did not build:\n{r.stdout}\n{r.stderr}"
