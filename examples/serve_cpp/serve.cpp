@@ -127,6 +127,9 @@ int main(int argc, char** argv) {
     auto t0 = clock::now();
     torch::inductor::AOTIModelPackageLoader loader(o.package, "model", false, static_cast<size_t>(o.threads));
     double load_s = std::chrono::duration<double>(clock::now() - t0).count();
+    // What `python -m dynamicemb.inference package` stored: features, dims, tables, dtype.
+    auto meta = loader.get_metadata();
+    if (auto it = meta.find("dynamicemb.json"); it != meta.end() && o.print > 0) std::cout << "package: " << it->second << "\n";
     for (int w = 0; w < o.warmup; ++w)
       for (const auto& r : requests) loader.run(r);
 
@@ -152,8 +155,8 @@ int main(int argc, char** argv) {
         }
       });
     }
+    auto w0 = clock::now();  // before the release: no thread starts earlier
     start.arrive_and_wait();
-    auto w0 = clock::now();
     for (auto& th : pool) th.join();
     double wall_s = std::chrono::duration<double>(clock::now() - w0).count();
     for (size_t t = 0; t < T; ++t)

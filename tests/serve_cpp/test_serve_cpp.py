@@ -120,6 +120,8 @@ def test_serves_the_eager_outputs(client, case, request, tmp_path):
     for i, (g, e) in enumerate(zip(got[0], expected)):
         assert torch.equal(g, e), f"request {i}: max diff {(g - e).abs().max()}"
     assert "latency ms: p50" in r.stdout
+    if case == "int8":  # the CLI's package says what it holds (its metadata)
+        assert '"features": ["uf", "vf"]' in r.stdout
 
 
 def test_four_threads_share_one_package(client, int8, tmp_path):
