@@ -1,7 +1,14 @@
-"""Builds dynamicemb and its extension dynamicemb._C from csrc/.
+"""Builds dynamicemb and its ops library dynamicemb/lib/libdynamicemb_ops.so
+from csrc/.
 
-CPU kernels are always built; the CUDA kernels (csrc/**/*.cu) too when torch
-is a CUDA build and nvcc is found. Build in place for development:
+The library holds the TORCH_LIBRARY(dynamicemb) registrations and kernels
+only: no Python module init and no libtorch_python (py_limited_api=True
+leaves it out), so a C++ program with libtorch alone can load it (dlopen)
+and serve an AOTInductor package of dynamicemb tables
+(examples/serve_cpp/). dynamicemb/_ops.py loads it with
+torch.ops.load_library. CPU kernels are always built; the CUDA kernels
+(csrc/**/*.cu) too when torch is a CUDA build and nvcc is found. Build in
+place for development:
 
     python setup.py build_ext --inplace
 """
@@ -27,10 +34,11 @@ def _extension():
     # (ATen/ParallelOpenMP.h); without the flag it silently runs serially.
     # The extension then needs libgomp.so.1, which torch has already loaded.
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off", "-g0", "-fopenmp"]
+    os.makedirs(os.path.join(HERE, "dynamicemb", "lib"), exist_ok=True)  # where --inplace puts it
     common = dict(
-        name="dynamicemb._C",
+        name="dynamicemb.lib.libdynamicemb_ops",
         include_dirs=[os.path.join(HERE, "csrc")],
-        py_limited_api=False,
+        py_limited_api=True,  # no libtorch_python: the library loads without Python
         extra_link_args=["-fopenmp"],
     )
     if not with_cuda:
@@ -52,6 +60,6 @@ setup(
     description="Dynamic, hash-table-backed embedding tables for TorchRec",
     packages=find_packages(include=["dynamicemb", "dynamicemb.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=True)},
     python_requires=">=3.10",
 )

@@ -1,6 +1,6 @@
 """Serving speed of exported dynamic tables on the CPU.
 
-    bash scripts/dev.sh bench inference [--rows 100000] [--dim 64] [--repeats 30]
+    bash scripts/dev.sh bench inference [--rows 100000] [--dim 64] [--repeats 30] [--no-cpp]
 
 Batch: 512 samples x 26 features (one table each) x 10 ids per bag, Zipf(1.05)
 ids over each table's rows. Compared, on the same rows:
@@ -10,14 +10,24 @@ ids over each table's rows. Compared, on the same rows:
   - the same tables saved and memory-mapped (InferenceEmbeddingTable.load(path,
     mmap=True), float32 and int8): warm (pages in the page cache), and cold
     (the file's pages evicted with posix_fadvise(DONTNEED) before each load:
-    the first batch after the load).
+    the first batch after the load);
+  - the int8 tables as an AOTInductor package, loaded by Python
+    (torch._inductor.aoti_load_package) and served by the C++ client of
+    examples/serve_cpp (no Python; built here, --no-cpp skips both: the
+    package takes a minute to compile). The client runs in its own process
+    after the others, one request at a time, with the same batches and
+    intra-op threads; its latencies are its own per-call clock.
 Reports ids/s (Mkeys/s = 2^20 ids/s) at the median batch time and p50 / p99
 batch latency; writes benchmark/results/inference.json. Target: the int8
 program at >= 0.8x the rate of TorchRec's quantized module.
 """
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -31,6 +41,10 @@ def zipf_ids(rows: int, n: int, g: torch.Generator, s: float = 1.05) -> torch.Te
     ranks = torch.arange(1, rows + 1, dtype=torch.float64)
     p = ranks.pow(-s)
     return torch.multinomial(p / p.sum(), n, replacement=True, generator=g)
+
+
+def p99(ts):
+    return sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))]
 
 
 def cold_first_batch(path: str, batch, repeats: int) -> list:
@@ -49,6 +63,33 @@ def cold_first_batch(path: str, batch, repeats: int) -> list:
     return times
 
 
+def cpp_client(module, batches, repeats: int, workdir: str) -> dict:
+    """The C++ client serving `module` packaged with AOTInductor: {"python":
+    the package loaded by Python, "cpp": the client's JSON line}."""
+    from dynamicemb.inference import ops_library, package, save_requests
+    from dynamicemb.inference.export import example_inputs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    build = subprocess.run(["bash", os.path.join(root, "examples", "serve_cpp", "build.sh")], capture_output=True,
+                           text=True, env={**os.environ, "PYTHON": sys.executable})
+    if build.returncode:
+        raise RuntimeError(f"examples/serve_cpp did not build:\n{build.stderr}")
+    pkg = package(module, example_inputs(module), os.path.join(workdir, "tables.pt2"))
+    reqs = save_requests(os.path.join(workdir, "requests.safetensors"), batches)
+    loaded = torch._inductor.aoti_load_package(pkg)
+    ts = []
+    with torch.inference_mode():
+        for r in range(repeats + 2):
+            dt, out = timed(lambda: loaded(*batches[r % len(batches)]), torch.device("cpu"))
+            ts += [dt] if r >= 2 else []
+    assert torch.equal(out, module(*batches[(repeats + 1) % len(batches)])), "the package differs from the module"
+    run = subprocess.run([build.stdout.split()[-1], pkg, ops_library(), reqs, "--repeat",
+                          str(max(1, repeats // len(batches))), "--warmup", "1", "--intra-op-threads",
+                          str(torch.get_num_threads()), "--json", "--print", "0"], capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"the C++ client failed:\n{run.stdout}\n{run.stderr}")
+    return {"python": ts, "cpp": json.loads(run.stdout.strip().splitlines()[-1])}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=100_000)
@@ -57,6 +98,7 @@ def main():
     ap.add_argument("--cold-repeats", type=int, default=5)
     ap.add_argument("--tmp", default=None, help="where the mapped tables' files go (default: a temporary folder)")
     ap.add_argument("--out", default=default_out("inference"))
+    ap.add_argument("--no-cpp", action="store_true", help="leave out the AOTInductor package and the C++ client")
     args = ap.parse_args()
     import torchrec
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
@@ -79,16 +121,15 @@ def main():
                                                                 offsets)))
     n_ids = FEATURES * BATCH * POOL
 
-    progs, mapped, files, file_bytes = {}, {}, {}, {}
+    progs, modules, mapped, files, file_bytes = {}, {}, {}, {}, {}
     tmp = tempfile.TemporaryDirectory(dir=args.tmp)
     for dtype in ("float32", "int8"):
-        m = InferenceEmbeddingTable([FrozenTable(n, k, w, [n + "_f"]) for n, k, w in zip(names, keys, weights)],
-                                    dtype=dtype)
+        m = modules[dtype] = InferenceEmbeddingTable([FrozenTable(n, k, w, [n + "_f"])
+                                                      for n, k, w in zip(names, keys, weights)], dtype=dtype)
         progs[dtype] = (export(m).module(), m.memory_bytes())
         files[dtype] = m.save(os.path.join(tmp.name, f"{dtype}.safetensors"))
         file_bytes[dtype] = os.path.getsize(files[dtype])
         mapped[dtype] = InferenceEmbeddingTable.load(files[dtype], mmap=True)
-        del m
     ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
         name=n, embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[n + "_f"]) for n in names])
     with torch.no_grad():
@@ -128,15 +169,31 @@ def main():
     tmp.cleanup()
     ref = statistics.median(times["torchrec quantized EBC int8 (static)"])
     rows, results = [], {}
+
+    def add(name, med, p99_s, extra):
+        results[name] = dict(median_s=med, p50_ms=med * 1e3, p99_ms=p99_s * 1e3, mkeys_per_s=n_ids / med / MKEYS,
+                             vs_torchrec_int8=ref / med, **extra)
+        rows.append([name, f"{n_ids / med / MKEYS:.1f}", f"{med * 1e3:.2f}", f"{p99_s * 1e3:.2f}", f"{ref / med:.2f}x"])
+
     for name, ts in times.items():
-        med = statistics.median(ts)
-        p99 = sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))]
-        results[name] = dict(median_s=med, p50_ms=med * 1e3, p99_ms=p99 * 1e3, mkeys_per_s=n_ids / med / MKEYS,
-                             vs_torchrec_int8=ref / med, times=ts)
-        rows.append([name, f"{n_ids / med / MKEYS:.1f}", f"{med * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{ref / med:.2f}x"])
+        add(name, statistics.median(ts), p99(ts), dict(times=ts))
+    cpp_note = "C++ client: not run (--no-cpp)"
+    if not args.no_cpp:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            cpp_note = "C++ client: not run (no C++ compiler)"
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                c = cpp_client(modules["int8"], [b["dyn"] for b in batches], args.repeats, d)
+            add("AOTI package int8, Python-loaded", statistics.median(c["python"]), p99(c["python"]),
+                dict(times=c["python"]))
+            j = c["cpp"]
+            add("AOTI package int8, C++ client (no Python)", j["p50_ms"] / 1e3, j["p99_ms"] / 1e3, dict(cpp=j))
+            cpp_note = (f"C++ client: its own process after the others, {j['calls']} calls, {j['intra_op_threads']} "
+                        f"intra-op threads, package loaded in {j['load_s']:.2f} s")
     print(f"batch {BATCH} x {FEATURES} features x {POOL} ids, Zipf(1.05) over {args.rows} rows per table, dim "
           f"{args.dim}, {torch.get_num_threads()} threads")
     print(format_table(["case", "Mids/s", "p50 ms", "p99 ms", "vs torchrec int8"], rows))
+    print(cpp_note)
     print(f"memory: program float32 {progs['float32'][1] / 2**20:.0f} MiB, int8 {progs['int8'][1] / 2**20:.0f} MiB "
           f"(raw float32 rows {FEATURES * args.rows * args.dim * 4 / 2**20:.0f} MiB); mapped files float32 "
           f"{file_bytes['float32'] / 2**20:.0f} MiB, int8 {file_bytes['int8'] / 2**20:.0f} MiB (in the page cache)")

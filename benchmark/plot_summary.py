@@ -153,7 +153,9 @@ def panel_inference(ax, k: Dict[str, Any]) -> None:
     short = {"dynamicemb program float32": "dynamicemb program\nfloat32",
              "dynamicemb program int8": "dynamicemb program\nint8",
              "torchrec quantized EBC int8 (static)": "TorchRec quantized\nEBC int8 (static)",
-             "training module eval (float32)": "dynamicemb training\nmodule eval, float32"}
+             "training module eval (float32)": "dynamicemb training\nmodule eval, float32",
+             "AOTI package int8, Python-loaded": "AOTI package int8\n(Python-loaded)",
+             "AOTI package int8, C++ client (no Python)": "AOTI package int8\n(C++ client, no Python)"}
     names = list(k["cases"])
     rates = [k["cases"][n]["mkeys_per_s"] for n in names]
     bars = ax.barh([short.get(n, n) for n in names], rates,

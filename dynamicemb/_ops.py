@@ -1,8 +1,16 @@
-"""Loads the extension (which registers the dynamicemb:: ops) and registers the
-fake kernels that let torch.compile / torch.export trace them."""
+"""Loads the ops library (which registers the dynamicemb:: ops) and registers
+the fake kernels that let torch.compile / torch.export trace them."""
+import os
+
 import torch
 
-from dynamicemb import _C  # noqa: F401  (registers the TORCH_LIBRARY ops)
+# csrc/ built by setup.py: TORCH_LIBRARY registrations and kernels only, no
+# Python module, so a C++ server loads the same file (examples/serve_cpp).
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libdynamicemb_ops.so")
+if not os.path.exists(LIBRARY):
+    raise ImportError(f"dynamicemb's ops library {LIBRARY} is not built: run `python setup.py build_ext --inplace` "
+                      f"in {os.path.dirname(os.path.dirname(LIBRARY))} (scripts/dev.sh does it)")
+torch.ops.load_library(LIBRARY)
 
 ops = torch.ops.dynamicemb
 _lib = "dynamicemb::"

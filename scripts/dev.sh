@@ -27,19 +27,20 @@ PY="$VENV/bin/python"
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$ROOT" > "$site/dynamicemb-dev.pth"
 
-# 3. The extension: ninja rebuilds only what changed, under build/; the
-#    library is then installed into dynamicemb/ by an atomic rename, and only
-#    when it changed, so processes that have the old one loaded keep working.
+# 3. The ops library: ninja rebuilds only what changed, under build/; the
+#    library is then installed into dynamicemb/lib/ by an atomic rename, and
+#    only when it changed, so processes that have the old one loaded keep working.
 "$PY" setup.py -q build_ext --build-lib build/lib > "$VENV/build.log" 2>&1 || {
   cat "$VENV/build.log" >&2
   exit 1
 }
-for built in build/lib/dynamicemb/_C*.so; do
-  dest="dynamicemb/$(basename "$built")"
-  if ! cmp -s "$built" "$dest"; then
-    cp "$built" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest"
-  fi
-done
+mkdir -p dynamicemb/lib
+rm -f dynamicemb/_C.*.so  # the former Python extension module (the ops now live in lib/)
+built=build/lib/dynamicemb/lib/libdynamicemb_ops.so
+dest=dynamicemb/lib/libdynamicemb_ops.so
+if ! cmp -s "$built" "$dest"; then
+  cp "$built" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest"
+fi
 
 cmd=${1:-example}
 shift || true

@@ -6,11 +6,19 @@ A program exported from TBE-layout inputs (values, offsets) loads and runs
 in a process that imports only torch and dynamicemb (which registers the
 lookup op); one exported from KeyedJaggedTensor inputs needs torchrec too
 (its pytree types)."""
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from dynamicemb._ops import LIBRARY
 from dynamicemb.inference.table import InferenceEmbeddingTable
+
+
+def ops_library() -> str:
+    """The path of dynamicemb's ops library (libdynamicemb_ops.so): the ops'
+    registrations and kernels with no Python dependency, which a C++ server
+    loads (dlopen) before a package (examples/serve_cpp)."""
+    return LIBRARY
 
 
 def example_inputs(module: InferenceEmbeddingTable, batch_size: int = 2, ids_per_bag: int = 2,
@@ -29,10 +37,13 @@ def example_inputs(module: InferenceEmbeddingTable, batch_size: int = 2, ids_per
 
 
 def dynamic_shapes(module: InferenceEmbeddingTable, weighted: bool):
-    """Any id count and any batch size (offsets hold F * batch + 1 entries)."""
+    """Any id count and any batch size: offsets hold F * batch + 1 entries
+    (the lookup op checks that), given as a free dim; AOTInductor would
+    derive a batch dim from F * batch + 1 in floating point, off by one for
+    some sizes."""
     ids = torch.export.Dim("ids", min=0)
-    batch = torch.export.Dim("batch", min=1)
-    shapes = ({0: ids}, {0: len(module.feature_names) * batch + 1})
+    bags = torch.export.Dim("bags", min=2)
+    shapes = ({0: ids}, {0: bags})
     return shapes + ({0: ids},) if weighted else shapes
 
 
@@ -79,14 +90,19 @@ def export(module: InferenceEmbeddingTable, inputs: Optional[tuple] = None) -> t
     return _export(module, inputs, dynamic_shapes(module, len(inputs) > 2))
 
 
-def package(model: torch.nn.Module, example: tuple, path: str, dynamic_shapes=None) -> str:
+def package(model: torch.nn.Module, example: tuple, path: str, dynamic_shapes=None,
+            metadata: Optional[Dict[str, str]] = None) -> str:
     """Exports `model` on `example` inputs and compiles it with AOTInductor
-    into the package `path` (load it with torch._inductor.aoti_load_package
-    after importing dynamicemb); for an InferenceEmbeddingTable the dynamic
-    shapes default to dynamic_shapes(), for another model to
-    model_dynamic_shapes(). Returns the package's path."""
+    into the package `path`: load it with torch._inductor.aoti_load_package
+    after importing dynamicemb, or from C++ with libtorch's
+    AOTIModelPackageLoader after loading dynamicemb's ops library
+    (examples/serve_cpp). For an InferenceEmbeddingTable the dynamic shapes
+    default to dynamic_shapes(), for another model to model_dynamic_shapes().
+    `metadata` (str -> str) goes into the package (the loader's
+    get_metadata()). Returns the package's path."""
     if dynamic_shapes is None:
         dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2) \
             if isinstance(model, InferenceEmbeddingTable) else model_dynamic_shapes(example)
     program = _export(model, example, dynamic_shapes)
-    return torch._inductor.aoti_compile_and_package(program, package_path=path)
+    configs = {"aot_inductor.metadata": dict(metadata)} if metadata else None
+    return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)

@@ -237,7 +237,6 @@ class InferenceEmbeddingTable(nn.Module):
     def _divide_means(self, out: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
         """MEAN features of a SUM-pooled output, divided per bag (mean_divisor)."""
         offsets = offsets.to(torch.int64)
-        F = len(self.feature_names)
         lengths = offsets.diff()
         if self.mean_divisor == "length":  # as the kernel: acc * (1 / L); an empty bag stays 0
             L = lengths.to(torch.float32)
@@ -249,13 +248,20 @@ class InferenceEmbeddingTable(nn.Module):
                                           output_size=psw.numel())
             per_bag = torch.zeros(lengths.numel(), dtype=torch.float32, device=out.device).index_add_(0, bag, psw)
             per_bag = per_bag + 1e-6
-        # [B, sum dims] factors built without broadcasting: export would
-        # specialise a batch of one away.
-        per_bag = per_bag.to(out.dtype).view(F, -1)
-        ones = torch.ones_like(per_bag[0])
-        rows = torch.stack([per_bag[f] if f in self._mean_features else ones for f in range(F)])
-        factor = torch.repeat_interleave(rows.t(), torch.tensor(self.feature_dims, device=out.device), dim=1,
-                                         output_size=sum(self.feature_dims))
+        # The [B, sum dims] factors: element (b, c) of a MEAN feature f's
+        # column c divides by per_bag[f * B + b]; built by flat indexing, not
+        # views or slices of per_bag, so export puts no divisibility guard on
+        # the offsets' length (a free dim: AOTInductor would derive the batch
+        # from F * batch + 1 in floating point and be off by one) and does
+        # not specialise a batch of one (no broadcasting).
+        B, D = out.shape[0], out.shape[1]
+        col_feature = torch.tensor([f for f, d in enumerate(self.feature_dims) for _ in range(d)], device=out.device)
+        col_mean = torch.tensor([f in self._mean_features for f, d in enumerate(self.feature_dims) for _ in range(d)],
+                                device=out.device)
+        i = torch.arange(B * D, device=out.device)
+        col = i % D
+        per_bag = per_bag.to(out.dtype)
+        factor = torch.where(col_mean[col], per_bag[col_feature[col] * B + i // D], 1.0).view(B, D)
         return out * factor if self.mean_divisor == "length" else out / factor
 
     def forward(self, features, offsets: Optional[torch.Tensor] = None,

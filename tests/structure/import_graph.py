@@ -23,7 +23,7 @@ def modules() -> Dict[str, str]:
     return out
 
 
-EXTENSIONS = {"dynamicemb._C"}  # built from csrc/, not a .py file
+EXTENSIONS: Set[str] = set()  # Python extension modules built from csrc/ (none: the ops library is loaded by path)
 
 
 def import_graph() -> Dict[str, Set[str]]:
