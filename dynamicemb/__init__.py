@@ -1,5 +1,6 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.memory import DynamicEmbBudgetError
 from dynamicemb.optimizer import EmbOptimType
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
@@ -23,6 +24,7 @@ from dynamicemb.types import (
 
 __all__ = [
     "BatchedDynamicEmbeddingTables",
+    "DynamicEmbBudgetError",
     "DynamicEmbDump",
     "DynamicEmbInitializerArgs",
     "DynamicEmbLoad",

@@ -88,6 +88,11 @@ class HashTableStorage(EmbeddingStorage):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.host_tier = [device.type == "cuda" and not o.values_on_device(
             self.max_caps[t] * (self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
+        # How far each table may grow (memory_budget): growth is checked here, before allocating.
+        self.budgets = [memory.TableBudget(names[t], (self.dims[t] + state_widths[t]) * itemsize, self.max_caps[t],
+                                           o.memory_budget, not rules.may_evict(strategy_code(o.score_strategy))
+                                           and not o.caching) for t, o in enumerate(options)]
+        self.limit_caps = [b.limit for b in self.budgets]
         self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
                          for t in range(self.num_tables)]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
@@ -130,8 +135,16 @@ class HashTableStorage(EmbeddingStorage):
         return self._weights
 
     def max_rows(self, t: int) -> int:
-        """The most keys table t may hold on this rank."""
-        return self.max_caps[t]
+        """The most keys table t may hold on this rank (a NO_EVICTION table:
+        as many as its memory budget allows)."""
+        return self.limit_caps[t]
+
+    def budget_reached(self, t: int) -> Optional[str]:
+        """Why table t stores no more keys, when its memory budget is the
+        reason (EmbeddingStorage.budget_reached)."""
+        g, lt = self.group_of[t]
+        ht = self.groups[g][0]
+        return self.budgets[t].reached(ht.size(lt), ht.capacity(lt))
 
     def first_slot(self, t: int) -> int:
         """Table t's first slot in its group's hash table (the slot of its row 0)."""
@@ -293,14 +306,14 @@ class HashTableStorage(EmbeddingStorage):
         sizes, caps = ht.sizes.tolist(), ht.capacities()
         lf = [self.options[t].max_load_factor for t in tables]
         suspects = [lt for lt in range(len(tables))
-                    if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.max_caps[tables[lt]]]
+                    if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.limit_caps[tables[lt]]]
         if not suspects:
             return
         _, found = ht.lookup(keys, local_tids)
         missing = torch.bincount(local_tids[~found], minlength=len(tables)).tolist()
         new_caps = list(caps)
         for lt in suspects:
-            while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.max_caps[tables[lt]]:
+            while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.limit_caps[tables[lt]]:
                 new_caps[lt] *= 2
         if new_caps != caps:
             self._grow(g, new_caps)
@@ -342,7 +355,7 @@ class HashTableStorage(EmbeddingStorage):
         self._grow_for(g, keys, local_tids)
 
         def at_max():
-            return [c >= self.max_caps[t] for c, t in zip(ht.capacities(), tables)]
+            return [c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables)]
 
         full = at_max()
         out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full)
@@ -361,7 +374,7 @@ class HashTableStorage(EmbeddingStorage):
                 ht.counters[lt, rules.TableCounter.FAILED] -= per_table[lt]
             caps = ht.capacities()
             old_slots = ht.slot_keys.numel()
-            moved_from, moved_to = self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c
+            moved_from, moved_to = self._grow(g, [min(2 * c, self.limit_caps[t]) if lt in retry else c
                                                   for lt, (c, t) in enumerate(zip(caps, tables))])
             # The slots this call already returned moved with the rehash.
             remap = torch.full((old_slots,), -1, dtype=torch.int64, device=idx.device)
@@ -440,9 +453,11 @@ class HashTableStorage(EmbeddingStorage):
         out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
         failed = int((out.results == InsertResult.FAILED).sum())
         if failed or out.evicted.keys.numel():
-            raise RuntimeError(
-                f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded keys do "
-                f"not fit (capacity {ht.capacity(lt)} of at most {self.max_caps[table_id]} rows on this rank)")
+            msg = (f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded "
+                   f"keys do not fit (capacity {ht.capacity(lt)} of at most {self.limit_caps[table_id]} rows on this "
+                   f"rank)")
+            why = self.budget_reached(table_id)
+            raise RuntimeError(msg) if why is None else memory.DynamicEmbBudgetError(f"{msg}: {why}")
         idx = out.indices
         ht.slot_scores[idx] = batch.scores.to(device=self.device, dtype=torch.int64)
         if batch.timestamps is not None and ht.slot_timestamps.numel():
