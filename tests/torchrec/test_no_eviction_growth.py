@@ -4,7 +4,9 @@ into the memory budget the planner allots it and keeps every key, each row
 equal to a dict reference (DEBUG initial value less lr times the key's
 occurrences: SGD, loss = sum of the outputs); a table given a small
 memory_budget counts its failed keys (summed over ranks), warns naming its
-budget, and keeps the rows it stored."""
+budget, and keeps the rows it stored. The planner's budgets: each
+NO_EVICTION table's share of the growth room, by an independent sum; a
+memory_budget no rank has is refused by name."""
 import warnings
 from collections import Counter
 
@@ -92,3 +94,51 @@ def _check(results):
     # A key is stored at its first sighting or never (no eviction; at its budget the table stops growing):
     # every stored key saw all its updates.
     torch.testing.assert_close(rows[held, :DIM], _reference(r["counts"], held), atol=1e-5, rtol=0)
+
+
+def _planner(constraints, **kwargs):
+    from torchrec.distributed.planner import Topology
+    from dynamicemb.optimizer import EmbOptimType
+    from dynamicemb.planner import DynamicEmbeddingShardingPlanner
+    configs = models.ec_configs(["a_table", "b_table", "c_table"], dim=DIM, num_embeddings=4096)
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=1 << 30)
+    return DynamicEmbeddingShardingPlanner(configs, topology, constraints=constraints,
+                                           optimizer=EmbOptimType.EXACT_SGD, **kwargs), configs
+
+
+def _plan(planner, configs):
+    import torchrec
+    from dynamicemb.shard import DynamicEmbeddingCollectionSharder
+    module = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
+    planner.plan(module, [DynamicEmbeddingCollectionSharder(fused_params=models.SGD)])
+    return {n: o.memory_budget for n, o in planner.options.items()}
+
+
+def test_planner_allots_no_eviction_tables_the_growth_room():
+    S = DynamicEmbScoreStrategy
+    constraints = models.dynamic_constraints(["a_table", "b_table"], score_strategy=S.NO_EVICTION)
+    constraints.update(models.dynamic_constraints(["c_table"]))
+    constraints["b_table"].dynamicemb_options.max_capacity = 4096  # twice a_table's 2048 rows per rank
+    planner, configs = _planner(constraints)
+    at_max = planner.dynamic_bytes_per_rank()
+    budgets = _plan(planner, configs)
+    # The reference: half of what the rank has left after every table at max_capacity, shared 1 : 2.
+    pool = ((1 << 30) - sum(at_max.values())) // 2
+    assert at_max["a_table"] * 2 == at_max["b_table"]
+    assert budgets == {"a_table": at_max["a_table"] + pool // 3, "b_table": at_max["b_table"] + pool * 2 // 3,
+                       "c_table": at_max["c_table"]}  # c_table evicts: its bytes at max_capacity
+    assert all(d.storage.ddr == (1 << 30) - sum(budgets.values()) for d in planner._topology.devices)
+    planner, configs = _planner(constraints, no_eviction_growth=0)
+    assert _plan(planner, configs) == at_max
+
+
+def test_planner_refuses_a_memory_budget_no_rank_has():
+    constraints = models.dynamic_constraints(["a_table", "b_table", "c_table"],
+                                             score_strategy=DynamicEmbScoreStrategy.NO_EVICTION)
+    constraints["b_table"].dynamicemb_options.memory_budget = 2 << 30
+    planner, configs = _planner(constraints)
+    try:
+        _plan(planner, configs)
+        raise AssertionError("expected a refusal")
+    except ValueError as e:
+        assert "'b_table'" in str(e) and f"memory_budget of {2 << 30} bytes" in str(e)
