@@ -155,6 +155,13 @@ class DynamicEmbTableOptions:
         live in pinned host memory, read and updated in place by the kernels."""
         return self.global_hbm_for_values == 0 or value_bytes <= self.local_hbm_for_values
 
+    @property
+    def grows_past_max_capacity(self) -> bool:
+        """Whether the table grows past max_capacity into its memory_budget:
+        a NO_EVICTION table (it cannot evict), unless cached (a cache never
+        grows)."""
+        return not self.caching and not rules.may_evict(strategy_code(self.score_strategy))
+
     def cache_rows(self, width: int, itemsize: int) -> int:
         """Rows of a cached table's cache on this rank (rows of `width`
         elements of `itemsize` bytes): its share of global_hbm_for_values,

@@ -22,15 +22,12 @@ from dynamicemb.optimizer import EmbOptimType, optimizer_code
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import (TABLE_BYTES_PER_SLOT, DynamicEmbTableOptions, get_sharded_table_capacity,
                                 get_table_value_bytes)
-from dynamicemb.rules import may_evict
 from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
-from dynamicemb.types import strategy_code
 
 __all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
-_TABLE_BYTES_PER_SLOT = TABLE_BYTES_PER_SLOT
 
 
 @dataclass
@@ -130,7 +127,7 @@ class DynamicEmbeddingShardingPlanner:
         its cache and backing store, see _tier_bytes). Needs the tables'
         optimizers: call after plan() (or give the planner `optimizer=`)."""
         return {n: sum(self._tier_bytes(n)) if o.caching else
-                self._value_bytes(n) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+                self._value_bytes(n) + o.max_capacity * TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
 
     def _value_bytes(self, name: str) -> int:
         o = self.options[name]
@@ -149,10 +146,10 @@ class DynamicEmbeddingShardingPlanner:
         o = self.options[name]
         row = self._value_bytes(name) // o.max_capacity
         cached = o.cache_rows(row, 1)
-        device = cached * (row + _TABLE_BYTES_PER_SLOT)
+        device = cached * (row + TABLE_BYTES_PER_SLOT)
         if o.backing_store is not None:
             return device, 0
-        index = o.max_capacity * (_TABLE_BYTES_PER_SLOT + 8)
+        index = o.max_capacity * (TABLE_BYTES_PER_SLOT + 8)
         return device, index + (0 if o.storage_path is not None else self._value_bytes(name))
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
@@ -164,7 +161,7 @@ class DynamicEmbeddingShardingPlanner:
         on_device = self._topology.compute_device == "cuda"
         out = {}
         for n, o in self.options.items():
-            values, table = self._value_bytes(n), o.max_capacity * _TABLE_BYTES_PER_SLOT
+            values, table = self._value_bytes(n), o.max_capacity * TABLE_BYTES_PER_SLOT
             if o.caching:
                 cache, store = self._tier_bytes(n)
                 out[n] = (cache, store) if on_device else (0, cache + store)
@@ -176,11 +173,6 @@ class DynamicEmbeddingShardingPlanner:
                 out[n] = (table, values)
         return out
 
-    def _grows(self, name: str) -> bool:
-        """Whether a table grows past max_capacity into its memory budget."""
-        o = self.options[name]
-        return not o.caching and not may_evict(strategy_code(o.score_strategy))
-
     def allotted_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
         """(HBM, DDR) bytes per rank that plan() reserves for each dynamic
         table: tier_bytes_per_rank, and for a NO_EVICTION table its room to
@@ -191,7 +183,7 @@ class DynamicEmbeddingShardingPlanner:
         col = {n: 1 if b[1] else 0 for n, b in tiers.items()}  # the tier of a table's rows
         share = {}
         for n in tiers:
-            if not self._grows(n):
+            if not self.options[n].grows_past_max_capacity:
                 continue
             given = self._given_budget.get(n)
             if given is None:
@@ -239,7 +231,7 @@ class DynamicEmbeddingShardingPlanner:
                 "its cache and backing store") if o.caching else \
             ("its values, optimizer state and hash table" if bytes_[1 - col] == 0 else
              ("its hash table" if kind == "HBM" else "its values and optimizer state (host tier)"))
-        if self._grows(name) and self._given_budget.get(name) is not None:
+        if o.grows_past_max_capacity and self._given_budget.get(name) is not None:
             what += f" and room to grow to its memory_budget of {self._given_budget[name]} bytes"
         total = sum(b[col] for b in tiers.values())
         return (f"table {name!r} does not fit in {kind}: it needs {bytes_[col]} bytes of {kind} per rank "

@@ -90,8 +90,7 @@ class HashTableStorage(EmbeddingStorage):
             self.max_caps[t] * (self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
         # How far each table may grow (memory_budget): growth is checked here, before allocating.
         self.budgets = [memory.TableBudget(names[t], (self.dims[t] + state_widths[t]) * itemsize, self.max_caps[t],
-                                           o.memory_budget, not rules.may_evict(strategy_code(o.score_strategy))
-                                           and not o.caching) for t, o in enumerate(options)]
+                                           o.memory_budget, o.grows_past_max_capacity) for t, o in enumerate(options)]
         self.limit_caps = [b.limit for b in self.budgets]
         self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
                          for t in range(self.num_tables)]
