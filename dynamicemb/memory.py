@@ -33,6 +33,12 @@ class DynamicEmbBudgetError(RuntimeError):
     failed). The message names the table, its rows, bytes and budget."""
 
 
+def allocation_failed(error: BaseException) -> bool:
+    """Whether an error is the allocator refusing memory (CPU or device)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
 class TableBudget:
     """How far one table may grow on this rank: up to `max_slots` (its
     max_capacity in slots) whatever the budget; past it, a table that
@@ -50,12 +56,24 @@ class TableBudget:
         while grows_past_max and table_bytes(2 * slots, row_bytes) <= self.budget:
             slots *= 2
         self.limit = slots  # the most slots growth may reach
+        self.refusal: Optional[str] = None  # what the allocator said when a growth within the budget failed
+
+    def refused(self, slots: int, error: str) -> None:
+        """The allocator refused a growth within the budget: the table stops at `slots`."""
+        self.limit = min(self.limit, slots)
+        self.refusal = error.splitlines()[0] if error else "out of memory"
 
     def reached(self, size: int, slots: int) -> Optional[str]:
         """Why a table of `size` keys in `slots` slots stores no more keys,
-        when its budget is the reason (None otherwise)."""
-        if not self.grows_past_max or slots < self.limit:
+        when its budget (or memory that its budget promised but was not
+        there) is the reason (None otherwise)."""
+        if slots < self.limit or not (self.grows_past_max or self.refusal):
             return None
+        if self.refusal is not None:
+            return (f"table {self.name!r} could not grow past {slots} slots ({size} rows, "
+                    f"{table_bytes(slots, self.row_bytes)} bytes on this rank): the allocation failed within its "
+                    f"memory_budget of {self.budget} bytes per rank ({self.refusal}); give it a memory_budget this "
+                    f"device can hold, or free memory")
         return (f"table {self.name!r} is at its memory budget: {size} rows in {slots} slots take "
                 f"{table_bytes(slots, self.row_bytes)} bytes on this rank, and doubling to {2 * slots} slots would "
                 f"take {table_bytes(2 * slots, self.row_bytes)}, over its memory_budget of {self.budget} bytes per "

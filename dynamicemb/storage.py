@@ -315,7 +315,29 @@ class HashTableStorage(EmbeddingStorage):
             while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.limit_caps[tables[lt]]:
                 new_caps[lt] *= 2
         if new_caps != caps:
-            self._grow(g, new_caps)
+            self._grow_or_stop(g, new_caps)
+
+    def _grow_or_stop(self, g: int, new_caps: List[int]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """_grow; when the memory is not there after all (the device's
+        allocator refuses), smaller growths (halved targets), and None when
+        not even one doubling fits: a table that cannot double stops at its
+        capacity, as at its budget (its new keys fail, counted)."""
+        ht, tables = self.groups[g]
+        caps = ht.capacities()
+        while True:
+            try:
+                return self._grow(g, new_caps)
+            except RuntimeError as e:
+                if not memory.allocation_failed(e):
+                    raise
+                smaller = [n // 2 if n > c else c for n, c in zip(new_caps, caps)]
+                for lt, t in enumerate(tables):
+                    if new_caps[lt] == 2 * caps[lt]:  # not even one doubling
+                        self.limit_caps[t] = caps[lt]
+                        self.budgets[t].refused(caps[lt], str(e))
+                if smaller == caps:
+                    return None
+                new_caps = smaller
 
     def _grow(self, g: int, new_caps: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rebuilds group g's hash table at new_caps and moves every table's
@@ -323,15 +345,18 @@ class HashTableStorage(EmbeddingStorage):
         ht, tables = self.groups[g]
         caps = ht.capacities()
         old_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
+        # The new rows first, then the rehash: an allocation that fails changes nothing.
+        grown = {lt: self._new_rows(t, new_caps[lt], self._weights[t].shape[1])
+                 for lt, t in enumerate(tables) if new_caps[lt] != caps[lt]}
         old_idx, new_idx = ht.grow(new_caps)
         new_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
         for lt, t in enumerate(tables):
             sel = (old_idx >= old_begin[lt]) & (old_idx < old_begin[lt + 1])
             src, dst = old_idx[sel] - old_begin[lt], new_idx[sel] - new_begin[lt]
-            if new_caps[lt] == caps[lt] and torch.equal(src, dst):
+            if lt not in grown and torch.equal(src, dst):
                 continue  # rows did not move
             w = self._weights[t]
-            moved = self._new_rows(t, new_caps[lt], w.shape[1])
+            moved = grown[lt] if lt in grown else self._new_rows(t, new_caps[lt], w.shape[1])
             moved[dst.to(w.device)] = w[src.to(w.device)]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
@@ -373,8 +398,14 @@ class HashTableStorage(EmbeddingStorage):
                 ht.counters[lt, rules.TableCounter.FAILED] -= per_table[lt]
             caps = ht.capacities()
             old_slots = ht.slot_keys.numel()
-            moved_from, moved_to = self._grow(g, [min(2 * c, self.limit_caps[t]) if lt in retry else c
-                                                  for lt, (c, t) in enumerate(zip(caps, tables))])
+            moved = self._grow_or_stop(g, [min(2 * c, self.limit_caps[t]) if lt in retry else c
+                                           for lt, (c, t) in enumerate(zip(caps, tables))])
+            if moved is None:  # no memory for it: those keys stay failed
+                for lt in retry:
+                    ht.counters[lt, rules.TableCounter.FAILED] += per_table[lt]
+                full = at_max()
+                continue
+            moved_from, moved_to = moved
             # The slots this call already returned moved with the rehash.
             remap = torch.full((old_slots,), -1, dtype=torch.int64, device=idx.device)
             remap[moved_from] = moved_to

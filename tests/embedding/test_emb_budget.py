@@ -133,3 +133,27 @@ def test_loading_past_the_budget_names_the_budget(device):
     with pytest.raises(DynamicEmbBudgetError, match="'keep'.*memory_budget"):
         m.storage.load_rows(0, batch)
     assert m.table_stats()["keep"]["capacity"] == 2 * MAX_CAP
+
+
+def test_memory_missing_within_the_budget_degrades_to_failed_inserts(device, monkeypatch):
+    # The budget allows growth, but the allocator refuses rows past 64 (as a
+    # device out of memory would): the table stops there, nothing moved,
+    # its new keys fail (counted, named), and what it stored stays.
+    from dynamicemb.storage import HashTableStorage
+    new_rows = HashTableStorage._new_rows
+
+    def refusing(self, t, rows, width):
+        if rows > 2 * MAX_CAP:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {rows * width * 4}")
+        return new_rows(self, t, rows, width)
+    monkeypatch.setattr(HashTableStorage, "_new_rows", refusing)
+    m = _module(budget=1 << 20, device=device)
+    reference, warned = {}, []
+    _train(m, _batches(300, 3), device, reference, warned)
+    stats = m.table_stats()["keep"]
+    assert stats["capacity"] == 2 * MAX_CAP and stats["failed"] > 0 and stats["size"] == len(reference)
+    assert any("the allocation failed" in w and "'keep'" in w for w in warned)
+    _check_rows(m, reference)
+    strict = _module(DynamicEmbCheckMode.ERROR, budget=1 << 20, device=device)
+    with pytest.raises(DynamicEmbBudgetError, match="'keep' could not grow past 64 slots.*can't allocate memory"):
+        strict(torch.arange(300, device=device), torch.arange(301, device=device))
