@@ -1,6 +1,7 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
 from dynamicemb.aliases import DynamicEmbEvictStrategy
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables, BatchedDynamicEmbeddingTablesV2
+from dynamicemb.memory import DynamicEmbBudgetError
 from dynamicemb.optimizer import EmbOptimType
 from dynamicemb.options import (
     DynamicEmbInitializerArgs,
@@ -25,6 +26,7 @@ from dynamicemb.types import (
 __all__ = [
     "BatchedDynamicEmbeddingTables",
     "BatchedDynamicEmbeddingTablesV2",
+    "DynamicEmbBudgetError",
     "DynamicEmbDump",
     "DynamicEmbEvictStrategy",
     "DynamicEmbInitializerArgs",

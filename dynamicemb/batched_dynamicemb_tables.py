@@ -17,6 +17,7 @@ from torch import nn
 
 from dynamicemb._ops import ops
 from dynamicemb.aliases import renamed
+from dynamicemb.memory import DynamicEmbBudgetError
 from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
@@ -164,6 +165,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
         self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
@@ -223,14 +225,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             return
         self.failed += failed
         msgs = []
+        budget_reached = getattr(self.storage, "budget_reached", lambda t: None)
         for t in failed.nonzero().squeeze(1).tolist():
             mode = self.table_options[t].safe_check_mode
             msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {self.step} "
-                   f"(bucket full of keys held by this batch, or NO_EVICTION at max capacity); "
+                   f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget); "
                    f"they read their initial value")
+            why = budget_reached(t)
             if mode == DynamicEmbCheckMode.ERROR:
-                raise RuntimeError("dynamicemb: " + msg)
+                raise RuntimeError("dynamicemb: " + msg) if why is None else \
+                    DynamicEmbBudgetError(f"dynamicemb: {msg}: {why}")
             if mode == DynamicEmbCheckMode.WARNING:
+                if why is not None and t not in self._budget_warned:  # the budget explained once per table
+                    self._budget_warned.add(t)
+                    msg = f"{msg}: {why}"
                 msgs.append(msg)
         if msgs:
             warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=5)  # the module's caller

@@ -156,6 +156,16 @@ class DynamicEmbTableOptions:
     # HostStore (host memory).
     backing_store: Optional[object] = None
     storage_path: Optional[str] = None
+    # Bytes on each rank that the table (rows of values and optimizer state,
+    # plus TABLE_BYTES_PER_SLOT per hash table slot: table_bytes) may grow
+    # to. max_capacity is where growth starts to be checked against it: a
+    # table grows to max_capacity whatever its budget, and past it only a
+    # NO_EVICTION table grows (doubling while the doubled table fits the
+    # budget); once it cannot, its new keys fail (counted; a WARNING once per
+    # table, DynamicEmbBudgetError under ERROR). None: what the planner
+    # allots (DynamicEmbeddingShardingPlanner's no_eviction_growth), and
+    # outside the planner the table's bytes at max_capacity (no growth past it).
+    memory_budget: Optional[int] = None
     # NVIDIA dynamicemb's names (deprecated, API.md "Coming from NVIDIA
     # dynamicemb"): evict_strategy sets score_strategy; external_storage (an
     # NVIDIA Storage) becomes the backing store of a cached table
@@ -173,6 +183,13 @@ class DynamicEmbTableOptions:
         optimizer state) stay in accelerator memory; False: the table's rows
         live in pinned host memory, read and updated in place by the kernels."""
         return self.global_hbm_for_values == 0 or value_bytes <= self.local_hbm_for_values
+
+    @property
+    def grows_past_max_capacity(self) -> bool:
+        """Whether the table grows past max_capacity into its memory_budget:
+        a NO_EVICTION table (it cannot evict), unless cached (a cache never
+        grows)."""
+        return not self.caching and not rules.may_evict(strategy_code(self.score_strategy))
 
     def cache_rows(self, width: int, itemsize: int) -> int:
         """Rows of a cached table's cache on this rank (rows of `width`
@@ -254,6 +271,8 @@ class DynamicEmbTableOptions:
             bad(f"unknown dist_type {self.dist_type!r}; use 'hash_roundrobin', 'roundrobin' or 'continuous'")
         if not isinstance(self.global_hbm_for_values, numbers.Integral) or self.global_hbm_for_values < 0:
             bad(f"global_hbm_for_values must be >= 0 bytes, got {self.global_hbm_for_values!r}")
+        if self.memory_budget is not None and not _positive_int(self.memory_budget):
+            bad(f"memory_budget must be a positive int (bytes per rank), got {self.memory_budget!r}")
         if self.num_embeddings is not None and not _positive_int(self.num_embeddings):
             bad(f"num_embeddings must be a positive int, got {self.num_embeddings!r}")
         if not _positive_int(self.num_shards):
@@ -277,6 +296,16 @@ class DynamicEmbTableOptions:
 
 
 # ---- sizing (used by the planner; importable without torchrec) -------------------------
+
+# Hash table bytes per slot: key (8), score (8), digest (1), epoch (1).
+TABLE_BYTES_PER_SLOT = 18
+
+
+def table_bytes(slots: int, row_bytes: int) -> int:
+    """Bytes of a table of `slots` slots on one rank: its rows (values and
+    optimizer state, `row_bytes` each) and its hash table. The one measure
+    of memory_budget and of the planner's reservation."""
+    return slots * (row_bytes + TABLE_BYTES_PER_SLOT)
 
 
 def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capacity: int = 128) -> int:

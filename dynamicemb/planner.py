@@ -20,15 +20,14 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
-from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
+from dynamicemb.options import (TABLE_BYTES_PER_SLOT, DynamicEmbTableOptions, get_sharded_table_capacity,
+                                get_table_value_bytes)
 from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
 
 __all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
-# Hash table bytes per slot: key (8), score (8), digest (1), epoch (1).
-_TABLE_BYTES_PER_SLOT = 18
 
 
 @dataclass
@@ -75,11 +74,24 @@ class DynamicEmbeddingShardingPlanner:
     shards its module (or set on the parameter with TorchRec's
     `apply_optimizer_in_backward`), known at `plan()` / `collective_plan()`.
     `optimizer=` overrides that for the estimate only, and must agree with it.
+
+    Every dynamic table gets a memory budget (its options' memory_budget,
+    bytes per rank): what the planner reserves for it. A NO_EVICTION table
+    (not cached) grows past max_capacity into its budget: its
+    memory_budget when given (reserved in full), else its share, in
+    proportion to its bytes at max_capacity, of `no_eviction_growth` (a
+    fraction) of the memory its rows' tier has left on the tightest rank
+    after the dynamic tables' reservation. That share is reserved too:
+    native tables are planned in the rest. 0 keeps such tables at
+    max_capacity.
     """
 
     def __init__(self, eb_configs: Sequence[BaseEmbeddingConfig], topology: Optional[Topology] = None,
                  batch_size: Optional[int] = None, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 optimizer=None, **kwargs):
+                 optimizer=None, no_eviction_growth: float = 0.5, **kwargs):
+        if not (isinstance(no_eviction_growth, (int, float)) and 0 <= no_eviction_growth <= 1):
+            raise ValueError(f"no_eviction_growth must be a fraction in [0, 1], got {no_eviction_growth!r}")
+        self.no_eviction_growth = no_eviction_growth
         self._configs = {c.name: c for c in eb_configs}
         constraints = dict(constraints or {})
         self._dynamic = {n: c for n, c in constraints.items()
@@ -104,6 +116,8 @@ class DynamicEmbeddingShardingPlanner:
         self._free = [(d.storage.hbm, d.storage.ddr) for d in self._topology.devices]
         self.options = {n: complete_options(self._configs[n], c.dynamicemb_options, self._topology.world_size)
                         for n, c in self._dynamic.items()}
+        # The users' memory budgets (plan() sets every table's anew).
+        self._given_budget = {n: o.memory_budget for n, o in self.options.items()}
 
     # ---- storage -----------------------------------------------------------------------
 
@@ -113,7 +127,7 @@ class DynamicEmbeddingShardingPlanner:
         its cache and backing store, see _tier_bytes). Needs the tables'
         optimizers: call after plan() (or give the planner `optimizer=`)."""
         return {n: sum(self._tier_bytes(n)) if o.caching else
-                self._value_bytes(n) + o.max_capacity * _TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+                self._value_bytes(n) + o.max_capacity * TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
 
     def _value_bytes(self, name: str) -> int:
         o = self.options[name]
@@ -132,10 +146,10 @@ class DynamicEmbeddingShardingPlanner:
         o = self.options[name]
         row = self._value_bytes(name) // o.max_capacity
         cached = o.cache_rows(row, 1)
-        device = cached * (row + _TABLE_BYTES_PER_SLOT)
+        device = cached * (row + TABLE_BYTES_PER_SLOT)
         if o.backing_store is not None or o.external_storage is not None:
             return device, 0
-        index = o.max_capacity * (_TABLE_BYTES_PER_SLOT + 8)
+        index = o.max_capacity * (TABLE_BYTES_PER_SLOT + 8)
         return device, index + (0 if o.storage_path is not None else self._value_bytes(name))
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
@@ -147,7 +161,7 @@ class DynamicEmbeddingShardingPlanner:
         on_device = self._topology.compute_device == "cuda"
         out = {}
         for n, o in self.options.items():
-            values, table = self._value_bytes(n), o.max_capacity * _TABLE_BYTES_PER_SLOT
+            values, table = self._value_bytes(n), o.max_capacity * TABLE_BYTES_PER_SLOT
             if o.caching:
                 cache, store = self._tier_bytes(n)
                 out[n] = (cache, store) if on_device else (0, cache + store)
@@ -159,12 +173,41 @@ class DynamicEmbeddingShardingPlanner:
                 out[n] = (table, values)
         return out
 
-    def _reserve_dynamic_storage(self) -> None:
-        """Takes our tables' bytes (tier_bytes_per_rank) out of every rank's
-        budget (as it was before any reservation). Refuses, naming the table,
-        when one does not fit: the first whose bytes, added to those of the
-        tables before it, exceed a rank's HBM or DDR."""
+    def allotted_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
+        """(HBM, DDR) bytes per rank that plan() reserves for each dynamic
+        table: tier_bytes_per_rank, and for a NO_EVICTION table its room to
+        grow past max_capacity (charged to the tier of its rows; see the
+        class doc). A table's memory budget is the sum."""
         tiers = self.tier_bytes_per_rank()
+        out = {n: list(b) for n, b in tiers.items()}
+        col = {n: 1 if b[1] else 0 for n, b in tiers.items()}  # the tier of a table's rows
+        share = {}
+        for n in tiers:
+            if not self.options[n].grows_past_max_capacity:
+                continue
+            given = self._given_budget.get(n)
+            if given is None:
+                share[n] = sum(tiers[n])
+            else:
+                out[n][col[n]] += max(0, given - sum(tiers[n]))
+        for c in (0, 1):
+            mine = {n: w for n, w in share.items() if col[n] == c}
+            if not mine or self.no_eviction_growth == 0:
+                continue
+            left = min(free[c] for free in self._free) - sum(b[c] for b in out.values())
+            pool = int(max(0, left) * self.no_eviction_growth)
+            total = sum(mine.values())
+            for n, w in mine.items():
+                out[n][c] += pool * w // total
+        return {n: (b[0], b[1]) for n, b in out.items()}
+
+    def _reserve_dynamic_storage(self) -> None:
+        """Takes our tables' bytes (allotted_bytes_per_rank) out of every
+        rank's budget (as it was before any reservation) and sets each
+        table's memory_budget to them. Refuses, naming the table, when one
+        does not fit: the first whose bytes, added to those of the tables
+        before it, exceed a rank's HBM or DDR."""
+        tiers = self.allotted_bytes_per_rank()
         hbm = sum(h for h, _ in tiers.values())
         ddr = sum(d for _, d in tiers.values())
         for d, (free_hbm, free_ddr) in zip(self._topology.devices, self._free):
@@ -173,6 +216,8 @@ class DynamicEmbeddingShardingPlanner:
                     raise ValueError(self._overflow_message(tiers, kind, col, have, d.rank))
             d.storage.hbm = free_hbm - hbm
             d.storage.ddr = free_ddr - ddr
+        for n, b in tiers.items():
+            self.options[n] = dataclasses.replace(self.options[n], memory_budget=sum(b))
 
     def _overflow_message(self, tiers, kind: str, col: int, have: int, rank: int) -> str:
         taken, before = 0, []
@@ -186,6 +231,8 @@ class DynamicEmbeddingShardingPlanner:
                 "its cache and backing store") if o.caching else \
             ("its values, optimizer state and hash table" if bytes_[1 - col] == 0 else
              ("its hash table" if kind == "HBM" else "its values and optimizer state (host tier)"))
+        if o.grows_past_max_capacity and self._given_budget.get(name) is not None:
+            what += f" and room to grow to its memory_budget of {self._given_budget[name]} bytes"
         total = sum(b[col] for b in tiers.values())
         return (f"table {name!r} does not fit in {kind}: it needs {bytes_[col]} bytes of {kind} per rank "
                 f"({what}, {o.max_capacity} rows per rank), but rank {rank} has {have - taken} of its {have} "

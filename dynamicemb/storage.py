@@ -88,6 +88,10 @@ class HashTableStorage(EmbeddingStorage):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.host_tier = [device.type == "cuda" and not o.values_on_device(
             self.max_caps[t] * (self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
+        # How far each table may grow (memory_budget): growth is checked here, before allocating.
+        self.budgets = [memory.TableBudget(names[t], (self.dims[t] + state_widths[t]) * itemsize, self.max_caps[t],
+                                           o.memory_budget, o.grows_past_max_capacity) for t, o in enumerate(options)]
+        self.limit_caps = [b.limit for b in self.budgets]
         self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
                          for t in range(self.num_tables)]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
@@ -130,8 +134,16 @@ class HashTableStorage(EmbeddingStorage):
         return self._weights
 
     def max_rows(self, t: int) -> int:
-        """The most keys table t may hold on this rank."""
-        return self.max_caps[t]
+        """The most keys table t may hold on this rank (a NO_EVICTION table:
+        as many as its memory budget allows)."""
+        return self.limit_caps[t]
+
+    def budget_reached(self, t: int) -> Optional[str]:
+        """Why table t stores no more keys, when its memory budget is the
+        reason (EmbeddingStorage.budget_reached)."""
+        g, lt = self.group_of[t]
+        ht = self.groups[g][0]
+        return self.budgets[t].reached(ht.size(lt), ht.capacity(lt))
 
     def first_slot(self, t: int) -> int:
         """Table t's first slot in its group's hash table (the slot of its row 0)."""
@@ -293,17 +305,39 @@ class HashTableStorage(EmbeddingStorage):
         sizes, caps = ht.sizes.tolist(), ht.capacities()
         lf = [self.options[t].max_load_factor for t in tables]
         suspects = [lt for lt in range(len(tables))
-                    if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.max_caps[tables[lt]]]
+                    if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.limit_caps[tables[lt]]]
         if not suspects:
             return
         _, found = ht.lookup(keys, local_tids)
         missing = torch.bincount(local_tids[~found], minlength=len(tables)).tolist()
         new_caps = list(caps)
         for lt in suspects:
-            while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.max_caps[tables[lt]]:
+            while sizes[lt] + missing[lt] > lf[lt] * new_caps[lt] and new_caps[lt] < self.limit_caps[tables[lt]]:
                 new_caps[lt] *= 2
         if new_caps != caps:
-            self._grow(g, new_caps)
+            self._grow_or_stop(g, new_caps)
+
+    def _grow_or_stop(self, g: int, new_caps: List[int]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """_grow; when the memory is not there after all (the device's
+        allocator refuses), smaller growths (halved targets), and None when
+        not even one doubling fits: a table that cannot double stops at its
+        capacity, as at its budget (its new keys fail, counted)."""
+        ht, tables = self.groups[g]
+        caps = ht.capacities()
+        while True:
+            try:
+                return self._grow(g, new_caps)
+            except RuntimeError as e:
+                if not memory.allocation_failed(e):
+                    raise
+                smaller = [n // 2 if n > c else c for n, c in zip(new_caps, caps)]
+                for lt, t in enumerate(tables):
+                    if new_caps[lt] == 2 * caps[lt]:  # not even one doubling
+                        self.limit_caps[t] = caps[lt]
+                        self.budgets[t].refused(caps[lt], str(e))
+                if smaller == caps:
+                    return None
+                new_caps = smaller
 
     def _grow(self, g: int, new_caps: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rebuilds group g's hash table at new_caps and moves every table's
@@ -311,15 +345,18 @@ class HashTableStorage(EmbeddingStorage):
         ht, tables = self.groups[g]
         caps = ht.capacities()
         old_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
+        # The new rows first, then the rehash: an allocation that fails changes nothing.
+        grown = {lt: self._new_rows(t, new_caps[lt], self._weights[t].shape[1])
+                 for lt, t in enumerate(tables) if new_caps[lt] != caps[lt]}
         old_idx, new_idx = ht.grow(new_caps)
         new_begin = [b * ht.bucket_capacity for b in ht.table_buckets.tolist()]
         for lt, t in enumerate(tables):
             sel = (old_idx >= old_begin[lt]) & (old_idx < old_begin[lt + 1])
             src, dst = old_idx[sel] - old_begin[lt], new_idx[sel] - new_begin[lt]
-            if new_caps[lt] == caps[lt] and torch.equal(src, dst):
+            if lt not in grown and torch.equal(src, dst):
                 continue  # rows did not move
             w = self._weights[t]
-            moved = self._new_rows(t, new_caps[lt], w.shape[1])
+            moved = grown[lt] if lt in grown else self._new_rows(t, new_caps[lt], w.shape[1])
             moved[dst.to(w.device)] = w[src.to(w.device)]
             self._weights[t] = moved
         self._slot_begin[g] = self._group_slot_begin(g)
@@ -342,7 +379,7 @@ class HashTableStorage(EmbeddingStorage):
         self._grow_for(g, keys, local_tids)
 
         def at_max():
-            return [c >= self.max_caps[t] for c, t in zip(ht.capacities(), tables)]
+            return [c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables)]
 
         full = at_max()
         out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full)
@@ -361,8 +398,14 @@ class HashTableStorage(EmbeddingStorage):
                 ht.counters[lt, rules.TableCounter.FAILED] -= per_table[lt]
             caps = ht.capacities()
             old_slots = ht.slot_keys.numel()
-            moved_from, moved_to = self._grow(g, [min(2 * c, self.max_caps[t]) if lt in retry else c
-                                                  for lt, (c, t) in enumerate(zip(caps, tables))])
+            moved = self._grow_or_stop(g, [min(2 * c, self.limit_caps[t]) if lt in retry else c
+                                           for lt, (c, t) in enumerate(zip(caps, tables))])
+            if moved is None:  # no memory for it: those keys stay failed
+                for lt in retry:
+                    ht.counters[lt, rules.TableCounter.FAILED] += per_table[lt]
+                full = at_max()
+                continue
+            moved_from, moved_to = moved
             # The slots this call already returned moved with the rehash.
             remap = torch.full((old_slots,), -1, dtype=torch.int64, device=idx.device)
             remap[moved_from] = moved_to
@@ -440,9 +483,11 @@ class HashTableStorage(EmbeddingStorage):
         out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
         failed = int((out.results == InsertResult.FAILED).sum())
         if failed or out.evicted.keys.numel():
-            raise RuntimeError(
-                f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded keys do "
-                f"not fit (capacity {ht.capacity(lt)} of at most {self.max_caps[table_id]} rows on this rank)")
+            msg = (f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded "
+                   f"keys do not fit (capacity {ht.capacity(lt)} of at most {self.limit_caps[table_id]} rows on this "
+                   f"rank)")
+            why = self.budget_reached(table_id)
+            raise RuntimeError(msg) if why is None else memory.DynamicEmbBudgetError(f"{msg}: {why}")
         idx = out.indices
         ht.slot_scores[idx] = batch.scores.to(device=self.device, dtype=torch.int64)
         if batch.timestamps is not None and ht.slot_timestamps.numel():

@@ -147,6 +147,12 @@ class EmbeddingStorage(abc.ABC):
         storage reopened (None: none)."""
         return None
 
+    def budget_reached(self, table_id: int) -> Optional[str]:
+        """Why a table stores no more keys when its memory budget is the
+        reason (DynamicEmbTableOptions.memory_budget), else None: the module
+        adds it to the report of the keys that failed."""
+        return None
+
     def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
                     optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
         """Stores distinct `keys` of one table with the given values (and

@@ -338,9 +338,10 @@ class ScoredHashTable:
                                  f"the current capacity {o}")
         new_tb = self._bucket_offsets([c // self.bucket_capacity for c in caps])
         keys, digests, scores, ts, old_idx, new_idx = ops.table_rehash(table_arg(self), new_tb, self.bucket_capacity)
-        self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
+        # Allocated before any member changes: a failed allocation leaves the table as it was.
         epochs = memory.zeros(keys.numel(), _EPOCH_DTYPE, self.device)
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
+        self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
         self.slot_epochs = epochs
         self._table_buckets = new_tb
         return old_idx, new_idx

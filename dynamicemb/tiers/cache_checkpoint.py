@@ -147,6 +147,10 @@ class CacheCheckpoint:
     def max_rows(self, table_id: int) -> int:
         return self.table_max_rows[table_id] if self.cached[table_id] else self.tables.max_rows(table_id)
 
+    def budget_reached(self, table_id: int):
+        """A cache never grows: only an uncached table can reach its budget."""
+        return None if self.cached[table_id] else self.tables.budget_reached(table_id)
+
     def stats(self, table_id):
         s = self.tables.stats(table_id)
         if not self.cached[table_id]:
