@@ -5,6 +5,8 @@
 //
 // A row of the value storage is [weights (D) | per-element state
 // (kStatePerDim * D) | per-row state (kStateFixed)], all in the storage dtype.
+// A new row's state starts at 0, or, for a rule with kAccumulator (Adagrad's
+// sum of squares), at initial_accumulator_value (init_rules.h: Args::state).
 //
 // An optimizer is one rule struct plus its entry in Registry. A rule is either
 // element-wise (element: one weight and its state from its gradient) or
@@ -44,7 +46,15 @@ struct Params {
   int64_t step;               // the module's update count, >= 1 at the first update
   int64_t weight_decay_mode;  // WeightDecayMode
   float derived[2];           // per-call constants of the rule (its prepare()), computed on the host
+  float max_gradient;         // > 0: FBGEMM's gradient_clipping, every rule (see clip); 0: off
 };
+
+// FBGEMM's gradient_clipping / max_gradient: each element of a row's reduced
+// gradient (the sum over the batch's occurrences of its key) is clamped to
+// [-max_gradient, max_gradient] before any rule sees it.
+DE_HD float clip(float g, const Params& p) {
+  return p.max_gradient > 0.0f ? fminf(fmaxf(g, -p.max_gradient), p.max_gradient) : g;
+}
 
 // ---- the rules ---------------------------------------------------------------------
 // kCode: the kernel code, which checkpoints record (never reuse one). kName,
@@ -59,7 +69,7 @@ struct ExactSgd {
   static constexpr const char* kValues = "exact_sgd sgd";
   static constexpr int64_t kStatePerDim = 0, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = false;
   static void prepare(Params&) {}
   DE_HD static void element(float& w, float*, float g, const Params& p) { w = w - p.lr * g; }
 };
@@ -72,7 +82,7 @@ struct Adam {
   static constexpr const char* kValues = "adam";
   static constexpr int64_t kStatePerDim = 2, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate | kEps | kBeta1 | kBeta2 | kWeightDecay;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = false;
   static void prepare(Params& p) {  // 1 - beta^step
     p.derived[0] = 1.0f - powf(p.beta1, static_cast<float>(p.step));
     p.derived[1] = 1.0f - powf(p.beta2, static_cast<float>(p.step));
@@ -93,7 +103,7 @@ struct ExactAdagrad {
   static constexpr const char* kValues = "exact_adagrad";
   static constexpr int64_t kStatePerDim = 1, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate | kEps;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = true;
   static void prepare(Params&) {}
   DE_HD static void element(float& w, float* m, float g, const Params& p) {
     m[0] = m[0] + g * g;
@@ -111,7 +121,7 @@ struct ExactRowwiseAdagrad {
   static constexpr const char* kValues = "exact_row_wise_adagrad";
   static constexpr int64_t kStatePerDim = 0, kStateFixed = 1;
   static constexpr uint32_t kHyper = kLearningRate | kEps | kWeightDecay | kWeightDecayMode;
-  static constexpr bool kRowwise = true;
+  static constexpr bool kRowwise = true, kAccumulator = true;
   static void prepare(Params&) {}
   struct Step {
     float mult, corr;
@@ -131,12 +141,39 @@ struct ExactRowwiseAdagrad {
   DE_HD static void apply(float& w, float*, float g, const Step& s, const Params&) { w = s.corr * w - s.mult * g; }
 };
 
+// PARTIAL_ROWWISE_ADAM, FBGEMM's rule (lazy, like ADAM): a first moment m1
+// per element and one second moment v per row, v = beta2 * v + (1 - beta2)
+// * mean(g^2) over the row; then every weight w -= lr * (m1 / (1 - beta1^t)
+// / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * w), m1 = beta1 * m1 +
+// (1 - beta1) * g. State: D + 1 columns (ADAM's: 2 D).
+struct PartialRowwiseAdam {
+  static constexpr int64_t kCode = 4;
+  static constexpr const char* kName = "PARTIAL_ROWWISE_ADAM";
+  static constexpr const char* kValues = "partial_row_wise_adam";
+  static constexpr int64_t kStatePerDim = 1, kStateFixed = 1;
+  static constexpr uint32_t kHyper = kLearningRate | kEps | kBeta1 | kBeta2 | kWeightDecay;
+  static constexpr bool kRowwise = true, kAccumulator = false;
+  static void prepare(Params& p) { Adam::prepare(p); }
+  struct Step {
+    float denom;  // sqrt(v_hat) + eps
+  };
+  DE_HD static float term(float g, float, const Params&) { return g * g; }
+  DE_HD static Step row(float* v, float sum, int64_t dim, const Params& p) {
+    v[0] = p.beta2 * v[0] + (1.0f - p.beta2) * (sum / static_cast<float>(dim));
+    return Step{sqrtf(v[0] / p.derived[1]) + p.eps};
+  }
+  DE_HD static void apply(float& w, float* m1, float g, const Step& s, const Params& p) {
+    m1[0] = p.beta1 * m1[0] + (1.0f - p.beta1) * g;
+    w = w - p.lr * (m1[0] / p.derived[0] / s.denom + p.weight_decay * w);
+  }
+};
+
 // ---- the registry ----------------------------------------------------------------------
 
 template <class... R>
 struct RuleList {};
 // Every optimizer, once.
-using Registry = RuleList<ExactSgd, Adam, ExactAdagrad, ExactRowwiseAdagrad>;
+using Registry = RuleList<ExactSgd, Adam, ExactAdagrad, ExactRowwiseAdagrad, PartialRowwiseAdam>;
 
 // fn(Rule{}) for the rule whose code is `code`; false when there is none.
 #if defined(__CUDACC__)
@@ -182,9 +219,16 @@ inline int64_t state_width(int64_t code, int64_t dim) {
 
 // The kernels' parameters of one update call (emb_backward_update's arguments).
 inline Params make_params(int64_t code, double lr, double eps, double beta1, double beta2, double weight_decay,
-                          int64_t step, int64_t weight_decay_mode) {
-  Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1), static_cast<float>(beta2),
-           static_cast<float>(weight_decay), step, weight_decay_mode, {1.0f, 1.0f}};
+                          int64_t step, int64_t weight_decay_mode, double max_gradient) {
+  Params p{static_cast<float>(lr),
+           static_cast<float>(eps),
+           static_cast<float>(beta1),
+           static_cast<float>(beta2),
+           static_cast<float>(weight_decay),
+           step,
+           weight_decay_mode,
+           {1.0f, 1.0f},
+           max_gradient > 0.0 ? static_cast<float>(max_gradient) : 0.0f};
   dispatch(code, [&](auto r) { decltype(r)::prepare(p); });
   return p;
 }
@@ -206,26 +250,28 @@ DE_HD void on_element(W* row, int64_t D, int64_t d, Fn fn) {
 // elements with their gradients: walk.for_each(fn) calls fn(d, g) for every
 // element d; walk.sum(term) is the sum of term(d, g) over the elements in
 // element order, rounded per step (a sequential loop's result); walk.once(fn)
-// runs fn once, after every element has been visited.
+// runs fn once, after every element has been visited. Every gradient goes
+// through clip() first.
 template <class Rule, class W, class Walk>
 DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
   constexpr int64_t S = Rule::kStatePerDim;
   if constexpr (Rule::kRowwise) {
     constexpr int64_t R = Rule::kStateFixed;
     W* row_state = row + (S + 1) * D;
-    const float sum = walk.sum([&](int64_t d, float g) { return Rule::term(g, static_cast<float>(row[d]), p); });
+    const float sum =
+        walk.sum([&](int64_t d, float g) { return Rule::term(clip(g, p), static_cast<float>(row[d]), p); });
     float rs[R > 0 ? R : 1];
     for (int64_t j = 0; j < R; ++j) rs[j] = static_cast<float>(row_state[j]);
     const typename Rule::Step step = Rule::row(rs, sum, D, p);
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, g, step, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, clip(g, p), step, p); });
     });
     walk.once([&] {
       for (int64_t j = 0; j < R; ++j) row_state[j] = static_cast<W>(rs[j]);
     });
   } else {
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, g, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, clip(g, p), p); });
     });
   }
 }
