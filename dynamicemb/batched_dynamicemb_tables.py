@@ -90,10 +90,11 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         table_names: for stats and error messages.
         feature_table_map: table of each feature (default: feature i -> table i).
         pooling_mode: SUM, MEAN or NONE (one row per index; needs one dim).
-        optimizer: EmbOptimType EXACT_SGD, ADAM, PARTIAL_ROWWISE_ADAM,
+        optimizer: EmbOptimType EXACT_SGD, ADAM, PARTIAL_ROWWISE_ADAM, LAMB,
             EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD, with FBGEMM's
-            hyper-parameter names and rules: ADAM and PARTIAL_ROWWISE_ADAM
-            add weight_decay * w to their update, EXACT_ROWWISE_ADAGRAD
+            hyper-parameter names and rules: the ADAM family (ADAM,
+            PARTIAL_ROWWISE_ADAM, LAMB) adds weight_decay * w to its update
+            (LAMB: to r), EXACT_ROWWISE_ADAGRAD
             decays per weight_decay_mode (FBGEMM's WeightDecayMode NONE, L2
             or DECOUPLE; NONE by default, as the TBE's), EXACT_SGD and
             EXACT_ADAGRAD take no weight decay.

@@ -4,7 +4,7 @@ the spec where its CPU TBE has no kernel), for tests to compare against.
 
 Rows are kept per key as [weights (D) | optimizer state] in our layout
 (ADAGRAD: D sums; ROWWISE_ADAGRAD: 1; ADAM: m1 (D), m2 (D);
-PARTIAL_ROWWISE_ADAM: m1 (D), v (1)). A step takes each key's gradient
+PARTIAL_ROWWISE_ADAM: m1 (D), v (1); LAMB: m1 (D), m2 (D)). A step takes each key's gradient
 summed over the batch (as a TBE reduces it), clamps it with FBGEMM's
 gradient_clipping when given, and applies the rule. Decay modes: NONE only
 (weight_decay is the ADAM family's decoupled-in-update term)."""
@@ -18,6 +18,7 @@ STATE = {  # optimizer name -> state width for dim D
     "EXACT_ROWWISE_ADAGRAD": lambda D: 1,
     "ADAM": lambda D: 2 * D,
     "PARTIAL_ROWWISE_ADAM": lambda D: D + 1,
+    "LAMB": lambda D: 2 * D,
 }
 ACCUMULATORS = ("EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD")
 
@@ -70,6 +71,13 @@ class ReferenceOptimizer:
             m1.mul_(self.b1).add_((1 - self.b1) * g)
             upd = m1 / (1 - self.b1 ** t) / ((v / (1 - self.b2 ** t)).sqrt() + self.eps)
             w -= self.lr * (upd + self.wd * w)
+        elif self.name == "LAMB":
+            m1, m2 = s[:D], s[D:]
+            m1.mul_(self.b1).add_((1 - self.b1) * g)
+            m2.mul_(self.b2).add_((1 - self.b2) * g * g)
+            r = m1 / (1 - self.b1 ** t) / ((m2 / (1 - self.b2 ** t)).sqrt() + self.eps) + self.wd * w
+            ratio = w.norm() / r.norm() if r.norm() > 0 else 0.0  # FBGEMM: NaN where ||r|| = 0
+            w -= self.lr * ratio * r
         else:
             raise ValueError(name_error(self.name))
         return row

@@ -83,6 +83,12 @@ def test_partial_rowwise_adam_matches_fbgemms_rule(pooling, dims, device):
     assert [w.shape[1] for w in m.storage.weights()] == [2 * d + 1 for d in dims]
 
 
+@pytest.mark.parametrize("dims", [[5, 3], [300, 40]])
+def test_lamb_matches_fbgemms_rule(dims, device):
+    m = _train_against_reference(EmbOptimType.LAMB, dims, device, weight_decay=0.01)
+    assert [w.shape[1] for w in m.storage.weights()] == [3 * d for d in dims]
+
+
 def test_partial_rowwise_adam_state_is_about_half_of_adams():
     pra, adam = rules.optimizer(optimizer_id("PARTIAL_ROWWISE_ADAM")), rules.optimizer(optimizer_id("ADAM"))
     assert (pra.state_width(128), adam.state_width(128)) == (129, 256)
