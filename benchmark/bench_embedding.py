@@ -6,8 +6,10 @@ FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen), same shapes and ids.
 
 Default shapes (issue 3): 8 tables, dim 64, batch 4096, pooling factor 10,
 ids from Zipf(1.05) over a 10M key range (scrambled so hot ids are not
-adjacent rows), EXACT_SGD and EXACT_ROWWISE_ADAGRAD (plus our ADAM alone: the
-CPU TBE has no Adam). The TBE needs every row of the key range allocated:
+adjacent rows), EXACT_SGD and EXACT_ROWWISE_ADAGRAD (plus our ADAM and
+PARTIAL_ROWWISE_ADAM alone: the CPU TBE has neither). Each optimizer's state
+bytes per row (the rules registry's width x the storage dtype) are recorded
+beside its times. The TBE needs every row of the key range allocated:
 when 8 x 10M x 64 fp32 rows do not fit in half of the machine's memory, all
 features share one 10M-row table in BOTH implementations (recorded as
 "layout"). A training step = forward + backward + fused optimizer update.
@@ -22,6 +24,10 @@ import torch
 
 from _common import busy_warning, default_out, env_info, format_table, sync, write_json
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb.optimizer import optimizer_code, state_width
+
+# The optimizers FBGEMM's CPU TBE implements (the others run ours alone there).
+CPU_TBE = ("EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD")
 
 
 def zipf_batches(n_batches, n_ids, key_range, a, seed):
@@ -127,9 +133,9 @@ def main():
     # ranges must not allocate --capacity rows per table.
     capacity = min(args.capacity, 1 << (2 * args.key_range - 1).bit_length())
     rows, results = [], {}
-    for name in ("EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "ADAM"):
+    for name in ("EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "ADAM", "PARTIAL_ROWWISE_ADAM"):
         opt = EmbOptimType[name]
-        r = {}
+        r = {"optimizer_bytes_per_row": state_width(optimizer_code(opt), args.dim) * 4}  # float32 rows
         mods = {"ours": ours(tables, capacity, args.dim, opt, 0.01, features, device)}
         tbe = tbe_or_none(name, tables, args, opt, features, device, r)
         if tbe is not None:
@@ -146,13 +152,13 @@ def main():
         results[name] = r
         ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"  # noqa: E731
         ratio = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
-        rows.append([name, ms("ours_train_s"), ms("tbe_train_s"), ratio("train_ratio"), ms("ours_eval_s"),
-                     ms("tbe_eval_s"), ratio("eval_ratio")])
+        rows.append([name, r["optimizer_bytes_per_row"], ms("ours_train_s"), ms("tbe_train_s"), ratio("train_ratio"),
+                     ms("ours_eval_s"), ms("tbe_eval_s"), ratio("eval_ratio")])
         print("  " + "  ".join(map(str, rows[-1])), flush=True)
 
     print()
-    print(format_table(["optimizer", "ours train ms", "TBE train ms", "ratio", "ours eval ms", "TBE eval ms",
-                        "ratio"], rows))
+    print(format_table(["optimizer", "opt B/row", "ours train ms", "TBE train ms", "ratio", "ours eval ms",
+                        "TBE eval ms", "ratio"], rows))
     print("target: ratio <= 1.30 for training step and eval")
     config = {**vars(args), "layout": layout, "our_capacity": capacity, "ids_per_step": n_ids,
               "distinct_ids": distinct, **env_info(device)}
@@ -162,9 +168,10 @@ def main():
 
 def tbe_or_none(name, tables, args, opt, features, device, r):
     """The TBE to compare with, or None (with the reason in r["tbe"]): the CPU
-    TBE has no Adam, and a CPU-only fbgemm_gpu has no CUDA TBE."""
-    if name == "ADAM" and device.type == "cpu":
-        r["tbe"] = "the CPU TBE has no Adam"
+    TBE has no Adam (nor PARTIAL_ROWWISE_ADAM), and a CPU-only fbgemm_gpu has
+    no CUDA TBE."""
+    if name not in CPU_TBE and device.type == "cpu":
+        r["tbe"] = f"the CPU TBE has no {name}"
         return None
     try:
         return fbgemm_tbe(tables, args.key_range, args.dim, opt, 0.01, features, device)

@@ -188,8 +188,9 @@ def panel_embedding(ax, k: Dict[str, Any]) -> None:
     for j, o in enumerate(opts):
         r = k["optimizers"][o]
         if "train_ratio" not in r and "ours_train_ms" in r:
+            state = (f",\nstate {r['optimizer_bytes_per_row']:.0f} B/row" if "optimizer_bytes_per_row" in r else "")
             ax.annotate(f"no CPU TBE to compare\nours: train {r['ours_train_ms']:.0f} ms,\n"
-                        f"eval {r['ours_eval_ms']:.0f} ms", (j, 0.05), ha="center", va="bottom", fontsize=8)
+                        f"eval {r['ours_eval_ms']:.0f} ms{state}", (j, 0.05), ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color=OTHER, lw=0.8)
     ax.set_xticks(range(len(opts)))
     ax.set_xticklabels(opts, fontsize=9)

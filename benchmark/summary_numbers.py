@@ -45,7 +45,7 @@ def key_embedding(d: dict) -> Dict[str, Any]:
     out = {}
     for opt, r in d["results"].items():
         row = {k[:-2] + "_ms": v * 1e3 for k, v in r.items() if k.endswith("_s")}
-        row.update({k: r[k] for k in ("train_ratio", "eval_ratio") if k in r})
+        row.update({k: r[k] for k in ("train_ratio", "eval_ratio", "optimizer_bytes_per_row") if k in r})
         if "tbe" in r:
             row["no_tbe"] = r["tbe"]
         out[opt] = row
@@ -164,13 +164,14 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                      + _md(["tables", "ms / step", "samples/s", "dynamicemb time / this"], rows))
     if "embedding" in key:
         k = key["embedding"]
-        rows = [[opt, _f(r.get("ours_train_ms")), _f(r.get("tbe_train_ms")), _f(r.get("train_ratio"), "{:.2f}"),
-                 _f(r.get("ours_eval_ms")), _f(r.get("tbe_eval_ms")), _f(r.get("eval_ratio"), "{:.2f}")]
+        rows = [[opt, _f(r.get("optimizer_bytes_per_row"), "{:.0f}"), _f(r.get("ours_train_ms")),
+                 _f(r.get("tbe_train_ms")), _f(r.get("train_ratio"), "{:.2f}"), _f(r.get("ours_eval_ms")),
+                 _f(r.get("tbe_eval_ms")), _f(r.get("eval_ratio"), "{:.2f}")]
                 for opt, r in k["optimizers"].items()]
         parts.append(f"**Embedding module vs FBGEMM's CPU TBE** ({k['layout']}, batch {k['batch']} x pooling "
-                     f"{k['pooling']}, dim {k['dim']})\n\n" + _md(
-                         ["optimizer", "ours train ms", "TBE train ms", "ratio", "ours eval ms", "TBE eval ms",
-                          "ratio"], rows))
+                     f"{k['pooling']}, dim {k['dim']}; optimizer state bytes per row beside each optimizer)\n\n"
+                     + _md(["optimizer", "optimizer B / row", "ours train ms", "TBE train ms", "ratio",
+                            "ours eval ms", "TBE eval ms", "ratio"], rows))
     if "tiers" in key:
         k = key["tiers"]
         rows = [[name, f"{p['cache_fraction']:g}", _f(p["step_ms"]), _f(p["vs_in_memory"], "{:.2f}"),

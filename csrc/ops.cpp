@@ -99,7 +99,7 @@ TORCH_LIBRARY(dynamicemb, m) {
       "emb_backward_update(Tensor grad_output, Tensor(a!)[] weights, Tensor rows, "
       "Tensor unique_table_ids, Tensor inverse, Tensor offsets, int[] feature_table, int[] dims, "
       "Tensor? per_sample_weights, int pooling, int optimizer, float lr, float eps, float beta1, "
-      "float beta2, float weight_decay, int step, int weight_decay_mode) -> ()");
+      "float beta2, float weight_decay, int step, int weight_decay_mode, float max_gradient=0.0) -> ()");
 
   // The eval forward fused with the lookup (no dedup, nothing inserted): index
   // i of feature f is found in hash table table_group[t] (logical table

@@ -1,7 +1,8 @@
 // dynamicemb::rules() -> str: the rules the kernels follow, as JSON, for
 // dynamicemb/rules.py (read once at import). Everything here is read from
 // the rule headers, so a rule is written once, in C++:
-//   optimizers         embedding/optimizer_rules.h (codes, state widths, hyper-parameters)
+//   optimizers         embedding/optimizer_rules.h (codes, state widths, hyper-parameters,
+//                      which state starts at initial_accumulator_value)
 //   weight_decay_modes embedding/optimizer_rules.h
 //   score_strategies   table/table_rules.h (traits), table/table_registry.h (names, call scores)
 //   table_counters     table/table_registry.h
@@ -93,6 +94,7 @@ void optimizers(Json& j) {
     using R = decltype(r);
     j.begin('{').field("code", R::kCode).field("name", R::kName).field("values", R::kValues);
     j.field("state_per_dim", R::kStatePerDim).field("state_fixed", R::kStateFixed).field("rowwise", R::kRowwise);
+    j.field("accumulator", R::kAccumulator);
     j.key("hyper_parameters").begin('[');
     for (int h = 0; h < optim::kNumHyper; ++h)
       if (R::kHyper & (1u << h)) j.str(optim::kHyperNames[h]);

@@ -18,7 +18,8 @@ from torch import nn
 from dynamicemb._ops import ops
 from dynamicemb.aliases import renamed
 from dynamicemb.memory import DynamicEmbBudgetError
-from dynamicemb.optimizer import EmbOptimType, check_weight_decay, optimizer_code, state_width, weight_decay_mode_code
+from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, optimizer_code, state_start,
+                                  state_width, weight_decay_mode_code)
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
@@ -91,12 +92,20 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         table_names: for stats and error messages.
         feature_table_map: table of each feature (default: feature i -> table i).
         pooling_mode: SUM, MEAN or NONE (one row per index; needs one dim).
-        optimizer: EmbOptimType EXACT_SGD, ADAM, EXACT_ADAGRAD or
-            EXACT_ROWWISE_ADAGRAD, with FBGEMM's hyper-parameter names and
-            rules: ADAM adds weight_decay * w to its update,
-            EXACT_ROWWISE_ADAGRAD decays per weight_decay_mode (FBGEMM's
-            WeightDecayMode NONE, L2 or DECOUPLE; NONE by default, as the
-            TBE's), EXACT_SGD and EXACT_ADAGRAD take no weight decay.
+        optimizer: EmbOptimType EXACT_SGD, ADAM, PARTIAL_ROWWISE_ADAM, LAMB,
+            EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD, with FBGEMM's
+            hyper-parameter names and rules: the ADAM family (ADAM,
+            PARTIAL_ROWWISE_ADAM, LAMB) adds weight_decay * w to its update
+            (LAMB: to r), EXACT_ROWWISE_ADAGRAD
+            decays per weight_decay_mode (FBGEMM's WeightDecayMode NONE, L2
+            or DECOUPLE; NONE by default, as the TBE's), EXACT_SGD and
+            EXACT_ADAGRAD take no weight decay.
+        gradient_clipping, max_gradient: FBGEMM's; with clipping, each
+            element of a row's reduced gradient is clamped to
+            [-max_gradient, max_gradient] before the update (any optimizer).
+        initial_accumulator_value: where the Adagrad accumulators
+            (EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD) of a new row start
+            (torch.optim.Adagrad's name; 0 by default); refused for others.
         output_dtype: dtype of the output (accumulation is float32).
         seed: the initializers' seed; a key's initial row is a pure function
             of (seed, table, key).
@@ -117,6 +126,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                  feature_table_map: Optional[Sequence[int]] = None, pooling_mode=DynamicEmbPoolingMode.SUM,
                  optimizer=EmbOptimType.EXACT_SGD, learning_rate: float = 0.01, eps: float = 1.0e-8,
                  beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, weight_decay_mode=None,
+                 gradient_clipping: bool = False, max_gradient: float = 1.0, initial_accumulator_value: float = 0.0,
                  output_dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
                  init_streams: Optional[Sequence[int]] = None, storage: Optional[EmbeddingStorage] = None,
                  feature_names: Optional[Sequence[Sequence[str]]] = None,
@@ -150,6 +160,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.weight_decay = weight_decay
         self.weight_decay_mode = weight_decay_mode_code(weight_decay_mode)
         check_weight_decay(self.optimizer, weight_decay, self.weight_decay_mode)
+        self.gradient_clipping, self.max_gradient = bool(gradient_clipping), max_gradient
+        clipping_bound(self.gradient_clipping, max_gradient)  # validated here
+        self.initial_accumulator_value = initial_accumulator_value
+        state_init = state_start(self.optimizer, initial_accumulator_value)
         self.output_dtype = output_dtype
         self.seed = seed
         self.device = canonical_device(device)
@@ -159,7 +173,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.embedding_dtype = dtypes.pop()
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
         self.storage = storage or make_storage(self.table_names, self.table_options, widths, self.embedding_dtype,
-                                               self.device, seed, init_streams)
+                                               self.device, seed, init_streams, [state_init] * self.num_tables)
         # A reopened persistent store (storage_path) resumes the counters of its last flush.
         saved = self.storage.saved_state() or {}
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
@@ -258,7 +272,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         ops.emb_backward_update(grad_output, self.storage.weights(), rows, utids,
                                 inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
                                 self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
-                                self.weight_decay, self.optimizer_step, self.weight_decay_mode)
+                                self.weight_decay, self.optimizer_step, self.weight_decay_mode,
+                                clipping_bound(self.gradient_clipping, self.max_gradient))
         self.storage.batch_done()  # its rows may move again
 
     def _skip_nonfinite(self, grad_output, rows, utids, inverse, offsets) -> torch.Tensor:

@@ -6,6 +6,7 @@ CUDA test machine with only torch and dynamicemb) a stand-in with the
 registry's names and values is used.
 """
 import enum
+import math
 
 from dynamicemb import rules
 
@@ -63,3 +64,37 @@ def check_weight_decay(code: int, weight_decay: float, decay_mode: int) -> None:
     if weight_decay and "weight_decay_mode" in reads and not decay_mode:
         raise ValueError(f"{rule.name} ignores weight_decay={weight_decay} with weight_decay_mode NONE "
                          f"(FBGEMM's default); set weight_decay_mode to L2 or DECOUPLE")
+
+
+def _finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def clipping_bound(gradient_clipping: bool, max_gradient: float) -> float:
+    """FBGEMM's gradient_clipping / max_gradient as the kernels take it: each
+    element of a row's reduced gradient is clamped to [-max_gradient,
+    max_gradient] before the update (every optimizer); 0 = no clipping."""
+    if not gradient_clipping:
+        return 0.0
+    bound = _finite("max_gradient", max_gradient)
+    if bound <= 0:
+        raise ValueError(f"max_gradient must be > 0 with gradient_clipping=True, got {max_gradient!r}")
+    return bound
+
+
+def state_start(code: int, initial_accumulator_value: float) -> float:
+    """Where a new row's optimizer state starts: initial_accumulator_value
+    for an optimizer whose state is an accumulator (the registry's
+    `accumulator`: EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD), else 0. A non-zero
+    value that the optimizer would ignore is refused rather than dropped."""
+    value = _finite("initial_accumulator_value", initial_accumulator_value)
+    rule = rules.optimizer(code)
+    if value < 0:
+        raise ValueError(f"initial_accumulator_value must be >= 0, got {value}")
+    if value and not rule.accumulator:
+        takers = ", ".join(o.name for o in rules.OPTIMIZERS if o.accumulator)
+        raise ValueError(f"initial_accumulator_value applies to {takers} only, not to {rule.name}; "
+                         f"got {value}")
+    return value if rule.accumulator else 0.0

@@ -61,9 +61,10 @@ class DynamicEmbInitializerArgs:
             raise ValueError(f"DynamicEmbInitializerArgs: initializer lower bound {self.lower} exceeds upper bound "
                              f"{self.upper}")
 
-    def packed(self, num_embeddings: Optional[int], stream: int) -> list:
+    def packed(self, num_embeddings: Optional[int], stream: int, state: float = 0.0) -> list:
         """The float64 row the kernels take (init::Args), its columns in
-        rules.INIT_ARGS order; `stream` is the table's random stream id."""
+        rules.INIT_ARGS order; `stream` is the table's random stream id,
+        `state` the value a new row's optimizer state starts at."""
         lower, upper = self.lower, self.upper
         if self.mode == DynamicEmbInitializerMode.UNIFORM:
             bound = math.sqrt(1.0 / num_embeddings) if num_embeddings else 0.0
@@ -75,7 +76,7 @@ class DynamicEmbInitializerArgs:
         if lower is not None and upper is not None and lower > upper:
             raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}")
         row = dict(mode=float(int(self.mode)), mean=self.mean, std_dev=self.std_dev, lower=lower or 0.0,
-                   upper=upper or 0.0, value=self.value, stream=float(stream))
+                   upper=upper or 0.0, value=self.value, stream=float(stream), state=float(state))
         return [row[name] for name in rules.INIT_ARGS]
 
 

@@ -6,7 +6,8 @@ rest of the package names codes, widths and columns through this module
 instead of restating them:
 
 - optimizers (csrc/embedding/optimizer_rules.h): ``OPTIMIZERS``,
-  ``optimizer(code)``: FBGEMM name and values, state width, hyper-parameters;
+  ``optimizer(code)``: FBGEMM name and values, state width, hyper-parameters,
+  whether its state starts at initial_accumulator_value;
   ``HYPER_PARAMETERS``, ``WeightDecayMode``;
 - score strategies (csrc/table/table_rules.h, table_registry.h): their
   codes (``TIMESTAMP_LFU``: the (TIMESTAMP, LFU) pair) and traits by code,
@@ -38,6 +39,7 @@ class OptimizerRule(NamedTuple):
     state_fixed: int
     rowwise: bool  # a pass over the row's gradient before the update
     hyper_parameters: Tuple[str, ...]  # those it reads (FBGEMM's names)
+    accumulator: bool  # its state starts at initial_accumulator_value (else 0)
 
     def state_width(self, dim: int) -> int:
         """Columns of optimizer state next to a row of ``dim`` weights."""
@@ -46,7 +48,7 @@ class OptimizerRule(NamedTuple):
 
 OPTIMIZERS: Tuple[OptimizerRule, ...] = tuple(
     OptimizerRule(o["code"], o["name"], tuple(o["values"].split()), o["state_per_dim"], o["state_fixed"],
-                  o["rowwise"], tuple(o["hyper_parameters"])) for o in _RULES["optimizers"])
+                  o["rowwise"], tuple(o["hyper_parameters"]), o["accumulator"]) for o in _RULES["optimizers"])
 _OPTIMIZER_BY_CODE: Dict[int, OptimizerRule] = {o.code: o for o in OPTIMIZERS}
 
 

@@ -22,6 +22,7 @@ from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, R
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
 from dynamicemb.types import InsertResult, strategy_code, strategy_of
 
+_STATE_COLUMN = rules.INIT_ARGS.index("state")  # of the packed initializer
 
 def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
     """A key's row: its hash table slot less its table's first slot (begin); -1 stays -1."""
@@ -49,7 +50,7 @@ class HashTableStorage(EmbeddingStorage):
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]] = None,
-                 placement: Optional["Placement"] = None):
+                 placement: Optional["Placement"] = None, state_inits: Optional[Sequence[float]] = None):
         self.names = list(names)
         # Who stores a step's new keys (find_or_insert, insert_rows, load_rows): this table itself
         # (insert_growing) or, for a tiered storage that holds this one, that storage (Placement).
@@ -64,7 +65,10 @@ class HashTableStorage(EmbeddingStorage):
         self.streams = list(streams) if streams is not None else list(range(len(options)))
         if len(self.streams) != len(options) or any(not 0 <= s < 2**31 for s in self.streams):
             raise ValueError(f"init streams must be {len(options)} ints in [0, 2**31), got {streams}")
-        self.init_params = self._packed([o.initializer_args for o in options])
+        # Where a new row's optimizer state starts (0, or the optimizer's
+        # initial_accumulator_value): the init kernels read it from init_params.
+        states = list(state_inits) if state_inits is not None else [0.0] * len(options)
+        self.init_params = self._packed([o.initializer_args for o in options], states)
         self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
         init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
         # Groups of tables sharing one physical hash table.
@@ -104,9 +108,14 @@ class HashTableStorage(EmbeddingStorage):
 
     # ---- layout ----------------------------------------------------------------------
 
-    def _packed(self, args) -> torch.Tensor:
-        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity, s)
-                             for a, o, s in zip(args, self.options, self.streams)], dtype=torch.float64)
+    def _packed(self, args, states=None) -> torch.Tensor:
+        states = states or [0.0] * len(args)
+        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity, s, st)
+                             for a, o, s, st in zip(args, self.options, self.streams, states)], dtype=torch.float64)
+
+    def state_init(self, table_id: int) -> float:
+        """Where a new row's optimizer state starts (init_params' state column)."""
+        return float(self.init_params[table_id, _STATE_COLUMN])
 
     @staticmethod
     def _capacities(o: DynamicEmbTableOptions) -> Tuple[int, int]:
@@ -434,7 +443,7 @@ class HashTableStorage(EmbeddingStorage):
         w = self._weights[table_id]
         w[rows[ok], :dim] = values.to(device=w.device, dtype=w.dtype)[ok]
         if optimizer_state is None:
-            w[rows[ok], dim:] = 0
+            w[rows[ok], dim:] = self.state_init(table_id)
         else:
             w[rows[ok], dim:] = optimizer_state.to(device=w.device, dtype=w.dtype).reshape(keys.numel(), -1)[ok]
         return rows
@@ -472,8 +481,8 @@ class HashTableStorage(EmbeddingStorage):
             yield RowBatch(b.keys, values, state, b.scores, ts)
 
     def load_rows(self, table_id: int, batch: RowBatch) -> None:
-        """Stores entries exactly as exported (values, optimizer state or zeros
-        when None, scores), growing the table as needed. Raises, naming the
+        """Stores entries exactly as exported (values, optimizer state or a
+        fresh one when None (state_init), scores), growing the table as needed. Raises, naming the
         table, when a key cannot be stored or displaces another: a load never
         drops keys silently."""
         g, lt = self.group_of[table_id]
@@ -496,7 +505,7 @@ class HashTableStorage(EmbeddingStorage):
         rows = self._rows(g, idx, lts).to(w.device)
         w[rows, :dim] = batch.values.to(device=w.device, dtype=w.dtype)
         if batch.optimizer_state is None or batch.optimizer_state.shape[1] == 0:
-            w[rows, dim:] = 0
+            w[rows, dim:] = self.state_init(table_id)  # rows without state start fresh
         else:
             w[rows, dim:] = batch.optimizer_state.to(device=w.device, dtype=w.dtype)
 

@@ -156,7 +156,7 @@ class EmbeddingStorage(abc.ABC):
     def insert_rows(self, table_id: int, keys: torch.Tensor, values: torch.Tensor,
                     optimizer_state: Optional[torch.Tensor] = None, step: int = 0) -> torch.Tensor:
         """Stores distinct `keys` of one table with the given values (and
-        optimizer state, zero when None), bypassing admission (tests, tools);
+        optimizer state; a fresh one when None), bypassing admission (tests, tools);
         returns their rows, -1 where a key could not be stored."""
         raise NotImplementedError(f"{type(self).__name__} does not support insert_rows")
 

@@ -142,7 +142,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                           const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
                           IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
                           int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                          double weight_decay, int64_t step, int64_t weight_decay_mode) {
+                          double weight_decay, int64_t step, int64_t weight_decay_mode, double max_gradient) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -158,8 +158,9 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                   grad_output.dim() == 2,
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor on ", dev);
   const GradColumns cols = check_backward(grad_output, n, bags.B, bags.table, R.dim, R.stride, pooling, optimizer,
-                                          weight_decay_mode);
-  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode);
+                                          weight_decay_mode, max_gradient);
+  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode,
+                                               max_gradient);
   if (U == 0) return;
 
   // The occurrences of each unique key, in input order (stable sort of inverse).

@@ -73,13 +73,16 @@ struct GradColumns {
 };
 
 // emb_backward_update's checks once its tensors' own are done: the codes,
+// max_gradient,
 // each table's room for its optimizer state (rows [rows, stride]) and the
 // shape of grad_output for n indices in bags of B per feature.
 inline GradColumns check_backward(const at::Tensor& grad_output, int64_t n, int64_t B,
                                   const std::vector<int64_t>& feature_table, const std::vector<int64_t>& dim,
                                   const std::vector<int64_t>& stride, int64_t pooling, int64_t optimizer,
-                                  int64_t weight_decay_mode) {
+                                  int64_t weight_decay_mode, double max_gradient) {
   check_optimizer(optimizer, weight_decay_mode);
+  TORCH_CHECK(max_gradient >= 0.0 && max_gradient <= 3.0e38, "dynamicemb: max_gradient must be a finite number >= 0 "
+              "(0: no gradient clipping), got ", max_gradient);
   for (size_t t = 0; t < dim.size(); ++t)
     TORCH_CHECK(stride[t] >= dim[t] + optim::state_width(optimizer, dim[t]), "dynamicemb: table ", t,
                 " rows have no room for the optimizer state");

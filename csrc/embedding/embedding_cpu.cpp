@@ -159,12 +159,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
 
 // ---- initial rows ----------------------------------------------------------------------
 
-// Row `row`'s initial values and fresh (zero) optimizer state.
+// Row `row`'s initial values and fresh optimizer state (init::state_value).
 template <class W>
 void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key) {
   // 16 Philox blocks at a time on AVX-512 and AVX2 CPUs (philox_cpu.cpp)
   init::fill_row(a, seed, key, dim, [row](int64_t j, float v) { row[j] = static_cast<W>(v); });
-  for (int64_t d = dim; d < stride; ++d) row[d] = static_cast<W>(0.0f);
+  const W s = static_cast<W>(init::state_value(a));
+  for (int64_t d = dim; d < stride; ++d) row[d] = s;
 }
 
 // The float32 form: the row is built in `buf` (UNIFORM: 64 values at a time
@@ -173,10 +174,10 @@ void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t
 // new rows.
 void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key,
               std::vector<float>& buf) {
-  if (a.mode == init::kUniform &&
+  if (a.mode == init::kUniform && init::state_value(a) == 0.0f &&
       init::stream_uniform_row(row, dim, stride, seed, a.stream, key, a.lower, a.upper - a.lower))
     return;  // the common layout: no buffer
-  buf.assign(stride, 0.0f);
+  buf.assign(stride, init::state_value(a));
   if (a.mode == init::kUniform) {  // fill_row's values
     uint32_t bits[64];
     for (int64_t j = 0; j < dim; j += 64) {
@@ -189,7 +190,7 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
   stream_floats(row, buf.data(), stride);
 }
 
-// The initial values and zero optimizer state of row r[i] of table t[i] for
+// The initial values and fresh optimizer state of row r[i] of table t[i] for
 // key k[i], for every i in [0, n) with r[i] >= 0 and (no mask or mask[i]).
 void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_t seed, const int64_t* r,
                      const int64_t* t, const int64_t* k, const bool* mask, int64_t n) {
@@ -411,7 +412,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
                          IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
                          int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                         double weight_decay, int64_t step, int64_t weight_decay_mode) {
+                         double weight_decay, int64_t step, int64_t weight_decay_mode, double max_gradient) {
   const Rows R = check_rows(weights, dims);
   check_1d(rows, at::kLong, "rows");
   check_1d(unique_table_ids, at::kLong, "unique_table_ids");
@@ -424,10 +425,11 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   TORCH_CHECK(grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() && grad_output.dim() == 2,
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor");
   const GradColumns cols = check_backward(grad_output, n, bags.B, bags.table, R.dim, R.stride, pooling, optimizer,
-                                          weight_decay_mode);
+                                          weight_decay_mode, max_gradient);
   const std::vector<int64_t>& doff = cols.col;
   const int64_t total_d = cols.width;
-  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode);
+  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode,
+                                               max_gradient);
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();

@@ -172,8 +172,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
 
 // ---- initial rows ----------------------------------------------------------------------------
 
-// One warp per row, lanes over its elements: the initial weights, then zeros
-// (fresh optimizer state). Bad (table, row) pairs are skipped and recorded.
+// One warp per row, lanes over its elements: the initial weights, then the
+// fresh optimizer state (init::state_value). Bad (table, row) pairs are skipped and recorded.
 template <class W>
 __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t* rows, const int64_t* tids,
                                  const int64_t* keys, int64_t n, uint64_t seed, int64_t* err) {
@@ -189,7 +189,8 @@ __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t*
     W* row = static_cast<W*>(tab.w) + r * tab.stride;
     const int64_t key = keys[i];
     for (int64_t d = lane; d < tab.stride; d += kWarp)
-      row[d] = d < tab.dim ? static_cast<W>(initial_value(&tab.init, seed, key, d, tab.dim)) : static_cast<W>(0.0f);
+      row[d] = d < tab.dim ? static_cast<W>(initial_value(&tab.init, seed, key, d, tab.dim))
+                           : static_cast<W>(init::state_value(tab.init));
   }
 }
 

@@ -23,22 +23,38 @@ constexpr const char* kModeNames[kModes] = {"NORMAL", "TRUNCATED_NORMAL", "UNIFO
 // One table's initializer; mirrors DynamicEmbInitializerArgs. `stream` names
 // the table's random stream: a stable id of the table (not its position in a
 // module), so that grouping tables differently on another world size keeps
-// every key's initial row.
+// every key's initial row. `state`: where every optimizer-state column of a
+// new row starts (0, or initial_accumulator_value for an optimizer whose
+// rule has kAccumulator, optimizer_rules.h).
 struct Args {
   int64_t mode;
   double mean, std_dev, lower, upper, value;
   int64_t stream;
+  double state;
 };
 
 // The packed form the kernels take: a float64 row per table whose columns are
 // these (Python packs by kArgNames, dynamicemb.rules.INIT_ARGS).
-enum ArgColumn : int { kArgMode, kArgMean, kArgStdDev, kArgLower, kArgUpper, kArgValue, kArgStream, kArgsWidth };
-constexpr const char* kArgNames[kArgsWidth] = {"mode", "mean", "std_dev", "lower", "upper", "value", "stream"};
+enum ArgColumn : int {
+  kArgMode,
+  kArgMean,
+  kArgStdDev,
+  kArgLower,
+  kArgUpper,
+  kArgValue,
+  kArgStream,
+  kArgState,
+  kArgsWidth
+};
+constexpr const char* kArgNames[kArgsWidth] = {"mode", "mean", "std_dev", "lower", "upper", "value", "stream", "state"};
 
 DE_HD Args args_from(const double* row) {
   return Args{static_cast<int64_t>(row[kArgMode]), row[kArgMean], row[kArgStdDev], row[kArgLower], row[kArgUpper],
-              row[kArgValue], static_cast<int64_t>(row[kArgStream])};
+              row[kArgValue], static_cast<int64_t>(row[kArgStream]), row[kArgState]};
 }
+
+// Column d of a new row of `dim` weights beyond them: its optimizer state's start.
+DE_HD float state_value(const Args& a) { return static_cast<float>(a.state); }
 
 // ---- Philox4x32-10 -------------------------------------------------------------
 

@@ -5,12 +5,15 @@
 //
 // A row of the value storage is [weights (D) | per-element state
 // (kStatePerDim * D) | per-row state (kStateFixed)], all in the storage dtype.
+// A new row's state starts at 0, or, for a rule with kAccumulator (Adagrad's
+// sum of squares), at initial_accumulator_value (init_rules.h: Args::state).
 //
 // An optimizer is one rule struct plus its entry in Registry. A rule is either
 // element-wise (element: one weight and its state from its gradient) or
-// row-wise (a pass that sums term() over the row, row() on the row's state,
-// then a pass of apply()). update_row walks a row through either form on both
-// backends; dispatch() is the one switch from a code to its rule.
+// row-wise (kSums passes that each sum term(k, ...) over the row, row() on
+// the row's state and those sums, then a pass of apply()). update_row walks
+// a row through either form on both backends; dispatch() is the one switch
+// from a code to its rule.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -44,7 +47,15 @@ struct Params {
   int64_t step;               // the module's update count, >= 1 at the first update
   int64_t weight_decay_mode;  // WeightDecayMode
   float derived[2];           // per-call constants of the rule (its prepare()), computed on the host
+  float max_gradient;         // > 0: FBGEMM's gradient_clipping, every rule (see clip); 0: off
 };
+
+// FBGEMM's gradient_clipping / max_gradient: each element of a row's reduced
+// gradient (the sum over the batch's occurrences of its key) is clamped to
+// [-max_gradient, max_gradient] before any rule sees it.
+DE_HD float clip(float g, const Params& p) {
+  return p.max_gradient > 0.0f ? fminf(fmaxf(g, -p.max_gradient), p.max_gradient) : g;
+}
 
 // ---- the rules ---------------------------------------------------------------------
 // kCode: the kernel code, which checkpoints record (never reuse one). kName,
@@ -59,7 +70,7 @@ struct ExactSgd {
   static constexpr const char* kValues = "exact_sgd sgd";
   static constexpr int64_t kStatePerDim = 0, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = false;
   static void prepare(Params&) {}
   DE_HD static void element(float& w, float*, float g, const Params& p) { w = w - p.lr * g; }
 };
@@ -72,7 +83,7 @@ struct Adam {
   static constexpr const char* kValues = "adam";
   static constexpr int64_t kStatePerDim = 2, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate | kEps | kBeta1 | kBeta2 | kWeightDecay;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = false;
   static void prepare(Params& p) {  // 1 - beta^step
     p.derived[0] = 1.0f - powf(p.beta1, static_cast<float>(p.step));
     p.derived[1] = 1.0f - powf(p.beta2, static_cast<float>(p.step));
@@ -93,7 +104,7 @@ struct ExactAdagrad {
   static constexpr const char* kValues = "exact_adagrad";
   static constexpr int64_t kStatePerDim = 1, kStateFixed = 0;
   static constexpr uint32_t kHyper = kLearningRate | kEps;
-  static constexpr bool kRowwise = false;
+  static constexpr bool kRowwise = false, kAccumulator = true;
   static void prepare(Params&) {}
   DE_HD static void element(float& w, float* m, float g, const Params& p) {
     m[0] = m[0] + g * g;
@@ -111,17 +122,18 @@ struct ExactRowwiseAdagrad {
   static constexpr const char* kValues = "exact_row_wise_adagrad";
   static constexpr int64_t kStatePerDim = 0, kStateFixed = 1;
   static constexpr uint32_t kHyper = kLearningRate | kEps | kWeightDecay | kWeightDecayMode;
-  static constexpr bool kRowwise = true;
+  static constexpr bool kRowwise = true, kAccumulator = true;
+  static constexpr int kSums = 1;
   static void prepare(Params&) {}
   struct Step {
     float mult, corr;
   };
-  DE_HD static float term(float g, float w, const Params& p) {
+  DE_HD static float term(int, float g, float w, const float*, const Params& p) {
     const float gs = p.weight_decay_mode == kDecayL2 ? g + p.weight_decay * w : g;
     return gs * gs;
   }
-  DE_HD static Step row(float* m, float sum, int64_t dim, const Params& p) {
-    m[0] = m[0] + sum / static_cast<float>(dim);
+  DE_HD static Step row(float* m, const float* sums, int64_t dim, const Params& p) {
+    m[0] = m[0] + sums[0] / static_cast<float>(dim);
     const float mult = p.lr / (sqrtf(m[0]) + p.eps);
     float corr = 1.0f;
     if (p.weight_decay_mode == kDecayL2) corr = 1.0f - mult * p.weight_decay;
@@ -131,12 +143,79 @@ struct ExactRowwiseAdagrad {
   DE_HD static void apply(float& w, float*, float g, const Step& s, const Params&) { w = s.corr * w - s.mult * g; }
 };
 
+// PARTIAL_ROWWISE_ADAM, FBGEMM's rule (lazy, like ADAM): a first moment m1
+// per element and one second moment v per row, v = beta2 * v + (1 - beta2)
+// * mean(g^2) over the row; then every weight w -= lr * (m1 / (1 - beta1^t)
+// / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * w), m1 = beta1 * m1 +
+// (1 - beta1) * g. State: D + 1 columns (ADAM's: 2 D).
+struct PartialRowwiseAdam {
+  static constexpr int64_t kCode = 4;
+  static constexpr const char* kName = "PARTIAL_ROWWISE_ADAM";
+  static constexpr const char* kValues = "partial_row_wise_adam";
+  static constexpr int64_t kStatePerDim = 1, kStateFixed = 1;
+  static constexpr uint32_t kHyper = kLearningRate | kEps | kBeta1 | kBeta2 | kWeightDecay;
+  static constexpr bool kRowwise = true, kAccumulator = false;
+  static constexpr int kSums = 1;
+  static void prepare(Params& p) { Adam::prepare(p); }
+  struct Step {
+    float denom;  // sqrt(v_hat) + eps
+  };
+  DE_HD static float term(int, float g, float, const float*, const Params&) { return g * g; }
+  DE_HD static Step row(float* v, const float* sums, int64_t dim, const Params& p) {
+    v[0] = p.beta2 * v[0] + (1.0f - p.beta2) * (sums[0] / static_cast<float>(dim));
+    return Step{sqrtf(v[0] / p.derived[1]) + p.eps};
+  }
+  DE_HD static void apply(float& w, float* m1, float g, const Step& s, const Params& p) {
+    m1[0] = p.beta1 * m1[0] + (1.0f - p.beta1) * g;
+    w = w - p.lr * (m1[0] / p.derived[0] / s.denom + p.weight_decay * w);
+  }
+};
+
+// LAMB, FBGEMM's rule: Adam's moments per element (state: m1, m2) give
+// r = m1 / (1 - beta1^t) / (sqrt(m2 / (1 - beta2^t)) + eps) + weight_decay * w;
+// then w -= lr * (||w|| / ||r||) * r, the norms over the row before the update
+// (two sums). Where ||r|| = 0 (no gradient, no moment, no decay: r = 0) the
+// ratio is 0 rather than FBGEMM's NaN; a zero row (||w|| = 0) stays, as in FBGEMM.
+struct Lamb {
+  static constexpr int64_t kCode = 5;
+  static constexpr const char* kName = "LAMB";
+  static constexpr const char* kValues = "lamb";
+  static constexpr int64_t kStatePerDim = 2, kStateFixed = 0;
+  static constexpr uint32_t kHyper = kLearningRate | kEps | kBeta1 | kBeta2 | kWeightDecay;
+  static constexpr bool kRowwise = true, kAccumulator = false;
+  static constexpr int kSums = 2;  // ||w||^2, ||r||^2
+  static void prepare(Params& p) { Adam::prepare(p); }
+  struct Step {
+    float ratio;  // ||w|| / ||r||
+  };
+  // The moments m updated by g, and the element's r.
+  DE_HD static float moments(float w, float* m, float g, const Params& p) {
+    m[0] = p.beta1 * m[0] + (1.0f - p.beta1) * g;
+    m[1] = p.beta2 * m[1] + (1.0f - p.beta2) * g * g;
+    return m[0] / p.derived[0] / (sqrtf(m[1] / p.derived[1]) + p.eps) + p.weight_decay * w;
+  }
+  DE_HD static float term(int k, float g, float w, const float* s, const Params& p) {
+    if (k == 0) return w * w;
+    float m[2] = {s[0], s[1]};  // the pass only reads the state; apply() writes it
+    const float r = moments(w, m, g, p);
+    return r * r;
+  }
+  DE_HD static Step row(float*, const float* sums, int64_t, const Params&) {
+    const float rn = sqrtf(sums[1]);
+    return Step{rn > 0.0f ? sqrtf(sums[0]) / rn : 0.0f};
+  }
+  DE_HD static void apply(float& w, float* m, float g, const Step& s, const Params& p) {
+    const float r = moments(w, m, g, p);
+    w = w - (p.lr * s.ratio) * r;
+  }
+};
+
 // ---- the registry ----------------------------------------------------------------------
 
 template <class... R>
 struct RuleList {};
 // Every optimizer, once.
-using Registry = RuleList<ExactSgd, Adam, ExactAdagrad, ExactRowwiseAdagrad>;
+using Registry = RuleList<ExactSgd, Adam, ExactAdagrad, ExactRowwiseAdagrad, PartialRowwiseAdam, Lamb>;
 
 // fn(Rule{}) for the rule whose code is `code`; false when there is none.
 #if defined(__CUDACC__)
@@ -182,14 +261,27 @@ inline int64_t state_width(int64_t code, int64_t dim) {
 
 // The kernels' parameters of one update call (emb_backward_update's arguments).
 inline Params make_params(int64_t code, double lr, double eps, double beta1, double beta2, double weight_decay,
-                          int64_t step, int64_t weight_decay_mode) {
-  Params p{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1), static_cast<float>(beta2),
-           static_cast<float>(weight_decay), step, weight_decay_mode, {1.0f, 1.0f}};
+                          int64_t step, int64_t weight_decay_mode, double max_gradient) {
+  Params p{static_cast<float>(lr),
+           static_cast<float>(eps),
+           static_cast<float>(beta1),
+           static_cast<float>(beta2),
+           static_cast<float>(weight_decay),
+           step,
+           weight_decay_mode,
+           {1.0f, 1.0f},
+           max_gradient > 0.0 ? static_cast<float>(max_gradient) : 0.0f};
   dispatch(code, [&](auto r) { decltype(r)::prepare(p); });
   return p;
 }
 
 // ---- one row's update ------------------------------------------------------------------
+
+// Element d's state, in float.
+template <int64_t S, class W>
+DE_HD void load_state(const W* row, int64_t D, int64_t d, float* s) {
+  for (int64_t k = 0; k < S; ++k) s[k] = static_cast<float>(row[(k + 1) * D + d]);
+}
 
 // Element d of a row through fn(w, state) in float, written back in W.
 template <int64_t S, class W, class Fn>
@@ -206,26 +298,35 @@ DE_HD void on_element(W* row, int64_t D, int64_t d, Fn fn) {
 // elements with their gradients: walk.for_each(fn) calls fn(d, g) for every
 // element d; walk.sum(term) is the sum of term(d, g) over the elements in
 // element order, rounded per step (a sequential loop's result); walk.once(fn)
-// runs fn once, after every element has been visited.
+// runs fn once, after every element has been visited. Every gradient goes
+// through clip() first. A row-wise rule's sums read each element's weight and
+// state as they were before the update.
 template <class Rule, class W, class Walk>
 DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
   constexpr int64_t S = Rule::kStatePerDim;
   if constexpr (Rule::kRowwise) {
     constexpr int64_t R = Rule::kStateFixed;
     W* row_state = row + (S + 1) * D;
-    const float sum = walk.sum([&](int64_t d, float g) { return Rule::term(g, static_cast<float>(row[d]), p); });
+    float sums[Rule::kSums];
+    for (int k = 0; k < Rule::kSums; ++k) {
+      sums[k] = walk.sum([&](int64_t d, float g) {
+        float s[S > 0 ? S : 1];
+        load_state<S>(row, D, d, s);
+        return Rule::term(k, clip(g, p), static_cast<float>(row[d]), s, p);
+      });
+    }
     float rs[R > 0 ? R : 1];
     for (int64_t j = 0; j < R; ++j) rs[j] = static_cast<float>(row_state[j]);
-    const typename Rule::Step step = Rule::row(rs, sum, D, p);
+    const typename Rule::Step step = Rule::row(rs, sums, D, p);
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, g, step, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, clip(g, p), step, p); });
     });
     walk.once([&] {
       for (int64_t j = 0; j < R; ++j) row_state[j] = static_cast<W>(rs[j]);
     });
   } else {
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, g, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, clip(g, p), p); });
     });
   }
 }

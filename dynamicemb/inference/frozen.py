@@ -6,10 +6,19 @@ from typing import List
 
 import torch
 
+from dynamicemb import rules
 from dynamicemb.options import DynamicEmbInitializerArgs, DynamicEmbInitializerMode
 
 # The packed eval initializer of a table that reads zeros for a missing key.
 ZEROS_INIT = DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.CONSTANT, value=0.0).packed(None, 0)
+
+
+def packed_init(row) -> List[float]:
+    """A packed initializer as a dump recorded it: columns added since
+    (rules.INIT_ARGS grows at its end; a new column's 0 keeps the old
+    behaviour) are filled with 0."""
+    row = [float(v) for v in row]
+    return row + [0.0] * (len(rules.INIT_ARGS) - len(row))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.checkpoint.format import CheckpointError, check_file, check_tensors, read_manifest, read_tensors
 from dynamicemb.checkpoint.load import expected_tensors
 from dynamicemb.storage_protocol import require_checkpoint_protocol
-from dynamicemb.inference.frozen import ZEROS_INIT, FrozenTable
+from dynamicemb.inference.frozen import ZEROS_INIT, FrozenTable, packed_init
 
 
 def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
@@ -44,7 +44,7 @@ def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
         out[name] = {
             "table": FrozenTable(name, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
                                  torch.cat(values) if values else torch.zeros(0, dim, dtype=dtype), list(feats),
-                                 list(meta.get("eval_initializer", ZEROS_INIT))),
+                                 packed_init(meta.get("eval_initializer", ZEROS_INIT))),
             "pooling": meta.get("pooling", "SUM"),
             "seed": meta.get("seed", 0),
         }

@@ -22,8 +22,9 @@ from dynamicemb.types import DynamicEmbPoolingMode
 
 # fused_params TorchRec users already pass to FUSED tables (FBGEMM's
 # hyper-parameters; weight_decay_mode: its WeightDecayMode or int, NONE when
-# absent), and our extras.
-_HYPER = rules.HYPER_PARAMETERS
+# absent; FBGEMM's gradient clipping; torch's Adagrad initial accumulator),
+# and our extras.
+_HYPER = rules.HYPER_PARAMETERS + ("gradient_clipping", "max_gradient", "initial_accumulator_value")
 # What the kernel reads from fused_params.
 _USED = frozenset(_HYPER + ("optimizer", "output_dtype", "dynamicemb_seed", OPTIONS_KEY))
 # Keys with no effect on what a dynamic table computes: FBGEMM's cache,
@@ -31,20 +32,19 @@ _USED = frozenset(_HYPER + ("optimizer", "output_dtype", "dynamicemb_seed", OPTI
 # adds some itself from the plan: cache_*, prefetch_pipeline, enforce_hbm,
 # bounds_check_mode, output_dtype), TorchRec's own bookkeeping, and
 # hyper-parameters that FBGEMM itself reads only for optimizers we do not
-# implement (momentum, eta) or only with gradient_clipping (max_gradient).
+# implement (momentum, eta).
 _NO_EFFECT = frozenset((
     "cache_algorithm", "cache_load_factor", "cache_sets", "cache_reserved_memory", "cache_precision",
     "enforce_hbm", "record_cache_metrics", "gather_uvm_cache_stats", "prefetch_pipeline",
     "multipass_prefetch_config", "stats_reporter_config", "uvm_non_rowwise_momentum", "use_experimental_tbe",
     "uvm_host_mapped", "bounds_check_mode", "embedding_table_index_type", "embedding_table_offset_type",
     "tbe_input_multiplexer_config", "embedding_shard_info", "preallocated_host_buffers", "table_names",
-    "use_one_tbe_per_table", "_batch_key", "momentum", "eta", "max_gradient",
+    "use_one_tbe_per_table", "_batch_key", "momentum", "eta",
 ))
 _FP32_ONLY = "only matters for float16 / bfloat16 rows, which dynamicemb rounds to nearest"
 # Keys of FBGEMM's TBE that change the math, with the values that do not:
 # (key, harmless(value, tables) -> bool, what it does).
 _REFUSED = (
-    ("gradient_clipping", lambda v, t: not v, "gradient clipping"),
     ("max_norm", lambda v, t: not v, "row max-norm renormalization"),
     ("stochastic_rounding", lambda v, t: not v or all(_dtype(x) == torch.float32 for x in t), _FP32_ONLY),
     ("weights_precision", lambda v, t: all(_sparse_dtype(v) == _dtype(x) for x in t),

@@ -50,15 +50,18 @@ def _backing_store(names: Sequence[str], options: Sequence[DynamicEmbTableOption
 
 def make_storage(names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int,
-                 streams: Optional[Sequence[int]] = None) -> EmbeddingStorage:
+                 streams: Optional[Sequence[int]] = None,
+                 state_inits: Optional[Sequence[float]] = None) -> EmbeddingStorage:
     """The storage a module's options ask for: one tier (HashTableStorage),
-    or a cache in front of a backing store when a table has caching=True."""
+    or a cache in front of a backing store when a table has caching=True.
+    state_inits: per table, where a new row's optimizer state starts (0 by default)."""
     if not any(o.caching for o in options):
-        return HashTableStorage(names, options, state_widths, dtype, device, seed, streams)
+        return HashTableStorage(names, options, state_widths, dtype, device, seed, streams, state_inits=state_inits)
     store = _backing_store(names, options)
     made_here = all(o.backing_store is not store for o in options)
     try:
-        return CachedStorage(names, options, state_widths, dtype, device, seed, streams, store, owns_store=made_here)
+        return CachedStorage(names, options, state_widths, dtype, device, seed, streams, store, owns_store=made_here,
+                             state_inits=state_inits)
     except BaseException:
         if made_here:
             store.close()  # made here (storage_path): its locks and maps go with the error

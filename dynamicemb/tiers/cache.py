@@ -74,7 +74,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
 
     def __init__(self, names: Sequence[str], options: Sequence[DynamicEmbTableOptions], state_widths: Sequence[int],
                  dtype: torch.dtype, device: torch.device, seed: int, streams: Optional[Sequence[int]],
-                 store: BackingStore, owns_store: bool = False):
+                 store: BackingStore, owns_store: bool = False, state_inits: Optional[Sequence[float]] = None):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.cached = [o.caching for o in options]
         self.table_max_rows = [-(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity for o in options]
@@ -89,7 +89,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                 o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
                                         num_embeddings=o.num_embeddings or o.max_capacity, global_hbm_for_values=0)
             cache_opts.append(o)
-        self.tables = HashTableStorage(names, cache_opts, state_widths, dtype, device, seed, streams, placement=self)
+        self.tables = HashTableStorage(names, cache_opts, state_widths, dtype, device, seed, streams, placement=self,
+                                       state_inits=state_inits)
         # The held storage's layout and state, by reference: none of them is
         # ever replaced (a growth replaces items of these lists, and a cache
         # never grows).

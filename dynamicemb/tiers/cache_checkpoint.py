@@ -127,7 +127,8 @@ class CacheCheckpoint:
         dim = self.dims[table_id]
         state = batch.optimizer_state
         if state is None or state.shape[1] == 0:
-            state = torch.zeros(batch.keys.numel(), self.widths[table_id] - dim, dtype=batch.values.dtype)
+            state = torch.full((batch.keys.numel(), self.widths[table_id] - dim), self.tables.state_init(table_id),
+                               dtype=batch.values.dtype)  # rows without state start fresh
         rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
         lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
         if lost:

@@ -44,7 +44,6 @@ def _kernel(fused, data_type=DataType.FP32):
 
 
 @pytest.mark.parametrize("key,value,data_type", [
-    ("gradient_clipping", True, DataType.FP32),
     ("max_norm", 1.0, DataType.FP32),
     ("stochastic_rounding", True, DataType.FP16),
     ("weights_precision", SparseType.FP16, DataType.FP32),
@@ -96,3 +95,15 @@ def test_weight_decay_mode_is_passed_only_when_given(monkeypatch):
     kernel.BatchedDynamicEmbeddingBag(_config({"weight_decay": 0.01, "weight_decay_mode": WeightDecayMode.L2}))
     assert "weight_decay_mode" not in seen[0] and seen[0]["weight_decay"] == 0.01
     assert seen[1]["weight_decay_mode"] == WeightDecayMode.L2
+
+
+def test_gradient_clipping_and_initial_accumulator_reach_the_module():
+    # Implemented since issue 36 (FBGEMM's gradient_clipping was refused before).
+    k = _kernel({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "gradient_clipping": True, "max_gradient": 0.5,
+                 "initial_accumulator_value": 0.1})
+    m = k._emb_module
+    assert (m.gradient_clipping, m.max_gradient, m.initial_accumulator_value) == (True, 0.5, 0.1)
+    with pytest.raises(ValueError, match="max_gradient must be > 0"):
+        _kernel({"gradient_clipping": True, "max_gradient": 0.0})
+    with pytest.raises(ValueError, match="initial_accumulator_value applies to .* not to EXACT_SGD"):
+        _kernel({"initial_accumulator_value": 0.1})
