@@ -68,6 +68,8 @@ BENCHMARKS: List[Bench] = [
     Bench("tiers", "bench_tiers.py", ["--quick"], "bench_tiers.json"),
     Bench("checkpoint", "bench_checkpoint.py", ["--rows", "2000000"], "bench_checkpoint.json"),
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),
+    # Model quality at equal memory (progressive validation, 6 setups x 2 budgets x 3 seeds): ~2-3 min
+    Bench("quality", "bench_quality.py", ["--quick"], "bench_quality.json"),
 ]
 NAMES = [b.name for b in BENCHMARKS]
 PUBLISH_DIR = os.path.join(ROOT, "docs")

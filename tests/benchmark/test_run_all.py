@@ -38,7 +38,7 @@ def write(results, name, payload):
     return payload
 
 
-def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=()):
+def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_quality=False):
     p = {
         "table": write(results, "bench_table.json", samples.table({
             0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
@@ -58,6 +58,9 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
     if with_checkpoint:
         p["checkpoint"] = write(results, "bench_checkpoint.json",
                                 samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
+    if with_quality:
+        p["quality"] = write(results, "bench_quality.json", samples.quality(
+            {"fold@0.0625": [0.70, 0.72], "lru@0.0625": [0.71, 0.74], "unlimited": [0.75, 0.76]}))
     return p
 
 
@@ -67,9 +70,9 @@ def run_cli(*args):
     return r.returncode, r.stdout + r.stderr
 
 
-def test_from_json_merges_all_benchmarks_and_draws_six_panels(tmp_path):
+def test_from_json_merges_all_benchmarks_and_draws_seven_panels(tmp_path):
     res = str(tmp_path)
-    payloads = all_payloads(res)
+    payloads = all_payloads(res, with_quality=True)
     rc, out = run_cli("--from-json", "--results-dir", res)
     assert rc == 0, out
     with open(tmp_path / "summary.json") as f:
@@ -133,9 +136,16 @@ def test_from_json_merges_all_benchmarks_and_draws_six_panels(tmp_path):
     assert "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md
     assert "| DynamicEmbDump | 2.00 | 0.20 |" in md
 
-    # Six panels, two a row: 16 x (1.2 + 3 x 4.8) inches at 100 dpi.
-    assert png_size(tmp_path / "summary.png") == (1600, 1560)
-    assert "6 panels" in out
+    q = k["quality"]["groups"]
+    assert q["lru@0.0625"]["final_auc"] == pytest.approx(0.725)
+    assert q["lru@0.0625"]["auc_gap_vs_fold"] == pytest.approx(0.015)
+    assert q["fold@0.0625"]["auc_gap_vs_fold"] is None and q["unlimited"]["budget"] is None
+    assert q["unlimited"]["auc_by_window"] == pytest.approx([0.755 * (w + 1) / 4 for w in range(4)])
+    assert "| label of lru | 1/16 | 100 / 128 | 0.7250 ± 0.0212 | 0.2750 ± 0.0212 | +0.0150 ± 0.0071 | 20.0 |" in md
+
+    # Seven panels (the six speed panels and model quality), two a row: 16 x (1.2 + 4 x 4.8) inches at 100 dpi.
+    assert png_size(tmp_path / "summary.png") == (1600, 2040)
+    assert "7 panels" in out
 
 
 def test_missing_benchmarks_are_left_out_of_the_picture(tmp_path):
