@@ -2,10 +2,10 @@
 example's DLRM with dynamic tables against hashed static tables and TorchRec's
 managed collisions.
 
-    bash scripts/dev.sh python benchmark/bench_quality.py            # default settings (~30 min on 2 cores)
-    bash scripts/dev.sh python benchmark/bench_quality.py --quick    # a few minutes (run_all.py)
-    bash scripts/dev.sh python benchmark/bench_quality.py --data movielens PATH
-    bash scripts/dev.sh python benchmark/bench_quality.py --setups fold,lru --seeds 0
+    bash scripts/dev.sh bench quality                  # default settings (~20 min on 2 shared cores, 1 thread)
+    bash scripts/dev.sh bench quality --quick          # about 2 minutes (run_all.py)
+    bash scripts/dev.sh bench quality --data movielens PATH
+    bash scripts/dev.sh bench quality --setups fold,lru --seeds 0 --budgets 1/16
 
 The stream: the example's generated click log (example_data/synthetic.py:
 Zipf ids over 2**40, fresh ids every period of 32768 samples, labels from a
@@ -228,6 +228,7 @@ def summarize(runs: List[dict]) -> Dict[str, dict]:
              "step_ms": _mean_spread([r["step_ms"] for r in rs]),
              "rows_held": _mean_spread([r["rows_held"] for r in rs]),
              "rows_budget": _mean_spread([r["rows_budget"] for r in rs]),
+             "failed_inserts": _mean_spread([r.get("failed", 0) for r in rs]),
              "auc_by_window": [_mean_spread([r["windows"][w]["auc"] for r in rs]) for w in range(n_win)],
              "log_loss_by_window": [_mean_spread([r["windows"][w]["log_loss"] for r in rs]) for w in range(n_win)]}
         pairs = [(r, fold.get((r["budget"], r["seed"]))) for r in rs]

@@ -140,7 +140,8 @@ class Dynamic(nn.Module):
             extra = {} if admit is None else dict(admit_strategy=FrequencyAdmissionStrategy(admit),
                                                   admission_counter=KVCounter(capacity=n))  # as many slots as rows
             opts.append(DynamicEmbTableOptions(
-                dim=dim, max_capacity=n, init_capacity=min(n, 1 << 12), initializer_args=init,
+                # All rows from the start: growing from fewer rounded capacity past max_capacity (10112 -> 10240)
+                dim=dim, max_capacity=n, init_capacity=n, initializer_args=init,
                 score_strategy=DynamicEmbScoreStrategy[strategy], safe_check_mode=DynamicEmbCheckMode.IGNORE,
                 **extra))
         self.tables = BatchedDynamicEmbeddingTables(opts, table_names=[f"t_{f}" for f in names],

@@ -1,7 +1,7 @@
 """Runs every benchmark with short settings, merges their JSON into
 benchmark/results/summary.json and draws benchmark/results/summary.png.
 
-    bash scripts/dev.sh python benchmark/run_all.py                  # all (~5-8 min on 2 CPU cores)
+    bash scripts/dev.sh python benchmark/run_all.py                  # all (~7-11 min on 2 CPU cores)
     bash scripts/dev.sh python benchmark/run_all.py --only table,inference
     bash scripts/dev.sh python benchmark/run_all.py --from-json      # redraw from the JSON already there
     bash scripts/dev.sh python benchmark/run_all.py --publish        # ... and copy to docs/
@@ -55,7 +55,7 @@ class Bench(NamedTuple):
     json_name: str  # the file under the results directory (the script's default name)
 
 
-# Short settings: about 5-8 minutes for all of them on 2 CPU cores. The
+# Short settings: about 7-11 minutes for all of them on 2 CPU cores. The
 # scripts' defaults are the full-size runs (see each script's docstring).
 BENCHMARKS: List[Bench] = [
     # The table's targets are set at its full size (16M slots, 1M-key batches; ~40 s): fewer repeats only
