@@ -27,7 +27,8 @@ Reported per (setup, budget): the AUC and log loss of every window (mean and
 spread over --seeds), the final AUC / log loss (pooled over the last quarter
 of the windows), the median training step (forward + backward + optimizer),
 the rows held at the end, and each budgeted setup's paired AUC gap to `fold`
-(per seed, same data). The JSON goes to --out (benchmark/results/bench_quality.json).
+(per seed, same data), and the share of the scored ids that found a row of
+their own (not for fold: every id reads a row it shares). The JSON goes to --out (benchmark/results/bench_quality.json).
 """
 import argparse
 import hashlib
@@ -172,10 +173,22 @@ def run_setup(setup: str, rows: Sequence[int], stream: Stream, seed: int, dim: i
     model, opt = build_model(setup, rows, dim, seed)
     tables = model.sparse_arch.embedding_bag_collection
 
+    held = [0, 0]  # ids of the window's scored batches with a row of their own, ids
+
     def score(batch):
         model.eval()
         with torch.no_grad():
+            mine = tables.held(batch[1])
+            if mine is not None:
+                held[0] += int(mine.sum())
+                held[1] += mine.numel()
             return model(batch[0], batch[1]).squeeze(1)
+
+    def after_window():
+        # The share of the window's ids that found a row of their own when it was scored.
+        share = held[0] / held[1] if held[1] else None
+        held[0] = held[1] = 0
+        return {**tables.stats(), "held_share": share}
 
     def train(batch):
         model.train()
@@ -188,7 +201,7 @@ def run_setup(setup: str, rows: Sequence[int], stream: Stream, seed: int, dim: i
 
     h = hashlib.sha1()
     t0 = time.perf_counter()
-    recs = progressive_validation(stream.windows, score, train, tables.stats, h)
+    recs = progressive_validation(stream.windows, score, train, after_window, h)
     wall = time.perf_counter() - t0
     k = max(1, math.ceil(FINAL_SHARE * len(recs)))
     tail_logits = torch.cat([r.pop("logits") for r in recs[-k:]])
@@ -199,7 +212,13 @@ def run_setup(setup: str, rows: Sequence[int], stream: Stream, seed: int, dim: i
     return {"setup": setup, "seed": seed, "rows_per_table": list(rows), "rows_budget": int(sum(rows)),
             "digest": h.hexdigest(), "windows": recs, "final_auc": auc(tail_logits, tail_labels),
             "final_log_loss": log_loss(tail_logits, tail_labels), "final_windows": k,
-            "step_ms": statistics.median(steps), "wall_s": wall, **tables.stats()}
+            "step_ms": statistics.median(steps), "wall_s": wall, **tables.stats(),
+            "final_held_share": _tail_mean([r["held_share"] for r in recs[-k:]])}
+
+
+def _tail_mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
 
 
 # ---- the summary ------------------------------------------------------------------------------------
@@ -229,6 +248,8 @@ def summarize(runs: List[dict]) -> Dict[str, dict]:
              "rows_held": _mean_spread([r["rows_held"] for r in rs]),
              "rows_budget": _mean_spread([r["rows_budget"] for r in rs]),
              "failed_inserts": _mean_spread([r.get("failed", 0) for r in rs]),
+             "final_held_share": (_mean_spread([r["final_held_share"] for r in rs])
+                                  if all(r.get("final_held_share") is not None for r in rs) else None),
              "auc_by_window": [_mean_spread([r["windows"][w]["auc"] for r in rs]) for w in range(n_win)],
              "log_loss_by_window": [_mean_spread([r["windows"][w]["log_loss"] for r in rs]) for w in range(n_win)]}
         pairs = [(r, fold.get((r["budget"], r["seed"]))) for r in rs]
@@ -248,9 +269,10 @@ def results_table(summary: Dict[str, dict]) -> str:
                      f"{s['final_auc']['mean']:.4f} ± {s['final_auc']['std']:.4f}",
                      f"{s['final_log_loss']['mean']:.4f} ± {s['final_log_loss']['std']:.4f}",
                      "-" if gap is None else f"{gap['mean']:+.4f} ± {gap['std']:.4f}",
+                     "-" if s.get("final_held_share") is None else f"{s['final_held_share']['mean']:.1%}",
                      f"{s['step_ms']['mean']:.1f}"])
     return format_table(["setup", "budget", "rows held / budget", "final AUC", "final log loss",
-                         "AUC - fold (paired)", "step ms"], rows)
+                         "AUC - fold (paired)", "ids with a row", "step ms"], rows)
 
 
 # ---- main -------------------------------------------------------------------------------------------

@@ -75,6 +75,9 @@ class Folded(nn.Module):
                 self.touched[t][part] = True
         return self.tbe(idx, kjt.offsets())
 
+    def held(self, kjt) -> Optional[torch.Tensor]:
+        return None  # every id has a row, shared with the ids folded onto it
+
     def stats(self) -> Dict[str, int]:
         return {"rows_held": int(sum(int(t.sum()) for t in self.touched))}
 
@@ -119,6 +122,16 @@ class Managed(nn.Module):
             self._reset(self.mcc.evict())
         return self.tbe(remapped.values(), remapped.offsets())
 
+    @torch.no_grad()
+    def held(self, kjt) -> torch.Tensor:
+        """Per id of `kjt`: whether the remapper holds it (a slot of its own)."""
+        out = []
+        for m, part in zip(self.mcc._managed_collision_modules.values(), kjt.values().split(kjt.length_per_key())):
+            ids = m._mch_sorted_raw_ids
+            pos = torch.searchsorted(ids[:-1], part)
+            out.append(ids[pos] == part)
+        return torch.cat(out)
+
     def stats(self) -> Dict[str, int]:
         open_slots = sum(int(v) for v in self.mcc.open_slots().values())
         size = sum(m.output_size() for m in self.mcc._managed_collision_modules.values())
@@ -150,6 +163,12 @@ class Dynamic(nn.Module):
 
     def forward(self, kjt) -> torch.Tensor:
         return self.tables(kjt.values(), kjt.offsets())
+
+    @torch.no_grad()
+    def held(self, kjt) -> torch.Tensor:
+        """Per id of `kjt`: whether its table holds a row for it."""
+        tids = torch.repeat_interleave(torch.arange(len(kjt.keys())), torch.tensor(kjt.length_per_key()))
+        return self.tables.storage.find(kjt.values(), tids) >= 0
 
     def stats(self) -> Dict[str, int]:
         s = self.tables.table_stats().values()
@@ -191,6 +210,10 @@ class Embeddings(nn.Module):
         large, small = kjt.split([len(LARGE), len(SMALL)])
         out = torch.cat([self.large(large), self.small(small.values(), small.offsets())], dim=1)
         return KeyedTensor(keys=FEATURES, length_per_key=[self.dim] * len(FEATURES), values=out)
+
+    def held(self, kjt) -> Optional[torch.Tensor]:
+        """Per id of the LARGE features of `kjt`: whether it has a row of its own (None for fold)."""
+        return self.large.held(kjt.split([len(LARGE), len(SMALL)])[0])
 
     def stats(self) -> Dict[str, int]:
         return self.large.stats()
