@@ -313,7 +313,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
+    try:
+        return _run(a)
+    finally:
+        torch.set_num_threads(threads)  # as it was for the caller (tests call main in-process)
+
+
+def _run(a) -> dict:
     warn = busy_warning(torch.get_num_threads())
     if warn:
         print(warn)

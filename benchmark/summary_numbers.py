@@ -120,6 +120,7 @@ def key_quality(d: dict) -> Dict[str, Any]:
                      "final_log_loss": s["final_log_loss"]["mean"], "final_log_loss_std": s["final_log_loss"]["std"],
                      "auc_gap_vs_fold": (s.get("auc_gap_vs_fold") or {}).get("mean"),
                      "auc_gap_vs_fold_std": (s.get("auc_gap_vs_fold") or {}).get("std"),
+                     "held_share": (s.get("final_held_share") or {}).get("mean"),
                      "step_ms": s["step_ms"]["mean"], "rows_held": s["rows_held"]["mean"],
                      "rows_budget": s["rows_budget"]["mean"], "seeds": len(s["seeds"]),
                      "auc_by_window": [w["mean"] for w in s["auc_by_window"]]}
@@ -229,6 +230,7 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                  f"{g['final_auc']:.4f} ± {g['final_auc_std']:.4f}",
                  f"{g['final_log_loss']:.4f} ± {g['final_log_loss_std']:.4f}",
                  "-" if g["auc_gap_vs_fold"] is None else f"{g['auc_gap_vs_fold']:+.4f} ± {g['auc_gap_vs_fold_std']:.4f}",
+                 "-" if g.get("held_share") is None else f"{100 * g['held_share']:.1f}%",
                  _f(g["step_ms"])] for g in k["groups"].values()]
         n = len(k["seeds"] or [])
         parts.append(f"**Model quality at equal memory** (progressive validation of the example's DLRM on the "
@@ -236,5 +238,5 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                      f"{k['batch_size']}; final = the last {k['final_share']:.0%} of the windows; mean ± std over "
                      f"{n} seeds)\n\n" + _md(
                          ["setup", "row budget", "rows held / budget", "final AUC", "final log loss",
-                          "AUC - fold (paired)", "ms / step"], rows))
+                          "AUC - fold (paired)", "ids with a row", "ms / step"], rows))
     return "\n\n".join(parts) + "\n"

@@ -97,7 +97,7 @@ def quality(final_auc, windows=4):
         s = {"setup": setup, "budget": float(budget) if budget else None, "label": f"label of {setup}",
              "seeds": list(range(len(aucs))), "final_auc": ms(aucs), "final_log_loss": ms([1 - a for a in aucs]),
              "step_ms": ms([10.0 * i + 10.0] * len(aucs)), "rows_held": ms([100.0] * len(aucs)),
-             "rows_budget": ms([128.0] * len(aucs)),
+             "rows_budget": ms([128.0] * len(aucs)), "final_held_share": ms([0.5] * len(aucs)),
              "auc_by_window": [ms([a * (w + 1) / windows for a in aucs]) for w in range(windows)],
              "log_loss_by_window": [ms([0.5] * len(aucs)) for _ in range(windows)]}
         fold = final_auc.get(f"fold@{budget}")

@@ -14,7 +14,7 @@ from torchmetrics.functional.classification import binary_auroc
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))
 import bench_quality as bq  # noqa: E402
-from quality_setups import BUDGETED, SETUPS  # noqa: E402
+from quality_setups import BUDGETED, LARGE, SETUPS  # noqa: E402
 
 
 def test_auc_matches_torchmetrics_with_and_without_ties():
@@ -89,6 +89,19 @@ def test_every_setup_gets_the_same_batches(tmp_path):
         assert ceiling["rows_held"] == sum(again.distinct) and ceiling["evicted"] == 0
         for r in mine:
             assert r["rows_held"] <= r["rows_budget"]
+        # Ids with a row when scored: for the ceiling (nothing evicted), those its earlier windows held.
+        seen = [set() for _ in LARGE]
+        for w, win in enumerate(again.windows):
+            held = total = 0
+            for _, kjt, _ in win:
+                for t, part in enumerate(kjt.values().split(kjt.length_per_key())[: len(LARGE)]):
+                    held += sum(k in seen[t] for k in part.tolist())
+                    total += part.numel()
+            assert ceiling["windows"][w]["held_share"] == pytest.approx(held / total)
+            for _, kjt, _ in win:
+                for t, part in enumerate(kjt.values().split(kjt.length_per_key())[: len(LARGE)]):
+                    seen[t].update(part.tolist())
+        assert all(r["windows"][0]["held_share"] == 0.0 for r in mine if r["setup"] != "fold")
     assert res["streams"]["0"]["digest"] != res["streams"]["1"]["digest"]
     # One summary group per (setup, budget); a paired gap to fold for the other budgeted setups.
     s = res["summary"]

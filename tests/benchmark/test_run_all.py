@@ -141,7 +141,7 @@ def test_from_json_merges_all_benchmarks_and_draws_seven_panels(tmp_path):
     assert q["lru@0.0625"]["auc_gap_vs_fold"] == pytest.approx(0.015)
     assert q["fold@0.0625"]["auc_gap_vs_fold"] is None and q["unlimited"]["budget"] is None
     assert q["unlimited"]["auc_by_window"] == pytest.approx([0.755 * (w + 1) / 4 for w in range(4)])
-    assert "| label of lru | 1/16 | 100 / 128 | 0.7250 ± 0.0212 | 0.2750 ± 0.0212 | +0.0150 ± 0.0071 | 20.0 |" in md
+    assert "| label of lru | 1/16 | 100 / 128 | 0.7250 ± 0.0212 | 0.2750 ± 0.0212 | +0.0150 ± 0.0071 | 50.0% | 20.0 |" in md
 
     # Seven panels (the six speed panels and model quality), two a row: 16 x (1.2 + 4 x 4.8) inches at 100 dpi.
     assert png_size(tmp_path / "summary.png") == (1600, 2040)
