@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from fractions import Fraction
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -302,7 +303,12 @@ def parse_args(argv=None):
     a.kind, a.path = a.data[0], (a.data[1] if len(a.data) > 1 else None)
     if a.kind not in ("generated", "criteo", "movielens") or len(a.data) != (1 if a.kind == "generated" else 2):
         ap.error("--data takes 'generated', 'criteo PATH' or 'movielens PATH'")
-    a.budget_list = [float(eval(b, {})) for b in a.budgets.split(",")]  # "1/16" -> 0.0625
+    try:
+        a.budget_list = [float(Fraction(b.strip())) for b in a.budgets.split(",")]  # "1/16" -> 0.0625
+    except (ValueError, ZeroDivisionError):
+        ap.error(f"--budgets: fractions such as 1/16,0.25, got {a.budgets!r}")
+    if not all(0 < b <= 1 for b in a.budget_list):
+        ap.error(f"--budgets must be in (0, 1], got {a.budgets!r}")
     a.seed_list = [int(s) for s in a.seeds.split(",")]
     a.setup_list = [s.strip() for s in a.setups.split(",") if s.strip()]
     bad = [s for s in a.setup_list if s not in SETUPS]
@@ -365,7 +371,7 @@ def _run(a) -> dict:
            "summary": summary, "wall_s_by_setup": wall_by_setup, "wall_s": time.perf_counter() - t_all,
            "runs": runs}
     write_json(a.out, out)
-    print(f"\nwall seconds per setup (all budgets and seeds): "
+    print("\nwall seconds per setup (all budgets and seeds): "
           + ", ".join(f"{k} {v:.0f}" for k, v in wall_by_setup.items()) + f"; wrote {a.out}")
     return out
 

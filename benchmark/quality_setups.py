@@ -88,7 +88,8 @@ class Managed(nn.Module):
     def __init__(self, rows: Sequence[int], dim: int, seed: int, names: Sequence[str]):
         super().__init__()
         from torchrec import EmbeddingBagConfig
-        from torchrec.modules.mc_modules import LRU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+        from torchrec.modules.mc_modules import (LRU_EvictionPolicy, ManagedCollisionCollection,
+                                                 MCHManagedCollisionModule)
         configs = [EmbeddingBagConfig(name=f"t_{f}", feature_names=[f], embedding_dim=dim, num_embeddings=n)
                    for f, n in zip(names, rows)]
         self.mcc = ManagedCollisionCollection(

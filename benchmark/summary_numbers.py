@@ -229,7 +229,8 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                  f"{g['rows_held']:,.0f} / {g['rows_budget']:,.0f}",
                  f"{g['final_auc']:.4f} ± {g['final_auc_std']:.4f}",
                  f"{g['final_log_loss']:.4f} ± {g['final_log_loss_std']:.4f}",
-                 "-" if g["auc_gap_vs_fold"] is None else f"{g['auc_gap_vs_fold']:+.4f} ± {g['auc_gap_vs_fold_std']:.4f}",
+                 "-" if g["auc_gap_vs_fold"] is None
+                 else f"{g['auc_gap_vs_fold']:+.4f} ± {g['auc_gap_vs_fold_std']:.4f}",
                  "-" if g.get("held_share") is None else f"{100 * g['held_share']:.1f}%",
                  _f(g["step_ms"])] for g in k["groups"].values()]
         n = len(k["seeds"] or [])
