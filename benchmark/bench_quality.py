@@ -328,6 +328,7 @@ def main(argv=None) -> dict:
 
 
 def _run(a) -> dict:
+    env = env_info(torch.device("cpu"))  # the commit, date and load average at the start
     warn = busy_warning(torch.get_num_threads())
     if warn:
         print(warn)
@@ -361,7 +362,7 @@ def _run(a) -> dict:
     for r in runs:
         wall_by_setup[r["setup"]] = wall_by_setup.get(r["setup"], 0.0) + r["wall_s"]
     out = {"benchmark": "bench_quality",
-           "config": {**env_info(torch.device("cpu")), "data": a.kind, "path": a.path, "windows": a.windows,
+           "config": {**env, "data": a.kind, "path": a.path, "windows": a.windows,
                       "window_batches": a.window_batches, "batch_size": a.batch_size, "budgets": a.budget_list,
                       "seeds": a.seed_list, "setups": a.setup_list, "dim": a.dim, "quick": a.quick,
                       "final_share": FINAL_SHARE, "setup_labels": SETUPS,
