@@ -234,10 +234,37 @@ def panel_soak(ax, k: Dict[str, Any]) -> None:
                  f"threads {g['threads_os']:+d}", fontsize=10)
 
 
+QUALITY_COLORS = {"fold": THEIRS, "mch": "tab:red", "lru": OURS, "lfu": "tab:green", "lfu_admit2": "tab:purple",
+                  "unlimited": "black"}
+
+
+def panel_quality(ax, k: Dict[str, Any]) -> None:
+    budgets = sorted({g["budget"] for g in k["groups"].values() if g["budget"] is not None})
+    styles = ["-", "--", ":", "-."]
+    shown = []
+    for name, g in k["groups"].items():
+        ys = g["auc_by_window"]
+        style = "-" if g["budget"] is None else styles[budgets.index(g["budget"]) % len(styles)]
+        budget = "" if g["budget"] is None else f", 1/{round(1 / g['budget'])}"
+        gap = "" if g["auc_gap_vs_fold"] is None else f" ({g['auc_gap_vs_fold']:+.4f})"
+        ax.plot(range(1, len(ys) + 1), ys, style, color=QUALITY_COLORS.get(g["setup"], OTHER), lw=1.2,
+                label=f"{g['label']}{budget}: {g['final_auc']:.4f}{gap}")
+        shown += ys[len(ys) // 5:]  # the first windows (the model still learning) fall below the view
+    if shown:
+        lo, hi = min(shown), max(shown)
+        ax.set_ylim(lo - 0.1 * (hi - lo), hi + 0.9 * (hi - lo))  # room for the legend at the top
+    ax.set_xlabel(f"window ({k['window_batches']} batches x {k['batch_size']} samples), scored before trained on")
+    ax.set_ylabel(f"AUC of the window (mean of {len(k['seeds'] or [])} seeds)")
+    ax.set_title(f"Model quality at equal rows per table: DLRM, progressive validation, {k['data']} log\n"
+                 f"(legend: final AUC, last {k['final_share']:.0%} of windows; in brackets: minus id % rows at that "
+                 "budget, paired)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
+
+
 PANELS: List[Tuple[str, Callable]] = [
     ("table", panel_table), ("torchrec", panel_torchrec), ("tiers", panel_tiers),
     ("inference", panel_inference), ("embedding", panel_embedding), ("checkpoint", panel_checkpoint),
-    ("soak", panel_soak),
+    ("soak", panel_soak), ("quality", panel_quality),
 ]
 
 

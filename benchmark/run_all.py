@@ -1,7 +1,7 @@
 """Runs every benchmark with short settings, merges their JSON into
 benchmark/results/summary.json and draws benchmark/results/summary.png.
 
-    bash scripts/dev.sh python benchmark/run_all.py                  # all (~6-9 min on 2 CPU cores)
+    bash scripts/dev.sh python benchmark/run_all.py                  # all (~8-12 min on 2 CPU cores)
     bash scripts/dev.sh python benchmark/run_all.py --only table,inference
     bash scripts/dev.sh python benchmark/run_all.py --from-json      # redraw from the JSON already there
     bash scripts/dev.sh python benchmark/run_all.py --publish        # ... and copy to docs/
@@ -55,7 +55,7 @@ class Bench(NamedTuple):
     json_name: str  # the file under the results directory (the script's default name)
 
 
-# Short settings: about 5-8 minutes for all of them on 2 CPU cores. The
+# Short settings: about 7-11 minutes for all of them on 2 CPU cores. The
 # scripts' defaults are the full-size runs (see each script's docstring).
 BENCHMARKS: List[Bench] = [
     # The table's targets are set at its full size (16M slots, 1M-key batches; ~40 s): fewer repeats only
@@ -70,6 +70,8 @@ BENCHMARKS: List[Bench] = [
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),
     # ~1 min: 600 steps of growth, eviction, flushes, evals and dumps; RSS, fds and threads stay flat
     Bench("soak", "soak.py", ["--steps", "600", "--warmup", "150", "--every", "20"], "soak.json"),
+    # Model quality at equal memory (progressive validation, 6 setups x 2 budgets x 3 seeds): ~2-3 min
+    Bench("quality", "bench_quality.py", ["--quick"], "bench_quality.json"),
 ]
 NAMES = [b.name for b in BENCHMARKS]
 PUBLISH_DIR = os.path.join(ROOT, "docs")

@@ -117,9 +117,30 @@ def key_soak(d: dict) -> Dict[str, Any]:
             "samples": [{k: s[k] for k in ("step", "rss_mib", "fds", "threads_os")} for s in d["samples"]]}
 
 
+def key_quality(d: dict) -> Dict[str, Any]:
+    """Per group (setup@budget, or `unlimited`): final AUC / log loss (mean, std
+    over seeds), the paired AUC gap to `fold`, step ms, rows held, and the
+    mean AUC of every window."""
+    groups = {}
+    for g, s in d["summary"].items():
+        groups[g] = {"setup": s["setup"], "budget": s["budget"], "label": s["label"],
+                     "final_auc": s["final_auc"]["mean"], "final_auc_std": s["final_auc"]["std"],
+                     "final_log_loss": s["final_log_loss"]["mean"], "final_log_loss_std": s["final_log_loss"]["std"],
+                     "auc_gap_vs_fold": (s.get("auc_gap_vs_fold") or {}).get("mean"),
+                     "auc_gap_vs_fold_std": (s.get("auc_gap_vs_fold") or {}).get("std"),
+                     "held_share": (s.get("final_held_share") or {}).get("mean"),
+                     "step_ms": s["step_ms"]["mean"], "rows_held": s["rows_held"]["mean"],
+                     "rows_budget": s["rows_budget"]["mean"], "seeds": len(s["seeds"]),
+                     "auc_by_window": [w["mean"] for w in s["auc_by_window"]]}
+    c = d["config"]
+    return {"data": c.get("data"), "windows": c.get("windows"), "window_batches": c.get("window_batches"),
+            "batch_size": c.get("batch_size"), "seeds": c.get("seeds"), "budgets": c.get("budgets"),
+            "final_share": c.get("final_share"), "groups": groups}
+
+
 KEY_NUMBERS: Dict[str, Callable[[dict], Dict[str, Any]]] = {
     "table": key_table, "embedding": key_embedding, "torchrec": key_torchrec, "tiers": key_tiers,
-    "checkpoint": key_checkpoint, "inference": key_inference, "soak": key_soak,
+    "checkpoint": key_checkpoint, "inference": key_inference, "soak": key_soak, "quality": key_quality,
 }
 
 
@@ -223,4 +244,21 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
                           ["drift (last third - first third, peaks)", _f(k["rss_drift_mib"]), "-", "-"],
                           ["after close, vs warm-up", _f(fin["rss_mib"]), str(fin["fds"]),
                            str(fin["threads_os"])]]))
+    if "quality" in key:
+        k = key["quality"]
+        rows = [[g["label"], "all ids" if g["budget"] is None else f"1/{round(1 / g['budget'])}",
+                 f"{g['rows_held']:,.0f} / {g['rows_budget']:,.0f}",
+                 f"{g['final_auc']:.4f} ± {g['final_auc_std']:.4f}",
+                 f"{g['final_log_loss']:.4f} ± {g['final_log_loss_std']:.4f}",
+                 "-" if g["auc_gap_vs_fold"] is None
+                 else f"{g['auc_gap_vs_fold']:+.4f} ± {g['auc_gap_vs_fold_std']:.4f}",
+                 "-" if g.get("held_share") is None else f"{100 * g['held_share']:.1f}%",
+                 _f(g["step_ms"])] for g in k["groups"].values()]
+        n = len(k["seeds"] or [])
+        parts.append(f"**Model quality at equal memory** (progressive validation of the example's DLRM on the "
+                     f"{k['data']} click log: {k['windows']} windows x {k['window_batches']} batches x "
+                     f"{k['batch_size']}; final = the last {k['final_share']:.0%} of the windows; mean ± std over "
+                     f"{n} seeds)\n\n" + _md(
+                         ["setup", "row budget", "rows held / budget", "final AUC", "final log loss",
+                          "AUC - fold (paired)", "ids with a row", "ms / step"], rows))
     return "\n\n".join(parts) + "\n"

@@ -98,3 +98,30 @@ def soak(rss_mib, steps=600, warmup=150, every=50):
             "samples": samples, "baseline": after[0], "growth_after_warmup": growth, "rss_drift_mib": drift,
             "final_vs_baseline": {"rss_mib": -3.5, "fds": -3, "threads_py": 0, "threads_os": 0},
             "all_dumps_loadable": True, "dumps": []}
+
+
+def quality(final_auc, windows=4):
+    """final_auc: {group ("setup@budget" or "unlimited"): [final AUC per seed]}; the
+    window AUCs climb to it; log loss 1 - AUC; step ms 10 x the group's index + 10."""
+    def ms(xs):
+        m = sum(xs) / len(xs)
+        return {"mean": m, "std": (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5, "n": len(xs)}
+
+    summary = {}
+    for i, (g, aucs) in enumerate(final_auc.items()):
+        setup, _, budget = g.partition("@")
+        s = {"setup": setup, "budget": float(budget) if budget else None, "label": f"label of {setup}",
+             "seeds": list(range(len(aucs))), "final_auc": ms(aucs), "final_log_loss": ms([1 - a for a in aucs]),
+             "step_ms": ms([10.0 * i + 10.0] * len(aucs)), "rows_held": ms([100.0] * len(aucs)),
+             "rows_budget": ms([128.0] * len(aucs)), "final_held_share": ms([0.5] * len(aucs)),
+             "auc_by_window": [ms([a * (w + 1) / windows for a in aucs]) for w in range(windows)],
+             "log_loss_by_window": [ms([0.5] * len(aucs)) for _ in range(windows)]}
+        fold = final_auc.get(f"fold@{budget}")
+        if budget and setup != "fold" and fold:
+            s["auc_gap_vs_fold"] = ms([a - f for a, f in zip(aucs, fold)])
+        summary[g] = s
+    return {"benchmark": "bench_quality",
+            "config": {"data": "generated", "windows": windows, "window_batches": 8, "batch_size": 512,
+                       "seeds": list(range(len(next(iter(final_auc.values()))))), "budgets": [0.0625],
+                       "final_share": 0.25, **ENV},
+            "summary": summary, "runs": []}

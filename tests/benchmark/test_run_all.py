@@ -41,7 +41,8 @@ def write(results, name, payload):
 SOAK_RSS = [300.0, 310.0, 320.0, 322.0, 325.0, 321.0, 324.0, 326.0, 323.0, 325.0, 324.0, 326.0, 322.0]
 
 
-def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True):
+def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True,
+                 with_quality=False):
     p = {
         "table": write(results, "bench_table.json", samples.table({
             0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
@@ -63,6 +64,9 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
     if with_checkpoint:
         p["checkpoint"] = write(results, "bench_checkpoint.json",
                                 samples.checkpoint(10**6, 2.0, 1.0, 0.5, 4 * 10**8, 3 * 10**8))
+    if with_quality:
+        p["quality"] = write(results, "bench_quality.json", samples.quality(
+            {"fold@0.0625": [0.70, 0.72], "lru@0.0625": [0.71, 0.74], "unlimited": [0.75, 0.76]}))
     return p
 
 
@@ -74,7 +78,7 @@ def run_cli(*args):
 
 def test_from_json_merges_all_benchmarks_and_draws_every_panel(tmp_path):
     res = str(tmp_path)
-    payloads = all_payloads(res)
+    payloads = all_payloads(res, with_quality=True)
     rc, out = run_cli("--from-json", "--results-dir", res)
     assert rc == 0, out
     with open(tmp_path / "summary.json") as f:
@@ -143,10 +147,16 @@ def test_from_json_merges_all_benchmarks_and_draws_every_panel(tmp_path):
     # After warm-up (step >= 150: from the 4th sample, 322) the peak is 326; the thirds' peaks are 325 and 326.
     assert so["growth_after_warmup"]["rss_mib"] == pytest.approx(4.0) and so["rss_drift_mib"] == pytest.approx(1.0)
     assert "| max growth | 4.0 | 0 | 0 |" in md
+    q = k["quality"]["groups"]
+    assert q["lru@0.0625"]["final_auc"] == pytest.approx(0.725)
+    assert q["lru@0.0625"]["auc_gap_vs_fold"] == pytest.approx(0.015)
+    assert q["fold@0.0625"]["auc_gap_vs_fold"] is None and q["unlimited"]["budget"] is None
+    assert q["unlimited"]["auc_by_window"] == pytest.approx([0.755 * (w + 1) / 4 for w in range(4)])
+    assert "| label of lru | 1/16 | 100 / 128 | 0.7250 ± 0.0212 | 0.2750 ± 0.0212 | +0.0150 ± 0.0071 | 50.0% | 20.0 |" in md
 
-    # Seven panels, two a row: 16 x (1.2 + 4 x 4.8) inches at 100 dpi.
+    # Eight panels (the six speed panels, soak and model quality), two a row: 16 x (1.2 + 4 x 4.8) inches at 100 dpi.
     assert png_size(tmp_path / "summary.png") == (1600, 2040)
-    assert "7 panels" in out
+    assert "8 panels" in out
 
 
 def test_missing_benchmarks_are_left_out_of_the_picture(tmp_path):
