@@ -1,4 +1,5 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
+from dynamicemb.admission import AdmissionStrategy, Counter, CounterNotCheckpointable
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.optimizer import EmbOptimType
 from dynamicemb.options import (
@@ -22,6 +23,9 @@ from dynamicemb.types import (
 )
 
 __all__ = [
+    "AdmissionStrategy",
+    "Counter",
+    "CounterNotCheckpointable",
     "BatchedDynamicEmbeddingTables",
     "DynamicEmbDump",
     "DynamicEmbInitializerArgs",

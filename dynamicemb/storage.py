@@ -42,6 +42,12 @@ class Placement:
         """find's slots of group g, -1 for a key that is there but not stored yet."""
         return slots
 
+    def stored_anywhere(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """Whether each key of group g is stored in some tier (`slots`: its
+        slot in the table, -1 where missing): admission counts only the others."""
+        return self.stored(g, slots) >= 0
+
 
 class HashTableStorage(EmbeddingStorage):
     """Rows addressed by a ScoredHashTable slot: one physical hash table per
@@ -65,6 +71,11 @@ class HashTableStorage(EmbeddingStorage):
         if len(self.streams) != len(options) or any(not 0 <= s < 2**31 for s in self.streams):
             raise ValueError(f"init streams must be {len(options)} ints in [0, 2**31), got {streams}")
         self.init_params = self._packed([o.initializer_args for o in options])
+        # What a training read of a key with no row gets (not admitted yet, or
+        # failed): the admission strategy's initializer where it names one.
+        self.unstored_init_params = self._packed([
+            (o.admit_strategy.get_initializer_args() if o.admit_strategy is not None else None) or o.initializer_args
+            for o in options])
         self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
         init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
         # Groups of tables sharing one physical hash table.
@@ -270,7 +281,9 @@ class HashTableStorage(EmbeddingStorage):
         if not any(self.admission[t] for t in tables):
             return None
         ht = self.groups[g][0]
-        _, found = ht.lookup(keys, local_tids)
+        slots, found = ht.lookup(keys, local_tids)
+        if self.placement is not None:  # a tiered storage: the keys it stores in any tier are found
+            found = self.placement.stored_anywhere(g, keys, local_tids, slots)
         keep = found.clone()
         for lt, t in enumerate(tables):
             sel = (local_tids == lt) & ~found

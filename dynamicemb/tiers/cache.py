@@ -32,7 +32,7 @@ from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.cache_checkpoint import CacheCheckpoint
 from dynamicemb.tiers.cache_overflow import (OverflowBlock, SpareRows, block_rows, in_blocks, insert_scores_of,
                                              pending, warn_or_raise)
-from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
+from dynamicemb.tiers.store import BackingStore, RowsAt, grouped, timestamp_columns
 from dynamicemb.types import DynamicEmbCheckMode, InsertResult
 
 _T = rules.TierCounter
@@ -81,9 +81,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         cache_opts = []
         for n, o, w in zip(names, options, state_widths):
             if o.caching:
-                if o.admit_strategy is not None:
-                    raise ValueError(f"table {n!r}: admission with caching=True is not supported (keys in the "
-                                     f"backing store would be refused again)")
                 rows = o.cache_rows(o.dim + w, itemsize)
                 # The cache never grows (its slots stay put while evicted rows are written back).
                 o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
@@ -98,11 +95,14 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self.device, self.dtype, self.seed = device, dtype, seed
         self.groups, self.group_of, self._weights = tb.groups, tb.group_of, tb.weights()
         self.init_params, self.eval_init_params = tb.init_params, tb.eval_init_params
+        self.unstored_init_params = tb.unstored_init_params
         self.custom_scores, self.admission = tb.custom_scores, tb.admission
-        for t, (n, o) in enumerate(zip(names, options)):
-            if o.caching and rules.keeps_timestamps(self.strategy(t)):
-                raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
-                                 f"(the backing store keeps one score per key)")
+        # The (TIMESTAMP, LFU) pair keeps an access time next to each count:
+        # in the store it rides as the row's last columns (the int64's bits,
+        # timestamp_columns of the row's dtype), so it moves with the row.
+        self.ts_cols = [timestamp_columns(dtype) if c and rules.keeps_timestamps(self.strategy(t)) else 0
+                        for t, c in enumerate(self.cached)]
+        self.ts_shift = [0] * len(self.cached)  # a reopened store's access times + this: the table's clock
         self.store = store
         self.owns_store = owns_store  # made for this storage (storage_path, the default HostStore): close() closes it
         # Where rows go between the tiers: the CPU, or the cache's device for a
@@ -112,7 +112,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
         for t, n in enumerate(names):
             if self.cached[t]:
-                store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
+                store.open_table(n, self.widths[t] + self.ts_cols[t], dtype, self.table_max_rows[t])
                 store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
         # Per table, columns rules.TierCounter: hits, misses, write-backs, keys the store evicted (lost),
@@ -133,6 +133,12 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         # prefetch whose forward has not come yet (_settle).
         self._fresh = [torch.zeros(ht.slot_keys.numel(), dtype=torch.bool, device=device) if c else None
                        for (ht, _), c in zip(self.groups, self._group_cached)]
+        # Per cached group keeping access times: a copy of each slot's as of
+        # the last call that changed it. An insert that evicts a key writes
+        # the new key's time over the slot's at once; the copy still holds
+        # the evicted key's, which goes to the store with its row.
+        self._ts_copy = [ht.slot_timestamps.clone() if c and rules.keeps_timestamps(ht.strategy) else None
+                         for (ht, _), c in zip(self.groups, self._group_cached)]
         # On the CPU a prefetch runs inline with the step: its new keys' rows
         # are left unwritten (no one reads a provisional row: find skips it,
         # _settle and eviction drop it) and get their initial values in their
@@ -225,7 +231,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         pin.block = None
         if block:
             for t, (keys, rows, scores) in block.tables.items():
-                self._put(t, keys, self._weights[t].index_select(0, rows), scores)
+                self._put(t, keys, self._weights[t].index_select(0, rows), scores, block.timestamps.get(t))
         if not pending(self._forward_pins):
             self._spare.reset()
 
@@ -238,6 +244,28 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                 self._return_block(pin)
 
     # ---- the two tiers -----------------------------------------------------------------------
+
+    def _with_ts(self, t: int, rows: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        """Table t's rows as its store holds them: the access times' bits
+        (less ts_shift) in the last ts_cols columns."""
+        ts = (timestamps.to(device=rows.device, dtype=torch.int64) - self.ts_shift[t]).contiguous()
+        return torch.cat([rows, ts.view(rows.dtype).view(rows.shape[0], self.ts_cols[t])], 1).to(self._rows_dev)
+
+    def _split_ts(self, t: int, rows: torch.Tensor):
+        """(rows, access times or None) of rows as table t's store holds them."""
+        if not self.ts_cols[t]:
+            return rows, None
+        width = self.widths[t]
+        ts = rows[:, width:].contiguous().view(torch.int64).view(-1) + self.ts_shift[t]
+        return rows[:, :width], ts
+
+    def _copy_ts(self, g: int, slots: torch.Tensor) -> None:
+        """The access times of group g's slots (-1: none) as the last call left them (_ts_copy)."""
+        copy = self._ts_copy[g]
+        if copy is not None:
+            ht, _ = self.groups[g]
+            at = slots.index_select(0, where_true(slots >= 0))
+            copy.index_copy_(0, at, ht.slot_timestamps.index_select(0, at))
 
     def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of
@@ -266,7 +294,10 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             t = tables[lt]
             w = self._weights[t]
             at = (slots - self._cache_begin[t]).to(w.device)
-            rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
+            if self.ts_cols[t]:  # the evicted keys' access times: the copy's (the slots hold the new keys')
+                rows = self._with_ts(t, w.index_select(0, at), self._ts_copy[g].index_select(0, slots))
+            else:
+                rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
             parts[lt] = (keys.cpu(), rows, scores.cpu())
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
@@ -334,12 +365,16 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                     pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
             slot = idx.index_select(0, pos)
             w = self._weights[t]
+            rows, ts = self._split_ts(t, rows)
             scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if exact:
                 ht.slot_scores.index_copy_(0, slot, stored)
+                if ts is not None:  # not accessed yet: its stored access time (its forward refreshes it)
+                    ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
             elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
+        self._copy_ts(g, idx)
         if failed is not None and not exact:
             new = failed & (res == InsertResult.FAILED)  # failed and not fetched: new keys
             _, tables = self.groups[g]
@@ -358,6 +393,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         w = self._weights[t]
         sc = insert_scores_of(ht, scores, pos)
         if rows is not None:
+            rows, _ = self._split_ts(t, rows)  # accessed now: its time is this step's
             w.index_copy_(0, at, rows.to(device=w.device, dtype=w.dtype))
             if rules.counts_accesses(ht.strategy):
                 sc = sc + stored.to(sc.device)
@@ -365,7 +401,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             tids = torch.full_like(k, t)
             ops.emb_init_rows(self._weights, at, tids.to(w.device), k.to(w.device), self.dims, self.init_params,
                               self.seed)
-        self._step_block.add(t, k, at, sc)
+        self._step_block.add(t, k, at, sc, torch.full_like(sc, ht.now()) if self.ts_cols[t] else None)
         self.tier_counters[t, _T.BYPASSED] += pos.numel()
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
@@ -400,6 +436,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         kind = made_new.to(torch.int64) * 2
         if missing is None:  # every key is there: scored where it is
             ht.refresh(slots, scores)
+            self._copy_ts(g, slots)
             if self._init_in_forward:  # the keys the prefetch made new get their initial rows now
                 res = (~made_new).view(torch.int8)  # ASSIGNED (1), INSERTED (0) where made new
             else:
@@ -433,8 +470,13 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         for t, (pos, rows, scores) in fetched.items():
             self._put(t, keys.index_select(0, pos), rows, scores)
 
-    def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
-        """Puts table t's rows in the store; the keys it evicts are counted."""
+    def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+             timestamps: Optional[torch.Tensor] = None) -> None:
+        """Puts table t's rows in the store (with their access times where
+        the table keeps them: `timestamps`, unless the rows came from the
+        store with theirs); the keys it evicts are counted."""
+        if self.ts_cols[t] and rows.shape[1] == self.widths[t]:
+            rows = self._with_ts(t, rows, timestamps)
         part = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
         self.tier_counters[t, _T.LOST] += self.store.put_group([self.names[t]], {0: part})[0]
 
@@ -560,6 +602,21 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         if fresh is None or not bool(fresh.any()):
             return slots
         return slots.masked_fill(fresh.index_select(0, slots.clamp(min=0)) & (slots >= 0), -1)
+
+    def stored_anywhere(self, g, keys, local_tids, slots):
+        """A cached group's keys are stored in its cache or its store (a
+        forward's own overflow block is not made yet; those of earlier
+        forwards went back to the store before it)."""
+        found = self.stored(g, slots) >= 0
+        if not self._group_cached[g]:
+            return found
+        _, tables = self.groups[g]
+        for lt, t in enumerate(tables):
+            sel = where_true(~found & (local_tids == lt))
+            if sel.numel():
+                found.index_copy_(0, sel, self.store.contains(self.names[t], keys.index_select(0, sel).cpu())
+                                  .to(found.device))
+        return found
 
     def _settle(self) -> None:
         """Takes the provisional keys out of the cache: those that pending

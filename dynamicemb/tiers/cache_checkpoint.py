@@ -36,7 +36,7 @@ class CacheCheckpoint:
             if self.cached[t] and bool((~have).any()):
                 miss = where_true(~have)
                 found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
-                block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
+                block[miss[found].to(w.device)] = rows[found][:, :w.shape[1]].to(device=w.device, dtype=w.dtype)
                 have[miss[found]] = True
             local[sel] = torch.where(have, torch.arange(sel.numel(), device=ukeys.device), -1)
             blocks.append(block)
@@ -61,6 +61,8 @@ class CacheCheckpoint:
         self.custom_scores[t] = int(state.get("custom_score", 0))
         if rules.score_is_clock(self.strategy(t)) and "clock" in state:
             self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
+        if self.ts_cols[t] and "timestamp_clock" in state:  # access times read against the old clock
+            self.ts_shift[t] = self.now(t) - int(state["timestamp_clock"])
 
     def _layout(self, t: int) -> dict:
         """Which of a table's keys this rank's store holds."""
@@ -90,11 +92,16 @@ class CacheCheckpoint:
                 continue
             g, lt = self.group_of[t]
             w = self._weights[t]
-            for b in self.groups[g][0].export(table_id=lt):
-                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
+            ht = self.groups[g][0]
+            for b in ht.export(table_id=lt):
+                ts = ht.slot_timestamps.index_select(0, b.indices) if self.ts_cols[t] else None
+                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores, ts)
             self.tables.clear_table(t)
-            self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
-                                                  "clock": self.now(t), "layout": self._layout(t)})
+            saved = {"module": state or {}, "custom_score": self.custom_scores[t], "clock": self.now(t),
+                     "layout": self._layout(t)}
+            if self.ts_cols[t]:  # the clock the stored access times are readings of
+                saved["timestamp_clock"] = self.now(t) - self.ts_shift[t]
+            self.store.save_state(self.names[t], saved)
         self.store.flush()
 
     def close(self) -> None:
@@ -106,16 +113,20 @@ class CacheCheckpoint:
         yield from self.tables.export_rows(table_id, batch_size, lazy)
         if self.cached[table_id]:
             dim = self.dims[table_id]
+            width = self.widths[table_id]
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
+                rows, ts = self._split_ts(table_id, rows)
+                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:width], scores.to(self.device),
+                               None if ts is None else ts.to(self.device))
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
         self._settle()
         yield from self.tables.export(table_id, batch_size, threshold)
         if self.cached[table_id]:
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                if threshold is not None:
-                    keep = scores >= threshold
+                rows, ts = self._split_ts(table_id, rows)
+                if threshold is not None:  # by access time where the table keeps one (as ScoredHashTable.export)
+                    keep = (scores if ts is None else ts) >= threshold
                     keys, rows, scores = keys[keep], rows[keep], scores[keep]
                 if keys.numel():
                     yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
@@ -129,6 +140,9 @@ class CacheCheckpoint:
         if state is None or state.shape[1] == 0:
             state = torch.zeros(batch.keys.numel(), self.widths[table_id] - dim, dtype=batch.values.dtype)
         rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
+        if self.ts_cols[table_id]:
+            ts = batch.timestamps if batch.timestamps is not None else torch.full_like(batch.scores, self.now(table_id))
+            rows = self._with_ts(table_id, rows.to(self.dtype), ts.cpu()).cpu()
         lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
         if lost:
             raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "

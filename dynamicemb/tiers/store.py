@@ -24,6 +24,11 @@ CPU = torch.device("cpu")
 Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
 
 
+def timestamp_columns(dtype: torch.dtype) -> int:
+    """Columns of `dtype` that hold one int64 access time at a stored row's end."""
+    return 8 // torch.empty((), dtype=dtype).element_size()
+
+
 def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor):
     """take's (found [n], rows [n, width], scores [n]) from take_found's
     (positions, rows, scores) of the n keys looked up (zeros where missing)."""
@@ -159,6 +164,11 @@ class BackingStore(abc.ABC):
     @abc.abstractmethod
     def read(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """take without removing (eval lookups)."""
+
+    def contains(self, name: str, keys: torch.Tensor) -> torch.Tensor:
+        """found [n] bool of keys, nothing moved (admission asks which keys
+        a table stores); default: read's."""
+        return self.read(name, keys)[0]
 
     def take_found(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """take, of the found keys only: (their positions in keys, ascending,
@@ -302,6 +312,9 @@ class IndexedStore(BackingStore):
         out = rows.new_zeros(keys.numel(), rows.shape[1])
         out.index_copy_(0, at, rows)
         return found, out, scores
+
+    def contains(self, name, keys):
+        return self._index.find(keys, torch.full_like(keys, self._table(name)))[0]
 
     def take(self, name, keys):
         return take_from_found(keys.numel(), *self.take_found(name, keys))
