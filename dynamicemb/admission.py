@@ -210,7 +210,7 @@ class AdmissionCounter:
         """Adds `counts` sightings to `keys` (distinct, not stored yet); returns
         the mask of the keys to store (the caller stores them, then forgets
         those it stored)."""
-        total = self.counter.add(keys, counts)
+        total = self.counter.add(keys, counts).to(keys.device)
         mask = self.strategy.admit(keys, total)
         if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == keys.shape):
             raise TypeError(f"table {self.table_name!r}: {type(self.strategy).__name__}.admit must return a bool "
