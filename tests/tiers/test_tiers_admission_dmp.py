@@ -5,12 +5,14 @@ options without a cache: the same outputs at every step, the same rows,
 optimizer state, LFU counts and admission counts on every rank at the end.
 dcp.save(state_dict()) of the cached model loads into a fresh model without
 a cache with every count back (the user counter's through its export/load)."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import tiered_dmp as td
-from dynamicemb import AdmissionStrategy, Counter, FrequencyAdmissionStrategy, KVCounter
+from dynamicemb import (AdmissionStrategy, Counter, CounterNotCheckpointable, DynamicEmbInitializerArgs,
+                        DynamicEmbInitializerMode, FrequencyAdmissionStrategy, KVCounter)
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb.stats import dynamic_modules
 from tiered_dmp import run_ranks
@@ -39,6 +41,15 @@ class DictCounter(Counter):
         self.counts = dict(zip(keys.tolist(), counts.tolist()))
 
 
+class UnsavedCounter(Counter):
+    """A counter without export / load: it trains, it cannot be checkpointed."""
+
+    def __init__(self):
+        self.counts = {}
+
+    add, erase = DictCounter.add, DictCounter.erase
+
+
 class EvenFirst(AdmissionStrategy):
     """A user's strategy: even ids at once, odd ids at their third sighting."""
 
@@ -47,7 +58,9 @@ class EvenFirst(AdmissionStrategy):
 
 
 CASES = {
-    "frequency+pair": dict(admit_strategy=FrequencyAdmissionStrategy(2), admission_counter=KVCounter(1 << 14),
+    "frequency+pair": dict(admit_strategy=FrequencyAdmissionStrategy(
+        2, initializer_args=DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.NORMAL, std_dev=0.05)),
+        admission_counter=KVCounter(1 << 14),
                            score_strategy=(S.TIMESTAMP, S.LFU)),
     "user": dict(admit_strategy=EvenFirst(), admission_counter=DictCounter(), score_strategy=S.LFU),
 }
@@ -95,9 +108,22 @@ def _run(rank, world, path):
             for t in td.TABLES:
                 assert _gathered(fresh, t, pg)[1] == _gathered(ref, t, pg)[1], f"{label} {t}: counts not loaded"
             checked.append(label)
+        if pg.size() == 1:  # a counter without export / load: state_dict() warns, saving it is refused by name
+            plain = dict(CASES["user"], admission_counter=UnsavedCounter())
+            model = td.build("ebc", pg, fused, **plain)
+            td.train(model, batches[:2], pg)
+            with pytest.warns(RuntimeWarning, match="admission counter \\(UnsavedCounter\\) implements no export"):
+                sd = model.state_dict()
+            try:  # DCP re-raises a rank's error inside its own (a BaseException)
+                dcp.save(sd, checkpoint_id=f"{path}/unsaved", process_group=pg)
+                raise AssertionError("a counter without export() was saved")
+            except BaseException as e:  # noqa: BLE001
+                msg = str(e)
+            assert CounterNotCheckpointable.__name__ in msg and "table 'a_table'" in msg, msg
+            checked.append("refused")
     return checked
 
 
 def test_cached_admission_and_pair_score_through_dmp(tmp_path):
     checked = run_ranks(_run, 2, str(tmp_path), timeout=600)
-    assert len(checked[0]) == 4 and checked[1] == checked[0][:2]  # rank 0 also ran the 1-rank models
+    assert len(checked[0]) == 5 and checked[1] == checked[0][:2]  # rank 0 also ran the 1-rank models
