@@ -32,7 +32,8 @@ from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.cache_checkpoint import CacheCheckpoint
 from dynamicemb.tiers.cache_overflow import (OverflowBlock, SpareRows, block_rows, in_blocks, insert_scores_of,
                                              pending, warn_or_raise)
-from dynamicemb.tiers.store import BackingStore, RowsAt, grouped, timestamp_columns
+from dynamicemb.tiers.access_times import AccessTimes
+from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
 from dynamicemb.types import DynamicEmbCheckMode, InsertResult
 
 _T = rules.TierCounter
@@ -97,12 +98,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self.init_params, self.eval_init_params = tb.init_params, tb.eval_init_params
         self.unstored_init_params = tb.unstored_init_params
         self.custom_scores, self.admission = tb.custom_scores, tb.admission
-        # The (TIMESTAMP, LFU) pair keeps an access time next to each count:
-        # in the store it rides as the row's last columns (the int64's bits,
-        # timestamp_columns of the row's dtype), so it moves with the row.
-        self.ts_cols = [timestamp_columns(dtype) if c and rules.keeps_timestamps(self.strategy(t)) else 0
-                        for t, c in enumerate(self.cached)]
-        self.ts_shift = [0] * len(self.cached)  # a reopened store's access times + this: the table's clock
         self.store = store
         self.owns_store = owns_store  # made for this storage (storage_path, the default HostStore): close() closes it
         # Where rows go between the tiers: the CPU, or the cache's device for a
@@ -110,9 +105,12 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self._rows_dev = store.rows_device(device)
         self._rows_at = store.puts_rows_at and device.type == "cpu"  # evicted rows handed as RowsAt
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
+        # The (TIMESTAMP, LFU) pair's access times in both tiers (tiers/access_times.py).
+        self.times = AccessTimes([self.strategy(t) for t in range(self.num_tables)], self.cached, self.widths, dtype,
+                                 self.groups, [self.cached[tables[0]] for _, tables in self.groups])
         for t, n in enumerate(names):
             if self.cached[t]:
-                store.open_table(n, self.widths[t] + self.ts_cols[t], dtype, self.table_max_rows[t])
+                store.open_table(n, self.widths[t] + self.times.cols[t], dtype, self.table_max_rows[t])
                 store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
         # Per table, columns rules.TierCounter: hits, misses, write-backs, keys the store evicted (lost),
@@ -133,12 +131,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         # prefetch whose forward has not come yet (_settle).
         self._fresh = [torch.zeros(ht.slot_keys.numel(), dtype=torch.bool, device=device) if c else None
                        for (ht, _), c in zip(self.groups, self._group_cached)]
-        # Per cached group keeping access times: a copy of each slot's as of
-        # the last call that changed it. An insert that evicts a key writes
-        # the new key's time over the slot's at once; the copy still holds
-        # the evicted key's, which goes to the store with its row.
-        self._ts_copy = [ht.slot_timestamps.clone() if c and rules.keeps_timestamps(ht.strategy) else None
-                         for (ht, _), c in zip(self.groups, self._group_cached)]
         # On the CPU a prefetch runs inline with the step: its new keys' rows
         # are left unwritten (no one reads a provisional row: find skips it,
         # _settle and eviction drop it) and get their initial values in their
@@ -245,28 +237,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
 
     # ---- the two tiers -----------------------------------------------------------------------
 
-    def _with_ts(self, t: int, rows: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
-        """Table t's rows as its store holds them: the access times' bits
-        (less ts_shift) in the last ts_cols columns."""
-        ts = (timestamps.to(device=rows.device, dtype=torch.int64) - self.ts_shift[t]).contiguous()
-        return torch.cat([rows, ts.view(rows.dtype).view(rows.shape[0], self.ts_cols[t])], 1).to(self._rows_dev)
-
-    def _split_ts(self, t: int, rows: torch.Tensor):
-        """(rows, access times or None) of rows as table t's store holds them."""
-        if not self.ts_cols[t]:
-            return rows, None
-        width = self.widths[t]
-        ts = rows[:, width:].contiguous().view(torch.int64).view(-1) + self.ts_shift[t]
-        return rows[:, :width], ts
-
-    def _copy_ts(self, g: int, slots: torch.Tensor) -> None:
-        """The access times of group g's slots (-1: none) as the last call left them (_ts_copy)."""
-        copy = self._ts_copy[g]
-        if copy is not None:
-            ht, _ = self.groups[g]
-            at = slots.index_select(0, where_true(slots >= 0))
-            copy.index_copy_(0, at, ht.slot_timestamps.index_select(0, at))
-
     def _take(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor):
         """Per table of a cached group: (positions in keys, rows, scores) of
         the keys that the store holds, taken out of it (one store call for
@@ -294,8 +264,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             t = tables[lt]
             w = self._weights[t]
             at = (slots - self._cache_begin[t]).to(w.device)
-            if self.ts_cols[t]:  # the evicted keys' access times: the copy's (the slots hold the new keys')
-                rows = self._with_ts(t, w.index_select(0, at), self._ts_copy[g].index_select(0, slots))
+            if self.times.cols[t]:  # with the evicted keys' access times
+                rows = self.times.join(t, w.index_select(0, at), self.times.evicted(g, slots), 0).to(self._rows_dev)
             else:
                 rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
             parts[lt] = (keys.cpu(), rows, scores.cpu())
@@ -365,7 +335,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                     pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
             slot = idx.index_select(0, pos)
             w = self._weights[t]
-            rows, ts = self._split_ts(t, rows)
+            rows, ts = self.times.split(t, rows)
             scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if exact:
                 ht.slot_scores.index_copy_(0, slot, stored)
@@ -374,7 +344,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
-        self._copy_ts(g, idx)
+        self.times.keep(g, ht, idx)
         if failed is not None and not exact:
             new = failed & (res == InsertResult.FAILED)  # failed and not fetched: new keys
             _, tables = self.groups[g]
@@ -393,7 +363,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         w = self._weights[t]
         sc = insert_scores_of(ht, scores, pos)
         if rows is not None:
-            rows, _ = self._split_ts(t, rows)  # accessed now: its time is this step's
+            rows, _ = self.times.split(t, rows)  # accessed now: its time is this step's
             w.index_copy_(0, at, rows.to(device=w.device, dtype=w.dtype))
             if rules.counts_accesses(ht.strategy):
                 sc = sc + stored.to(sc.device)
@@ -401,7 +371,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             tids = torch.full_like(k, t)
             ops.emb_init_rows(self._weights, at, tids.to(w.device), k.to(w.device), self.dims, self.init_params,
                               self.seed)
-        self._step_block.add(t, k, at, sc, torch.full_like(sc, ht.now()) if self.ts_cols[t] else None)
+        self._step_block.add(t, k, at, sc, torch.full_like(sc, ht.now()) if self.times.cols[t] else None)
         self.tier_counters[t, _T.BYPASSED] += pos.numel()
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
@@ -436,7 +406,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         kind = made_new.to(torch.int64) * 2
         if missing is None:  # every key is there: scored where it is
             ht.refresh(slots, scores)
-            self._copy_ts(g, slots)
+            self.times.keep(g, ht, slots)
             if self._init_in_forward:  # the keys the prefetch made new get their initial rows now
                 res = (~made_new).view(torch.int8)  # ASSIGNED (1), INSERTED (0) where made new
             else:
@@ -475,8 +445,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         """Puts table t's rows in the store (with their access times where
         the table keeps them: `timestamps`, unless the rows came from the
         store with theirs); the keys it evicts are counted."""
-        if self.ts_cols[t] and rows.shape[1] == self.widths[t]:
-            rows = self._with_ts(t, rows, timestamps)
+        if self.times.cols[t] and rows.shape[1] == self.widths[t]:
+            rows = self.times.join(t, rows, timestamps, self.now(t))
         part = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
         self.tier_counters[t, _T.LOST] += self.store.put_group([self.names[t]], {0: part})[0]
 
@@ -602,21 +572,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         if fresh is None or not bool(fresh.any()):
             return slots
         return slots.masked_fill(fresh.index_select(0, slots.clamp(min=0)) & (slots >= 0), -1)
-
-    def stored_anywhere(self, g, keys, local_tids, slots):
-        """A cached group's keys are stored in its cache or its store (a
-        forward's own overflow block is not made yet; those of earlier
-        forwards went back to the store before it)."""
-        found = self.stored(g, slots) >= 0
-        if not self._group_cached[g]:
-            return found
-        _, tables = self.groups[g]
-        for lt, t in enumerate(tables):
-            sel = where_true(~found & (local_tids == lt))
-            if sel.numel():
-                found.index_copy_(0, sel, self.store.contains(self.names[t], keys.index_select(0, sel).cpu())
-                                  .to(found.device))
-        return found
 
     def _settle(self) -> None:
         """Takes the provisional keys out of the cache: those that pending

@@ -119,8 +119,8 @@ def test_keys_not_admitted_read_the_strategys_initializer(init, device):
     strategy's: a key's first training read there is its initial row."""
     strategy = FrequencyAdmissionStrategy(threshold=1000, initializer_args=init)  # nothing is admitted
     opts = dict(dim=D, max_capacity=1024, bucket_capacity=16, initializer_args=DEBUG_INIT)
-    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(admit_strategy=strategy, admission_counter=KVCounter(4096),
-                                                              **opts)], device=device, seed=7)
+    admitting = DynamicEmbTableOptions(admit_strategy=strategy, admission_counter=KVCounter(4096), **opts)
+    m = BatchedDynamicEmbeddingTables([admitting], device=device, seed=7)
     ref = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(**dict(opts, initializer_args=init))], device=device,
                                         seed=7)
     gen = torch.Generator().manual_seed(1)
