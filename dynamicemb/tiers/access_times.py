@@ -45,7 +45,9 @@ class AccessTimes:
         if not self.cols[t]:
             return rows, None
         width = self.widths[t]
-        return rows[:, :width], rows[:, width:].contiguous().view(torch.int64).view(-1) + self.shift[t]
+        # A copy of its own: a view's storage offset need not be a multiple of the int64's columns.
+        bits = rows[:, width:].clone(memory_format=torch.contiguous_format)
+        return rows[:, :width], bits.view(torch.int64).view(-1) + self.shift[t]
 
     def evicted(self, g: int, slots: torch.Tensor) -> torch.Tensor:
         """The times of the keys just evicted from group g's `slots`."""

@@ -104,3 +104,25 @@ def test_timestamps_survive_a_reopened_file_store(tmp_path):
     shifts = {after[k][1] - ts for k, (_, ts) in before.items()}
     assert len(shifts) == 1 and shifts.pop() >= 0
     again.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_access_times_ride_in_rows_bit_for_bit(dtype):
+    """Any int64 (NaN bit patterns of the row's dtype included) comes back
+    from a stored row exactly, for one row (a view at an odd offset) or many."""
+    from types import SimpleNamespace
+
+    from dynamicemb import rules
+    from dynamicemb.tiers.access_times import AccessTimes
+    ht = SimpleNamespace(strategy=rules.TIMESTAMP_LFU, slot_timestamps=torch.zeros(16, dtype=torch.int64))
+    times = AccessTimes([rules.TIMESTAMP_LFU], [True], [5], dtype, [(ht, [0])], [True])
+    g = torch.Generator().manual_seed(0)
+    ts = torch.cat([torch.randint(-2**62, 2**62, (40,), generator=g), torch.tensor([-1, 0, 2**63 - 1, -2**63]),
+                    torch.tensor([0x7FF8000000000001, 0x7FC00001FFFF7E01])])  # NaN patterns
+    rows = torch.randn(ts.numel(), 5, generator=g).to(dtype)
+    stored = times.join(0, rows, ts, 0)
+    assert stored.shape == (ts.numel(), 5 + 8 // rows.element_size())
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for at in (slice(None), slice(3, 4), slice(7, 8)):
+        back, got = times.split(0, stored[at])
+        assert torch.equal(got, ts[at]) and torch.equal(back.view(bits), rows[at].view(bits))
