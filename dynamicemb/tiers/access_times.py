@@ -33,12 +33,16 @@ class AccessTimes:
             ht.slot_timestamps.clone() if c and rules.keeps_timestamps(ht.strategy) else None
             for (ht, _), c in zip(groups, group_cached)]
 
+    def columns(self, t: int, times: Optional[torch.Tensor], n: int, dtype: torch.dtype, now: int) -> torch.Tensor:
+        """The [n, cols] of `dtype` that hold n access times of table t in its store (times None: `now`)."""
+        if times is None:
+            times = torch.full((n,), now, dtype=torch.int64)
+        return (times.to(torch.int64) - self.shift[t]).contiguous().view(dtype).view(n, self.cols[t])
+
     def join(self, t: int, rows: torch.Tensor, times: Optional[torch.Tensor], now: int) -> torch.Tensor:
         """Table t's rows as its store holds them (times None: `now`)."""
-        if times is None:
-            times = torch.full((rows.shape[0],), now, dtype=torch.int64)
-        ts = (times.to(device=rows.device, dtype=torch.int64) - self.shift[t]).contiguous()
-        return torch.cat([rows, ts.view(rows.dtype).view(rows.shape[0], self.cols[t])], 1)
+        tail = self.columns(t, None if times is None else times.to(rows.device), rows.shape[0], rows.dtype, now)
+        return torch.cat([rows, tail.to(rows.device)], 1)
 
     def split(self, t: int, rows: torch.Tensor):
         """(rows, access times or None) of rows as table t's store holds them."""

@@ -265,7 +265,9 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             w = self._weights[t]
             at = (slots - self._cache_begin[t]).to(w.device)
             if self.times.cols[t]:  # with the evicted keys' access times
-                rows = self.times.join(t, w.index_select(0, at), self.times.evicted(g, slots), 0).to(self._rows_dev)
+                ts = self.times.evicted(g, slots)
+                rows = RowsAt(w, at, self.times.columns(t, ts, at.numel(), w.dtype, 0)) if self._rows_at else \
+                    self.times.join(t, w.index_select(0, at), ts, 0).to(self._rows_dev)
             else:
                 rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
             parts[lt] = (keys.cpu(), rows, scores.cpu())

@@ -72,29 +72,35 @@ class RowsAt:
     its evicted rows so to a store that copies them once, into place
     (BackingStore.puts_rows_at), instead of gathering them into a tensor
     that the store then copies again. Like a tensor of the rows, it has a
-    length and slices."""
+    length and slices. `tail`: columns after each row ([n, k], the source's
+    dtype; a (TIMESTAMP, LFU) row's access time), written beside it."""
 
-    __slots__ = ("source", "rows")
+    __slots__ = ("source", "rows", "tail")
 
-    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
-        self.source, self.rows = source, rows
+    def __init__(self, source: torch.Tensor, rows: torch.Tensor, tail: Optional[torch.Tensor] = None):
+        self.source, self.rows, self.tail = source, rows, tail
 
     def __len__(self) -> int:
         return self.rows.numel()
 
     def __getitem__(self, part: slice) -> "RowsAt":
-        return RowsAt(self.source, self.rows[part])
+        return RowsAt(self.source, self.rows[part], None if self.tail is None else self.tail[part])
 
     def gather(self) -> torch.Tensor:
-        return self.source.index_select(0, self.rows)
+        rows = self.source.index_select(0, self.rows)
+        return rows if self.tail is None else torch.cat([rows, self.tail], 1)
 
 
 def write_rows(out: torch.Tensor, rows) -> None:
     """out[:] = rows: a tensor copied, or RowsAt gathered straight into out."""
-    if isinstance(rows, RowsAt):
-        ops.store_gather(rows.source, rows.rows, out)
-    else:
+    if not isinstance(rows, RowsAt):
         out.copy_(rows)
+    elif rows.tail is None:
+        ops.store_gather(rows.source, rows.rows, out)
+    else:  # the rows gathered into their columns of out, then the tail beside them
+        width = rows.source.shape[1]
+        torch.index_select(rows.source, 0, rows.rows, out=out[:, :width])
+        out[:, width:].copy_(rows.tail)
 
 
 def write_rows_at(dest: torch.Tensor, positions: torch.Tensor, rows) -> None:
