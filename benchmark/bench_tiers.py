@@ -19,7 +19,9 @@ prefetch pipeline overlaps it with the step on GPU streams. Every module
 starts empty; the modules take turns step by step (load from elsewhere then
 falls on all alike) and each cached module's output is checked to equal the
 in-memory module's at every step. Times are medians over the steps after
-`--warmup`; the hit rate is the share of a forward's keys found in the cache
+`--warmup`; `--score-strategy` (TIMESTAMP_LFU: the pair, whose access times
+ride in the store's rows) and `--admission-threshold` (frequency admission)
+set every module's tables alike; the hit rate is the share of a forward's keys found in the cache
 over those steps (new keys count as misses; `new_share` says how many).
 
 File gather: a FileStore table of `--gather-rows` rows; `--gather-n` random
@@ -40,7 +42,8 @@ import torch
 
 from _common import Op, bench_round_robin, busy_warning, default_out, env_info, format_table, write_json
 from bench_embedding import zipf_batches
-from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbScoreStrategy, DynamicEmbTableOptions, EmbOptimType,
+                        FrequencyAdmissionStrategy, KVCounter)
 from dynamicemb.optimizer import optimizer_code, state_width
 from dynamicemb.tiers import FileStore, HostStore
 
@@ -60,6 +63,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first (the caches fill)")
     ap.add_argument("--optimizer", default="EXACT_ROWWISE_ADAGRAD", choices=[o.name for o in EmbOptimType])
     ap.add_argument("--backings", default="host,file", help="comma-separated: host, file")
+    ap.add_argument("--score-strategy", default="TIMESTAMP", choices=["TIMESTAMP", "STEP", "LFU", "TIMESTAMP_LFU"],
+                    help="every table's score strategy (TIMESTAMP_LFU: the (TIMESTAMP, LFU) pair)")
+    ap.add_argument("--admission-threshold", type=int, default=0,
+                    help="> 0: FrequencyAdmissionStrategy(threshold) over a KVCounter of the key range, every module")
     ap.add_argument("--fractions", default="1,0.5,0.1", help="cache sizes, as shares of the working set")
     ap.add_argument("--gather-rows", type=int, default=1 << 20)
     ap.add_argument("--gather-n", type=int, default=1 << 16, help="rows per gather")
@@ -79,6 +86,12 @@ def parse_args(argv=None):
 
 # ---- training --------------------------------------------------------------------------------
 
+def _strategy(args):
+    if args.score_strategy == "TIMESTAMP_LFU":
+        return (DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU)
+    return DynamicEmbScoreStrategy[args.score_strategy]
+
+
 def make_module(args, capacity, cache_rows=None, backing=None, root=None):
     """All in memory (cache_rows None), or each table t caching cache_rows[t]
     rows in front of one HostStore ("host") or a FileStore under root ("file")."""
@@ -87,7 +100,10 @@ def make_module(args, capacity, cache_rows=None, backing=None, root=None):
     width = args.dim + state_width(optimizer_code(opt), args.dim)
     opts = []
     for t in range(args.tables):
-        o = dict(dim=args.dim, max_capacity=capacity, init_capacity=capacity)
+        o = dict(dim=args.dim, max_capacity=capacity, init_capacity=capacity, score_strategy=_strategy(args))
+        if args.admission_threshold > 0:
+            o.update(admit_strategy=FrequencyAdmissionStrategy(args.admission_threshold),
+                     admission_counter=KVCounter(min(args.key_range, 1 << 22)))
         if cache_rows is not None:
             o.update(caching=True, global_hbm_for_values=cache_rows[t] * width * 4)
             if host is not None:

@@ -1,4 +1,5 @@
 """dynamicemb: dynamic, hash-table-backed embedding tables for TorchRec."""
+from dynamicemb.admission import AdmissionStrategy, Counter, CounterNotCheckpointable
 from dynamicemb.aliases import DynamicEmbEvictStrategy
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables, BatchedDynamicEmbeddingTablesV2
 from dynamicemb.memory import DynamicEmbBudgetError
@@ -24,6 +25,9 @@ from dynamicemb.types import (
 )
 
 __all__ = [
+    "AdmissionStrategy",
+    "Counter",
+    "CounterNotCheckpointable",
     "BatchedDynamicEmbeddingTables",
     "BatchedDynamicEmbeddingTablesV2",
     "DynamicEmbBudgetError",

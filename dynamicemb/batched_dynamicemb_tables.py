@@ -229,9 +229,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
 
     def _gather(self, rows, ukeys, inverse, offsets, psw, training: bool) -> torch.Tensor:
-        init = self.storage.init_params if training else self.storage.eval_init_params
+        init = self._unstored_init() if training else self.storage.eval_init_params
         return ops.emb_forward(self.storage.weights(), rows, ukeys, inverse, offsets, self.feature_table_map,
                                self.dims, psw, self.pooling, init, self.seed, self.output_dtype)
+
+    def _unstored_init(self) -> torch.Tensor:
+        """The packed initializer a training read of a key with no row gets."""
+        init = self.storage.unstored_init_params
+        return self.storage.init_params if init is None else init
 
     def _report_failures(self, failed: torch.Tensor) -> None:
         """Counts keys that could not be stored; raises or warns per safe_check_mode."""
@@ -327,7 +332,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 # One bag per index: the kernel returns each index's own row.
                 one = torch.arange(hi - lo + 1, dtype=torch.int64, device=offsets.device)
                 vals = ops.emb_forward(self.storage.weights(), rows, ukeys, inverse[lo:hi].contiguous(), one, [t],
-                                       self.dims, None, int(DynamicEmbPoolingMode.SUM), self.storage.init_params,
+                                       self.dims, None, int(DynamicEmbPoolingMode.SUM), self._unstored_init(),
                                        self.seed, torch.float32)
                 lens = lengths[f * B:(f + 1) * B]
                 bag = torch.repeat_interleave(torch.arange(B, device=offsets.device), lens)

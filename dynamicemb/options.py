@@ -1,4 +1,4 @@
-"""Per-table options (API.md §1), the admission types, and table sizing."""
+"""Per-table options (API.md §1; the admission types come from dynamicemb.admission), and table sizing."""
 import enum
 import math
 import numbers
@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 
 from dynamicemb import rules
+from dynamicemb.admission import (AdmissionStrategy, Counter, FrequencyAdmissionStrategy,  # noqa: F401 - re-exported
+                                  KVCounter)
 from dynamicemb.aliases import renamed, score_strategy_of_evict
 from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy, strategy_code
@@ -80,32 +82,6 @@ class DynamicEmbInitializerArgs:
         return [row[name] for name in rules.INIT_ARGS]
 
 
-@dataclass
-class FrequencyAdmissionStrategy:
-    """Store a new key only once it has been seen `threshold` times."""
-
-    threshold: int
-
-    def __post_init__(self):
-        if not _positive_int(self.threshold):
-            raise ValueError(f"admission threshold must be >= 1, got {self.threshold}")
-
-
-@dataclass
-class KVCounter:
-    """Counts sightings of keys not yet admitted, in a table of `capacity`
-    slots (the lowest counts are evicted when it is full)."""
-
-    capacity: int
-    bucket_capacity: int = 128
-
-    def __post_init__(self):
-        if not _positive_int(self.capacity):
-            raise ValueError(f"KVCounter.capacity must be a positive int, got {self.capacity!r}")
-        if not _positive_int(self.bucket_capacity) or self.bucket_capacity % 16:
-            raise ValueError(f"KVCounter.bucket_capacity must be a positive multiple of 16, got {self.bucket_capacity!r}")
-
-
 def _positive_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
 
@@ -141,8 +117,10 @@ class DynamicEmbTableOptions:
     global_hbm_for_values: int = 0
     caching: bool = False
     dist_type: str = "hash_roundrobin"
-    admit_strategy: Optional[FrequencyAdmissionStrategy] = None
-    admission_counter: Optional[KVCounter] = None
+    # Admission (dynamicemb.admission): a FrequencyAdmissionStrategy or any
+    # AdmissionStrategy, with a KVCounter or any Counter.
+    admit_strategy: Optional[AdmissionStrategy] = None
+    admission_counter: Optional[Counter] = None
     training: bool = True
     # The table's global row count (TorchRec's num_embeddings), for the
     # default initializer bounds; filled by the planner when None.
@@ -278,10 +256,16 @@ class DynamicEmbTableOptions:
             bad(f"num_embeddings must be a positive int, got {self.num_embeddings!r}")
         if not _positive_int(self.num_shards):
             bad(f"num_shards must be a positive int, got {self.num_shards!r}")
-        if self.admit_strategy is not None and not isinstance(self.admit_strategy, FrequencyAdmissionStrategy):
-            bad(f"admit_strategy must be a FrequencyAdmissionStrategy, got {self.admit_strategy!r}")
-        if self.admission_counter is not None and not isinstance(self.admission_counter, KVCounter):
-            bad(f"admission_counter must be a KVCounter, got {self.admission_counter!r}")
+        if self.admit_strategy is not None and not isinstance(self.admit_strategy, AdmissionStrategy):
+            bad(f"admit_strategy must be a FrequencyAdmissionStrategy or another dynamicemb.AdmissionStrategy, got "
+                f"{self.admit_strategy!r}")
+        if self.admission_counter is not None and not isinstance(self.admission_counter, Counter):
+            bad(f"admission_counter must be a KVCounter or another dynamicemb.Counter, got "
+                f"{self.admission_counter!r}")
+        if self.admit_strategy is not None:
+            init = self.admit_strategy.get_initializer_args()
+            if init is not None and not isinstance(init, DynamicEmbInitializerArgs):
+                bad(f"admit_strategy's initializer_args must be a DynamicEmbInitializerArgs or None, got {init!r}")
         if (self.admit_strategy is None) != (self.admission_counter is None):
             bad("admit_strategy and admission_counter must be given together")
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):

@@ -43,6 +43,12 @@ class Placement:
         """find's slots of group g, -1 for a key that is there but not stored yet."""
         return slots
 
+    def stored_anywhere(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """Whether each key of group g is stored in some tier (`slots`: its
+        slot in the table, -1 where missing): admission counts only the others."""
+        return self.stored(g, slots) >= 0
+
 
 class HashTableStorage(EmbeddingStorage):
     """Rows addressed by a ScoredHashTable slot: one physical hash table per
@@ -69,6 +75,11 @@ class HashTableStorage(EmbeddingStorage):
         # initial_accumulator_value): the init kernels read it from init_params.
         states = list(state_inits) if state_inits is not None else [0.0] * len(options)
         self.init_params = self._packed([o.initializer_args for o in options], states)
+        # What a training read of a key with no row gets (not admitted yet, or
+        # failed): the admission strategy's initializer where it names one.
+        self.unstored_init_params = self._packed([
+            (o.admit_strategy.get_initializer_args() if o.admit_strategy is not None else None) or o.initializer_args
+            for o in options], states)
         self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
         init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
         # Groups of tables sharing one physical hash table.
@@ -264,18 +275,19 @@ class HashTableStorage(EmbeddingStorage):
             k = keys if mask is None else keys[mask]
             c = counts if mask is None else counts[mask]
             at = None if mask is None else where_true(mask)  # the inserted keys' positions; None: all
-            keep = self._admit(g, k, lt, c, rejected)
+            keep, counted = self._admit(g, k, lt, c, rejected)
             if keep is not None:
-                k, c, lt_ins = k[keep], c[keep], lt[keep]
+                k, c, lt_ins, counted = k[keep], c[keep], lt[keep], counted[keep]
                 at = where_true(keep) if at is None else at[keep]
             else:
                 lt_ins = lt
             out = self._store(g, k, lt_ins, self.insert_scores(g, lt_ins, c, step))
             new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
-            if keep is not None:  # stored keys leave the admission counters
+            if keep is not None:  # admitted keys now stored (in any tier) leave the admission counters
+                gone = counted & (out.results != InsertResult.FAILED)
                 for lt, t in enumerate(tables):
                     if self.admission[t] is not None:
-                        self.admission[t].forget(k[new & (lt_ins == lt)])
+                        self.admission[t].forget(k[gone & (lt_ins == lt)])
             n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
             failed[tables] += n_failed
             if at is None:
@@ -285,14 +297,18 @@ class HashTableStorage(EmbeddingStorage):
                 slots[at] = out.indices
                 is_new[at] = new
 
-    def _admit(self, g, keys, local_tids, counts, rejected) -> Optional[torch.Tensor]:
-        """Mask of the keys to insert, or None when no table of the group has admission."""
+    def _admit(self, g, keys, local_tids, counts, rejected):
+        """(mask of the keys to insert, mask of those admitted by a counter),
+        or (None, None) when no table of the group has admission."""
         _, tables = self.groups[g]
         if not any(self.admission[t] for t in tables):
-            return None
+            return None, None
         ht = self.groups[g][0]
-        _, found = ht.lookup(keys, local_tids)
+        slots, found = ht.lookup(keys, local_tids)
+        if self.placement is not None:  # a tiered storage: the keys it stores in any tier are found
+            found = self.placement.stored_anywhere(g, keys, local_tids, slots)
         keep = found.clone()
+        counted = torch.zeros_like(found)
         for lt, t in enumerate(tables):
             sel = (local_tids == lt) & ~found
             if self.admission[t] is None:
@@ -301,8 +317,9 @@ class HashTableStorage(EmbeddingStorage):
                 admitted = self.admission[t].admit(keys[sel], counts[sel])
                 idx = sel.nonzero().squeeze(1)
                 keep[idx[admitted]] = True
+                counted[idx[admitted]] = True
                 rejected[t] += int((~admitted).sum())
-        return keep
+        return keep, counted
 
     # ---- growth ---------------------------------------------------------------------------
 

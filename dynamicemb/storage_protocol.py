@@ -74,6 +74,9 @@ class EmbeddingStorage(abc.ABC):
 
     - ``init_params`` / ``eval_init_params``: the packed initializer of each
       table (DynamicEmbInitializerArgs.packed) for training / eval reads;
+    - ``unstored_init_params`` (optional; None: ``init_params``): what a
+      training read of a key with no row gets (a key not admitted yet reads
+      its admission strategy's initializer_args);
     - ``custom_scores``: per table, the CUSTOMIZED score set by ``set_score``;
     - ``version``: an int that changes whenever a row returned earlier may now
       belong to another key or have moved (eviction, growth, erasure, a
@@ -83,6 +86,7 @@ class EmbeddingStorage(abc.ABC):
 
     init_params: torch.Tensor
     eval_init_params: torch.Tensor
+    unstored_init_params: Optional[torch.Tensor] = None
     custom_scores: List[int]
     version: int = 0
 

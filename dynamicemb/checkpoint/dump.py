@@ -54,8 +54,8 @@ def counter_parts(ref, chunk_rows):
     counter = ref.storage.admission_counter(ref.index)
     if counter is None:
         return
-    for b in counter.counts.export(batch_size=chunk_rows):
-        yield {"keys": b.keys, "counts": b.scores}
+    for keys, counts in counter.export(chunk_rows):
+        yield {"keys": keys, "counts": counts}
 
 
 def _write_shard(root, rank, tables, optim, counter, chunk_rows, parts_of=None) -> Dict[str, dict]:
@@ -213,6 +213,11 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         if os.path.exists(path) and not allow_overwrite:
             raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
         tables = model_tables(model, table_names, "DynamicEmbDump")
+        if counter:  # a counter that cannot export its counts is refused before anything is written
+            for ref in tables.values():
+                adm = ref.storage.admission_counter(ref.index)
+                if adm is not None:
+                    adm.check_checkpointable()
         # Steps, Adam's step count and CUSTOMIZED scores as at the call: a
         # non-blocking dump writes the manifest while training goes on.
         metas = {name: ref.meta() for name, ref in tables.items()}

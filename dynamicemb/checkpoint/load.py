@@ -66,7 +66,8 @@ def build_counter(name: str, adm, keys: torch.Tensor, counts: torch.Tensor, sour
     """The admission count table of `keys` (distinct) and `counts` that a
     load gives table `name` on this rank, built aside (AdmissionCounter.build);
     refuses counts that exceed the counter or do not fit its buckets."""
-    if keys.numel() > adm.capacity():
+    adm.check_checkpointable()
+    if adm.capacity() is not None and keys.numel() > adm.capacity():
         raise CheckpointError(f"table {name!r}: {keys.numel()} admission counts of {source} go to rank {rank} of "
                               f"{world}, more than the counter's capacity there ({adm.capacity()}); {fix}")
     table, dropped = adm.build(keys, counts)
@@ -197,7 +198,7 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
             keys = torch.cat(ckeys) if ckeys else torch.zeros(0, dtype=torch.int64)
             counts = torch.cat(ccounts) if ccounts else torch.zeros(0, dtype=torch.int64)
             table = build_counter(name, adm, keys, counts, f"the dump at {path}", rank, world,
-                                  "load with counter=False or a larger KVCounter")
+                                  "load with counter=False or a larger counter (KVCounter)")
             plan.counters[name] = table
     return plan
 

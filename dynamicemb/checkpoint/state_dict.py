@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dynamicemb import rules
+from dynamicemb.admission import CounterNotCheckpointable
 from dynamicemb.checkpoint.dump import counter_parts, shard_parts
 from dynamicemb.checkpoint.format import CheckpointError
 from dynamicemb.checkpoint.load import build_counter, check_table, restore_rows
@@ -143,14 +144,18 @@ class TableSlot:
 
     def data(self) -> "OrderedDict":
         if self._refusal:
-            raise TypeError(self._refusal)
+            raise self._refused()
         return self._data if self._data is not None else self._source.take(self.slot)
+
+    def _refused(self) -> Exception:
+        return CounterNotCheckpointable(self._refusal) if "admission counter" in self._refusal else \
+            TypeError(self._refusal)
 
     # DCP's save planner asks each entry for its write items: a bytes item,
     # whose data it then serializes with torch.save.
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         if self._refusal:
-            raise TypeError(self._refusal)
+            raise self._refused()
         self._dcp = True
         return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
 
@@ -178,6 +183,11 @@ def _env(module):
     return pg, (env.rank if world > 1 else 0), world
 
 
+def _counter_checkpointable(ref) -> bool:
+    adm = ref.storage.admission_counter(ref.index)
+    return adm is None or adm.counter.checkpointable()
+
+
 def add_tables(module, destination: dict, prefix: str, collection: str) -> None:
     """The post-hook of our sharded collections' state_dict(): this rank's
     slots of each dynamic table, unexported."""
@@ -196,6 +206,11 @@ def add_tables(module, destination: dict, prefix: str, collection: str) -> None:
             refusal = (f"dynamicemb: the storage of dynamic table {name!r} ({type(ref.storage).__name__}) does not "
                        f"implement the checkpoint protocol ({', '.join(missing)} missing; "
                        f"dynamicemb.storage_protocol): state_dict() cannot carry its rows, nor can {_DUMP}")
+            warnings.warn(refusal, RuntimeWarning, stacklevel=4)
+        elif not _counter_checkpointable(ref):
+            refusal = (f"dynamicemb: table {name!r}: its admission counter "
+                       f"({type(ref.storage.admission_counter(ref.index).counter).__name__}) implements no export() / "
+                       f"load() (dynamicemb.Counter): state_dict() cannot carry its counts")
             warnings.warn(refusal, RuntimeWarning, stacklevel=4)
         elif world > slots:
             refusal = (f"dynamicemb: {world} ranks, more than the {slots} state-dict slots of each dynamic table "
@@ -376,7 +391,7 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             if adm is not None:  # (its columns are there: _template)
                 counters[name] = build_counter(name, adm, torch.cat(rows["counter_keys"]),
                                                torch.cat(rows["counter_counts"]), "the state dict", rank, world,
-                                               "give the table a larger KVCounter")
+                                               "give the table a larger counter (KVCounter)")
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(error, None, pg, world, "; the model is unchanged")

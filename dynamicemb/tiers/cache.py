@@ -32,6 +32,7 @@ from dynamicemb.table import EvictedKeys, InsertOutput
 from dynamicemb.tiers.cache_checkpoint import CacheCheckpoint
 from dynamicemb.tiers.cache_overflow import (OverflowBlock, SpareRows, block_rows, in_blocks, insert_scores_of,
                                              pending, warn_or_raise)
+from dynamicemb.tiers.access_times import AccessTimes
 from dynamicemb.tiers.store import BackingStore, RowsAt, grouped
 from dynamicemb.types import DynamicEmbCheckMode, InsertResult
 
@@ -81,9 +82,6 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         cache_opts = []
         for n, o, w in zip(names, options, state_widths):
             if o.caching:
-                if o.admit_strategy is not None:
-                    raise ValueError(f"table {n!r}: admission with caching=True is not supported (keys in the "
-                                     f"backing store would be refused again)")
                 rows = o.cache_rows(o.dim + w, itemsize)
                 # The cache never grows (its slots stay put while evicted rows are written back).
                 o = dataclasses.replace(o, max_capacity=rows, init_capacity=rows,
@@ -99,11 +97,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self.device, self.dtype, self.seed = device, dtype, seed
         self.groups, self.group_of, self._weights = tb.groups, tb.group_of, tb.weights()
         self.init_params, self.eval_init_params = tb.init_params, tb.eval_init_params
+        self.unstored_init_params = tb.unstored_init_params
         self.custom_scores, self.admission = tb.custom_scores, tb.admission
-        for t, (n, o) in enumerate(zip(names, options)):
-            if o.caching and rules.keeps_timestamps(self.strategy(t)):
-                raise ValueError(f"table {n!r}: the (TIMESTAMP, LFU) strategy with caching=True is not supported "
-                                 f"(the backing store keeps one score per key)")
         self.store = store
         self.owns_store = owns_store  # made for this storage (storage_path, the default HostStore): close() closes it
         # Where rows go between the tiers: the CPU, or the cache's device for a
@@ -111,9 +106,12 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self._rows_dev = store.rows_device(device)
         self._rows_at = store.puts_rows_at and device.type == "cpu"  # evicted rows handed as RowsAt
         self.widths = [d + w for d, w in zip(self.dims, state_widths)]
+        # The (TIMESTAMP, LFU) pair's access times in both tiers (tiers/access_times.py).
+        self.times = AccessTimes([self.strategy(t) for t in range(self.num_tables)], self.cached, self.widths, dtype,
+                                 self.groups, [self.cached[tables[0]] for _, tables in self.groups])
         for t, n in enumerate(names):
             if self.cached[t]:
-                store.open_table(n, self.widths[t], dtype, self.table_max_rows[t])
+                store.open_table(n, self.widths[t] + self.times.cols[t], dtype, self.table_max_rows[t])
                 store.reserve(n, min(options[t].init_capacity or options[t].max_capacity, self.table_max_rows[t]))
                 self._resume(t)
         # Per table, columns rules.TierCounter: hits, misses, write-backs, keys the store evicted (lost),
@@ -226,7 +224,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         pin.block = None
         if block:
             for t, (keys, rows, scores) in block.tables.items():
-                self._put(t, keys, self._weights[t].index_select(0, rows), scores)
+                self._put(t, keys, self._weights[t].index_select(0, rows), scores, block.timestamps.get(t))
         if not pending(self._forward_pins):
             self._spare.reset()
 
@@ -267,7 +265,12 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             t = tables[lt]
             w = self._weights[t]
             at = (slots - self._cache_begin[t]).to(w.device)
-            rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
+            if self.times.cols[t]:  # with the evicted keys' access times
+                ts = self.times.evicted(g, slots)
+                rows = RowsAt(w, at, self.times.columns(t, ts, at.numel(), w.dtype, 0)) if self._rows_at else \
+                    self.times.join(t, w.index_select(0, at), ts, 0).to(self._rows_dev)
+            else:
+                rows = RowsAt(w, at) if self._rows_at else w.index_select(0, at).to(self._rows_dev)
             parts[lt] = (keys.cpu(), rows, scores.cpu())
         if parts:
             lost = self.store.put_group(self._group_names[g], parts)
@@ -335,12 +338,16 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                     pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
             slot = idx.index_select(0, pos)
             w = self._weights[t]
+            rows, ts = self.times.split(t, rows)
             scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
             if exact:
                 ht.slot_scores.index_copy_(0, slot, stored)
+                if ts is not None:  # not accessed yet: its stored access time (its forward refreshes it)
+                    ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
             elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
+        self.times.keep(g, ht, idx)
         if failed is not None and not exact:
             new = failed & (res == InsertResult.FAILED)  # failed and not fetched: new keys
             _, tables = self.groups[g]
@@ -359,6 +366,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         w = self._weights[t]
         sc = insert_scores_of(ht, scores, pos)
         if rows is not None:
+            rows, _ = self.times.split(t, rows)  # accessed now: its time is this step's
             w.index_copy_(0, at, rows.to(device=w.device, dtype=w.dtype))
             if rules.counts_accesses(ht.strategy):
                 sc = sc + stored.to(sc.device)
@@ -366,7 +374,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             tids = torch.full_like(k, t)
             ops.emb_init_rows(self._weights, at, tids.to(w.device), k.to(w.device), self.dims, self.init_params,
                               self.seed)
-        self._step_block.add(t, k, at, sc)
+        self._step_block.add(t, k, at, sc, torch.full_like(sc, ht.now()) if self.times.cols[t] else None)
         self.tier_counters[t, _T.BYPASSED] += pos.numel()
 
     def _cache_insert(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
@@ -401,6 +409,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         kind = made_new.to(torch.int64) * 2
         if missing is None:  # every key is there: scored where it is
             ht.refresh(slots, scores)
+            self.times.keep(g, ht, slots)
             if self._init_in_forward:  # the keys the prefetch made new get their initial rows now
                 res = (~made_new).view(torch.int8)  # ASSIGNED (1), INSERTED (0) where made new
             else:
@@ -434,8 +443,13 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         for t, (pos, rows, scores) in fetched.items():
             self._put(t, keys.index_select(0, pos), rows, scores)
 
-    def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
-        """Puts table t's rows in the store; the keys it evicts are counted."""
+    def _put(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+             timestamps: Optional[torch.Tensor] = None) -> None:
+        """Puts table t's rows in the store (with their access times where
+        the table keeps them: `timestamps`, unless the rows came from the
+        store with theirs); the keys it evicts are counted."""
+        if self.times.cols[t] and rows.shape[1] == self.widths[t]:
+            rows = self.times.join(t, rows, timestamps, self.now(t))
         part = (keys.cpu(), rows.to(self._rows_dev), scores.cpu())
         self.tier_counters[t, _T.LOST] += self.store.put_group([self.names[t]], {0: part})[0]
 

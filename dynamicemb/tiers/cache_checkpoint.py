@@ -1,7 +1,7 @@
 """CachedStorage's checkpoint, export and accounting methods (a mixin of
 tiers/cache.py's CachedStorage, whose state they read): flush and reopen a
-persistent store, export and load both tiers' rows, clear, stats, and the
-eval forward over both tiers."""
+persistent store, export and load both tiers' rows, clear, stats, the
+eval forward over both tiers, and which keys either tier stores (admission)."""
 import warnings
 from typing import Optional
 
@@ -16,7 +16,7 @@ _T = rules.TierCounter
 
 
 class CacheCheckpoint:
-    """Both tiers as a whole: what eval lookups, checkpoints, exports and stats see."""
+    """Both tiers as a whole: what eval lookups, admission, checkpoints, exports and stats see."""
 
     def lookup_forward(self, indices, offsets, feature_table, per_sample_weights, pooling, output_dtype):
         """The eval forward over both tiers, nothing moved: each table's rows
@@ -36,12 +36,27 @@ class CacheCheckpoint:
             if self.cached[t] and bool((~have).any()):
                 miss = where_true(~have)
                 found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
-                block[miss[found].to(w.device)] = rows[found].to(device=w.device, dtype=w.dtype)
+                block[miss[found].to(w.device)] = rows[found][:, :w.shape[1]].to(device=w.device, dtype=w.dtype)
                 have[miss[found]] = True
             local[sel] = torch.where(have, torch.arange(sel.numel(), device=ukeys.device), -1)
             blocks.append(block)
         return ops.emb_forward(blocks, local, ukeys, inverse, offsets, feature_table, self.dims, per_sample_weights,
                                pooling, self.eval_init_params, self.seed, output_dtype)
+
+    def stored_anywhere(self, g, keys, local_tids, slots):
+        """A cached group's keys are stored in its cache or its store (a
+        forward's own overflow block is not made yet; those of earlier
+        forwards went back to the store before it)."""
+        found = self.stored(g, slots) >= 0
+        if not self._group_cached[g]:
+            return found
+        _, tables = self.groups[g]
+        for lt, t in enumerate(tables):
+            sel = where_true(~found & (local_tids == lt))
+            if sel.numel():
+                found.index_copy_(0, sel, self.store.contains(self.names[t], keys.index_select(0, sel).cpu())
+                                  .to(found.device))
+        return found
 
     def _resume(self, t: int) -> None:
         """A reopened persistent store: the table's CUSTOMIZED score as at its
@@ -61,6 +76,8 @@ class CacheCheckpoint:
         self.custom_scores[t] = int(state.get("custom_score", 0))
         if rules.score_is_clock(self.strategy(t)) and "clock" in state:
             self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
+        if self.times.cols[t] and "timestamp_clock" in state:  # access times read against the old clock
+            self.times.shift[t] = self.now(t) - int(state["timestamp_clock"])
 
     def _layout(self, t: int) -> dict:
         """Which of a table's keys this rank's store holds."""
@@ -90,11 +107,16 @@ class CacheCheckpoint:
                 continue
             g, lt = self.group_of[t]
             w = self._weights[t]
-            for b in self.groups[g][0].export(table_id=lt):
-                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores)
+            ht = self.groups[g][0]
+            for b in ht.export(table_id=lt):
+                ts = ht.slot_timestamps.index_select(0, b.indices) if self.times.cols[t] else None
+                self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores, ts)
             self.tables.clear_table(t)
-            self.store.save_state(self.names[t], {"module": state or {}, "custom_score": self.custom_scores[t],
-                                                  "clock": self.now(t), "layout": self._layout(t)})
+            saved = {"module": state or {}, "custom_score": self.custom_scores[t], "clock": self.now(t),
+                     "layout": self._layout(t)}
+            if self.times.cols[t]:  # the clock the stored access times are readings of
+                saved["timestamp_clock"] = self.now(t) - self.times.shift[t]
+            self.store.save_state(self.names[t], saved)
         self.store.flush()
 
     def close(self) -> None:
@@ -106,16 +128,20 @@ class CacheCheckpoint:
         yield from self.tables.export_rows(table_id, batch_size, lazy)
         if self.cached[table_id]:
             dim = self.dims[table_id]
+            width = self.widths[table_id]
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:], scores.to(self.device), None)
+                rows, ts = self.times.split(table_id, rows)
+                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:width], scores.to(self.device),
+                               None if ts is None else ts.to(self.device))
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
         self._settle()
         yield from self.tables.export(table_id, batch_size, threshold)
         if self.cached[table_id]:
             for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                if threshold is not None:
-                    keep = scores >= threshold
+                rows, ts = self.times.split(table_id, rows)
+                if threshold is not None:  # by access time where the table keeps one (as ScoredHashTable.export)
+                    keep = (scores if ts is None else ts) >= threshold
                     keys, rows, scores = keys[keep], rows[keep], scores[keep]
                 if keys.numel():
                     yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
@@ -130,6 +156,8 @@ class CacheCheckpoint:
             state = torch.full((batch.keys.numel(), self.widths[table_id] - dim), self.tables.state_init(table_id),
                                dtype=batch.values.dtype)  # rows without state start fresh
         rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
+        if self.times.cols[table_id]:  # with their access times (none given: now)
+            rows = self.times.join(table_id, rows.to(self.dtype), batch.timestamps, self.now(table_id))
         lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
         if lost:
             raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "

@@ -22,10 +22,15 @@ class OverflowBlock:
 
     def __init__(self):
         self._parts: Dict[int, List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._times: Dict[int, List[torch.Tensor]] = {}
         self.tables: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.timestamps: Dict[int, torch.Tensor] = {}  # of tables that keep access times
 
-    def add(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> None:
+    def add(self, t: int, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+            timestamps: Optional[torch.Tensor] = None) -> None:
         self._parts.setdefault(t, []).append((keys, rows, scores))
+        if timestamps is not None:
+            self._times.setdefault(t, []).append(timestamps)
 
     def has(self, tables) -> bool:
         """Whether the block (not sealed yet) has rows of any of `tables`."""
@@ -37,7 +42,9 @@ class OverflowBlock:
             keys, rows, scores = (torch.cat(x) for x in zip(*parts))
             order = torch.argsort(keys)
             self.tables[t] = (keys[order], rows[order], scores[order])
-        self._parts = {}
+            if t in self._times:
+                self.timestamps[t] = torch.cat(self._times[t])[order]
+        self._parts, self._times = {}, {}
         return self
 
     def __bool__(self) -> bool:

@@ -24,6 +24,11 @@ CPU = torch.device("cpu")
 Rows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, rows [n, width], scores
 
 
+def timestamp_columns(dtype: torch.dtype) -> int:
+    """Columns of `dtype` that hold one int64 access time at a stored row's end."""
+    return 8 // torch.empty((), dtype=dtype).element_size()
+
+
 def take_from_found(n: int, at: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor):
     """take's (found [n], rows [n, width], scores [n]) from take_found's
     (positions, rows, scores) of the n keys looked up (zeros where missing)."""
@@ -67,29 +72,35 @@ class RowsAt:
     its evicted rows so to a store that copies them once, into place
     (BackingStore.puts_rows_at), instead of gathering them into a tensor
     that the store then copies again. Like a tensor of the rows, it has a
-    length and slices."""
+    length and slices. `tail`: columns after each row ([n, k], the source's
+    dtype; a (TIMESTAMP, LFU) row's access time), written beside it."""
 
-    __slots__ = ("source", "rows")
+    __slots__ = ("source", "rows", "tail")
 
-    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
-        self.source, self.rows = source, rows
+    def __init__(self, source: torch.Tensor, rows: torch.Tensor, tail: Optional[torch.Tensor] = None):
+        self.source, self.rows, self.tail = source, rows, tail
 
     def __len__(self) -> int:
         return self.rows.numel()
 
     def __getitem__(self, part: slice) -> "RowsAt":
-        return RowsAt(self.source, self.rows[part])
+        return RowsAt(self.source, self.rows[part], None if self.tail is None else self.tail[part])
 
     def gather(self) -> torch.Tensor:
-        return self.source.index_select(0, self.rows)
+        rows = self.source.index_select(0, self.rows)
+        return rows if self.tail is None else torch.cat([rows, self.tail], 1)
 
 
 def write_rows(out: torch.Tensor, rows) -> None:
     """out[:] = rows: a tensor copied, or RowsAt gathered straight into out."""
-    if isinstance(rows, RowsAt):
-        ops.store_gather(rows.source, rows.rows, out)
-    else:
+    if not isinstance(rows, RowsAt):
         out.copy_(rows)
+    elif rows.tail is None:
+        ops.store_gather(rows.source, rows.rows, out)
+    else:  # the rows gathered into their columns of out, then the tail beside them
+        width = rows.source.shape[1]
+        torch.index_select(rows.source, 0, rows.rows, out=out[:, :width])
+        out[:, width:].copy_(rows.tail)
 
 
 def write_rows_at(dest: torch.Tensor, positions: torch.Tensor, rows) -> None:
@@ -159,6 +170,11 @@ class BackingStore(abc.ABC):
     @abc.abstractmethod
     def read(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """take without removing (eval lookups)."""
+
+    def contains(self, name: str, keys: torch.Tensor) -> torch.Tensor:
+        """found [n] bool of keys, nothing moved (admission asks which keys
+        a table stores); default: read's."""
+        return self.read(name, keys)[0]
 
     def take_found(self, name: str, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """take, of the found keys only: (their positions in keys, ascending,
@@ -302,6 +318,9 @@ class IndexedStore(BackingStore):
         out = rows.new_zeros(keys.numel(), rows.shape[1])
         out.index_copy_(0, at, rows)
         return found, out, scores
+
+    def contains(self, name, keys):
+        return self._index.find(keys, torch.full_like(keys, self._table(name)))[0]
 
     def take(self, name, keys):
         return take_from_found(keys.numel(), *self.take_found(name, keys))

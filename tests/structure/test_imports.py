@@ -8,12 +8,12 @@ from import_graph import find_cycle, import_graph, modules
 LAYERS = [
     # 0: the ops and the rules they state (rules.py reads them from the extension), options, formats
     ["dynamicemb._ops", "dynamicemb.rules", "dynamicemb.types", "dynamicemb.optimizer",
-     "dynamicemb.options", "dynamicemb.aliases", "dynamicemb.fsync", "dynamicemb.storage_protocol",
+     "dynamicemb.aliases", "dynamicemb.fsync", "dynamicemb.storage_protocol",
      "dynamicemb.checkpoint.format",
      "dynamicemb.inference.quantize", "dynamicemb.tiers.prefault", "dynamicemb.shard.train_pipeline"],
-    # 1: the hash table and what it is built from
+    # 1: the hash table and what it is built from; admission (its counters are tables) and the options naming it
     ["dynamicemb.memory", "dynamicemb.positions", "dynamicemb.routing", "dynamicemb.table",
-     "dynamicemb.admission"],
+     "dynamicemb.admission", "dynamicemb.options"],
     # 2: storages
     ["dynamicemb.storage", "dynamicemb.tiers"],
     # 3: the embedding module

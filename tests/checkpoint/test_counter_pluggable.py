@@ -1,0 +1,96 @@
+"""A user's Counter is checkpointed like the KVCounter when it implements
+export() and load(): DynamicEmbDump / DynamicEmbLoad(counter=True) bring
+every count back (checked against the counts before the dump, and against
+a model that keeps training without a checkpoint). One without them is
+refused by name (CounterNotCheckpointable) before anything is written, and
+dumps without its counts (counter=False)."""
+import os
+
+import pytest
+import torch
+
+import ckpt_helpers as H
+from dynamicemb import Counter, CounterNotCheckpointable, FrequencyAdmissionStrategy
+from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
+
+
+class DictCounter(Counter):
+    """Counts in a Python dict; no checkpoint support."""
+
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, keys, counts):
+        for k, c in zip(keys.tolist(), counts.tolist()):
+            self.counts[k] = self.counts.get(k, 0) + c
+        return torch.tensor([self.counts[k] for k in keys.tolist()], dtype=torch.int64)
+
+    def erase(self, keys):
+        for k in keys.tolist():
+            self.counts.pop(k, None)
+
+
+class SavedDictCounter(DictCounter):
+    """The same, with the two checkpoint methods."""
+
+    def export(self, batch_size=1 << 16):
+        items = sorted(self.counts.items())
+        for i in range(0, len(items), batch_size):
+            part = items[i:i + batch_size]
+            yield torch.tensor([k for k, _ in part]), torch.tensor([c for _, c in part])
+
+    def load(self, keys, counts):
+        self.counts = dict(zip(keys.tolist(), counts.tolist()))
+
+
+def _module(counter):
+    return H.plain_module(admit_strategy=FrequencyAdmissionStrategy(threshold=3), admission_counter=counter)
+
+
+def _train(m, seeds):
+    for s in seeds:
+        m(*H.plain_batch(s)).sum().backward()
+
+
+def _counts(m):
+    return [dict(m.storage.admission_counter(t).counter.counts) for t in range(2)]
+
+
+def _stored(m):
+    return [sorted(b.keys.tolist() for b in m.storage.export_rows(t)) for t in range(2)]
+
+
+def test_a_user_counter_round_trips(tmp_path):
+    m, ref = _module(SavedDictCounter()), _module(SavedDictCounter())
+    _train(m, range(4))
+    _train(ref, range(4))
+    assert any(_counts(m))
+    DynamicEmbDump(str(tmp_path / "ckpt"), m, counter=True)
+    loaded = _module(SavedDictCounter())
+    DynamicEmbLoad(str(tmp_path / "ckpt"), loaded, counter=True)
+    assert _counts(loaded) == _counts(m)
+    # Trained on, it admits exactly what the model never checkpointed admits.
+    _train(loaded, range(4, 8))
+    _train(ref, range(4, 8))
+    assert _counts(loaded) == _counts(ref) and _stored(loaded) == _stored(ref)
+
+
+def test_a_counter_without_export_is_refused_by_name(tmp_path):
+    m = _module(DictCounter())
+    _train(m, range(3))
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(CounterNotCheckpointable, match="table 'a': its admission counter \\(DictCounter\\)"):
+        DynamicEmbDump(path, m, counter=True)
+    assert not os.path.exists(path) and not any(p.startswith("ckpt") for p in os.listdir(tmp_path))
+    DynamicEmbDump(path, m)  # the rows, without the counts
+    other = _module(DictCounter())
+    DynamicEmbLoad(path, other)
+    assert _stored(other) == _stored(m)
+    # Counts dumped by a counter that saves them cannot go into one that cannot load them.
+    saved = _module(SavedDictCounter())
+    _train(saved, range(3))
+    DynamicEmbDump(str(tmp_path / "counted"), saved, counter=True)
+    plain = _module(DictCounter())
+    with pytest.raises(CounterNotCheckpointable, match="implement export\\(\\) and load\\(\\)"):
+        DynamicEmbLoad(str(tmp_path / "counted"), plain, counter=True)
+    assert _stored(plain) == [[], []]  # refused before any row was loaded
