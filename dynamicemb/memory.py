@@ -5,7 +5,16 @@ from typing import Optional, Sequence, Union
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.options import table_bytes
+
+# Hash table bytes per slot: key (8), score (8), digest (1), epoch (1).
+TABLE_BYTES_PER_SLOT = 18
+
+
+def table_bytes(slots: int, row_bytes: int) -> int:
+    """Bytes of a table of `slots` slots on one rank: its rows (values and
+    optimizer state, `row_bytes` each) and its hash table. The one measure
+    of memory_budget and of the planner's reservation."""
+    return slots * (row_bytes + TABLE_BYTES_PER_SLOT)
 
 
 def full(shape: Union[int, Sequence[int]], value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

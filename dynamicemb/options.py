@@ -13,6 +13,7 @@ from dynamicemb import rules
 from dynamicemb.admission import (AdmissionStrategy, Counter, FrequencyAdmissionStrategy,  # noqa: F401 - re-exported
                                   KVCounter)
 from dynamicemb.aliases import renamed, score_strategy_of_evict
+from dynamicemb.memory import TABLE_BYTES_PER_SLOT, table_bytes  # noqa: F401 - re-exported (sizing)
 from dynamicemb.optimizer import EmbOptimType, optimizer_code, state_width
 from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbScoreStrategy, strategy_code
 
@@ -281,17 +282,6 @@ class DynamicEmbTableOptions:
 
 
 # ---- sizing (used by the planner; importable without torchrec) -------------------------
-
-# Hash table bytes per slot: key (8), score (8), digest (1), epoch (1).
-TABLE_BYTES_PER_SLOT = 18
-
-
-def table_bytes(slots: int, row_bytes: int) -> int:
-    """Bytes of a table of `slots` slots on one rank: its rows (values and
-    optimizer state, `row_bytes` each) and its hash table. The one measure
-    of memory_budget and of the planner's reservation."""
-    return slots * (row_bytes + TABLE_BYTES_PER_SLOT)
-
 
 def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capacity: int = 128) -> int:
     """Rows per rank of a dynamic table of `num_embeddings` rows over

@@ -19,9 +19,9 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
+from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
-from dynamicemb.options import (TABLE_BYTES_PER_SLOT, DynamicEmbTableOptions, get_sharded_table_capacity,
-                                get_table_value_bytes)
+from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
 from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
 

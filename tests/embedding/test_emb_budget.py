@@ -12,7 +12,7 @@ import torch
 
 from dynamicemb import (DynamicEmbBudgetError, DynamicEmbCheckMode, DynamicEmbPoolingMode, DynamicEmbScoreStrategy,
                         ScoredHashTable)
-from dynamicemb.options import table_bytes
+from dynamicemb.memory import table_bytes
 from dynamicemb.storage_protocol import RowBatch
 from emb_helpers import DEBUG_INIT, debug_rows, make_module, stored, stored_keys
 

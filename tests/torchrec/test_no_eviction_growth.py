@@ -14,7 +14,7 @@ import torch
 
 import models
 from dynamicemb import DynamicEmbScoreStrategy, table_stats
-from dynamicemb.options import table_bytes
+from dynamicemb.memory import table_bytes
 from multiprocess import run_ranks
 
 TABLES = ["grow_table", "small_table"]
