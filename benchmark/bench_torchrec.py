@@ -288,25 +288,38 @@ def quiet():
     logging.disable(logging.WARNING)
 
 
-def rank_main(name, rank, world, port, args, queue):
+def start_rank(rank, world, port, args) -> None:
+    """A spawned rank's set-up: quiet logs, its threads, the gloo group, the seed."""
     import torch.distributed as dist
 
     quiet()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    torch.manual_seed(args.seed)
+
+
+def model_batches(name, args, rank):
+    """This rank's batches for a model: raw ids, folded into the row range for native."""
+    batches = make_batches(args, rank, args.warmup + args.steps)
+    if name == "native":
+        batches = [(k.__class__.from_lengths_sync(keys=k.keys(), values=k.values() % args.rows_per_table,
+                                                  lengths=k.lengths()), lab) for k, lab in batches]
+    return batches
+
+
+def rank_main(name, rank, world, port, args, queue):
+    import torch.distributed as dist
+
     result = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.collective_timeout))
-        torch.manual_seed(args.seed)
+        start_rank(rank, world, port, args)
         t0 = time.perf_counter()
         model, desc = BUILDERS[name](args, world)
         result["build_s"] = time.perf_counter() - t0
         result["config"] = desc
-        batches = make_batches(args, rank, args.warmup + args.steps)
-        if name == "native":
-            batches = [(k.__class__.from_lengths_sync(keys=k.keys(), values=k.values() % args.rows_per_table,
-                                                      lengths=k.lengths()), lab) for k, lab in batches]
+        batches = model_batches(name, args, rank)
         dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
         if not dense:
             raise RuntimeError("no dense parameters found")

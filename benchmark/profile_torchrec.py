@@ -97,23 +97,13 @@ class Done:
 
 
 def rank_main(name, rank, world, port, args, queue):
-    import datetime
-
     import torch.distributed as dist
 
-    B.quiet()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
     result = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.collective_timeout))
-        torch.manual_seed(args.seed)
+        B.start_rank(rank, world, port, args)
         model, _ = B.BUILDERS[name](args, world)
-        batches = B.make_batches(args, rank, args.warmup + args.steps)
-        if name == "native":
-            batches = [(k.__class__.from_lengths_sync(keys=k.keys(), values=k.values() % args.rows_per_table,
-                                                      lengths=k.lengths()), lab) for k, lab in batches]
+        batches = B.model_batches(name, args, rank)
         dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
         opt = torch.optim.SGD(dense, lr=args.lr)
         clock = PhaseClock()

@@ -10,37 +10,9 @@ import pytest
 import torch
 
 import ckpt_helpers as H
-from dynamicemb import Counter, CounterNotCheckpointable, FrequencyAdmissionStrategy
+from dynamicemb import CounterNotCheckpointable, FrequencyAdmissionStrategy
 from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
-
-
-class DictCounter(Counter):
-    """Counts in a Python dict; no checkpoint support."""
-
-    def __init__(self):
-        self.counts = {}
-
-    def add(self, keys, counts):
-        for k, c in zip(keys.tolist(), counts.tolist()):
-            self.counts[k] = self.counts.get(k, 0) + c
-        return torch.tensor([self.counts[k] for k in keys.tolist()], dtype=torch.int64)
-
-    def erase(self, keys):
-        for k in keys.tolist():
-            self.counts.pop(k, None)
-
-
-class SavedDictCounter(DictCounter):
-    """The same, with the two checkpoint methods."""
-
-    def export(self, batch_size=1 << 16):
-        items = sorted(self.counts.items())
-        for i in range(0, len(items), batch_size):
-            part = items[i:i + batch_size]
-            yield torch.tensor([k for k, _ in part]), torch.tensor([c for _, c in part])
-
-    def load(self, keys, counts):
-        self.counts = dict(zip(keys.tolist(), counts.tolist()))
+from user_counters import DictCounter, SavedDictCounter  # tests/ (on the path via ckpt_helpers)
 
 
 def _module(counter):

@@ -3,6 +3,8 @@ each) train as a Python model of them says; the built-in frequency pair is
 one such pair; the strategy's initializer_args is what a key not admitted
 reads in training (checked against a table without admission that uses that
 initializer, whose first sighting of a key reads exactly its initial row)."""
+import os
+import sys
 from collections import Counter as Tally
 
 import pytest
@@ -13,25 +15,10 @@ from dynamicemb import (AdmissionStrategy, BatchedDynamicEmbeddingTables, Counte
                         DynamicEmbInitializerMode, DynamicEmbTableOptions, FrequencyAdmissionStrategy, KVCounter)
 from emb_helpers import DEBUG_INIT, debug_rows, random_batch, stored, stored_keys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: user_counters
+from user_counters import DictCounter  # noqa: E402
+
 D, LR = 4, 0.5
-
-
-class DictCounter(Counter):
-    """A user's counter: a Python dict (loops are fine in a test)."""
-
-    def __init__(self):
-        self.counts = {}
-
-    def add(self, keys, counts):
-        out = []
-        for k, c in zip(keys.tolist(), counts.tolist()):
-            self.counts[k] = self.counts.get(k, 0) + c
-            out.append(self.counts[k])
-        return torch.tensor(out, dtype=torch.int64, device=keys.device)
-
-    def erase(self, keys):
-        for k in keys.tolist():
-            self.counts.pop(k, None)
 
 
 class WeightedStrategy(AdmissionStrategy):

@@ -11,43 +11,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import tiered_dmp as td
-from dynamicemb import (AdmissionStrategy, Counter, CounterNotCheckpointable, DynamicEmbInitializerArgs,
+from dynamicemb import (AdmissionStrategy, CounterNotCheckpointable, DynamicEmbInitializerArgs,
                         DynamicEmbInitializerMode, FrequencyAdmissionStrategy, KVCounter)
 from dynamicemb import DynamicEmbScoreStrategy as S
 from dynamicemb.stats import dynamic_modules
 from tiered_dmp import run_ranks
+from user_counters import DictCounter, SavedDictCounter  # tests/ (on the path via tiered_dmp)
 
 
-class DictCounter(Counter):
-    """A user's counter (a Python dict), checkpointable."""
-
-    def __init__(self):
-        self.counts = {}
-
-    def add(self, keys, counts):
-        for k, c in zip(keys.tolist(), counts.tolist()):
-            self.counts[k] = self.counts.get(k, 0) + c
-        return torch.tensor([self.counts[k] for k in keys.tolist()], dtype=torch.int64)
-
-    def erase(self, keys):
-        for k in keys.tolist():
-            self.counts.pop(k, None)
-
-    def export(self, batch_size=1 << 16):
-        if self.counts:
-            yield torch.tensor(list(self.counts)), torch.tensor(list(self.counts.values()))
-
-    def load(self, keys, counts):
-        self.counts = dict(zip(keys.tolist(), counts.tolist()))
-
-
-class UnsavedCounter(Counter):
+class UnsavedCounter(DictCounter):
     """A counter without export / load: it trains, it cannot be checkpointed."""
-
-    def __init__(self):
-        self.counts = {}
-
-    add, erase = DictCounter.add, DictCounter.erase
 
 
 class EvenFirst(AdmissionStrategy):
@@ -62,7 +35,7 @@ CASES = {
         2, initializer_args=DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.NORMAL, std_dev=0.05)),
         admission_counter=KVCounter(1 << 14),
                            score_strategy=(S.TIMESTAMP, S.LFU)),
-    "user": dict(admit_strategy=EvenFirst(), admission_counter=DictCounter(), score_strategy=S.LFU),
+    "user": dict(admit_strategy=EvenFirst(), admission_counter=SavedDictCounter(), score_strategy=S.LFU),
 }
 
 
