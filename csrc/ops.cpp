@@ -108,11 +108,15 @@ TORCH_LIBRARY(dynamicemb, m) {
   // initial value from init_params. Weights: float32 / float16 / bfloat16
   // [rows, >= dim], or uint8 [rows, dim + 8] (FBGEMM's fused 8-bit rowwise:
   // codes q, float32 scale, float32 bias; element = q * scale + bias).
+  // Optional hot rows (embedding/hot_rows.h): row r of table t is read from
+  // hot_weights[t][hot_pos[t][r]] when hot_pos[t][r] >= 0 (the same bytes,
+  // e.g. cached in device memory), else from weights[t].
   m.def(
       "emb_lookup_forward(Tensor[] slot_keys, Tensor[] slot_digests, Tensor[] table_buckets, "
       "int[] bucket_capacity, int[] table_group, int[] table_local, Tensor[] weights, Tensor indices, "
       "Tensor offsets, int[] feature_table, int[] dims, Tensor? per_sample_weights, int pooling, "
-      "Tensor init_params, int seed, ScalarType output_dtype) -> Tensor");
+      "Tensor init_params, int seed, ScalarType output_dtype, Tensor[]? hot_weights=None, "
+      "Tensor[]? hot_pos=None) -> Tensor");
 
   // Input distribution (csrc/dist): values of a KJT split by owning rank.
   m.def(

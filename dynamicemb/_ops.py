@@ -159,7 +159,7 @@ def _emb_forward_fake(weights, rows, unique_keys, inverse, offsets, feature_tabl
 @torch.library.register_fake(_lib + "emb_lookup_forward")
 def _emb_lookup_forward_fake(slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local,
                              weights, indices, offsets, feature_table, dims, per_sample_weights, pooling, init_params,
-                             seed, output_dtype):
+                             seed, output_dtype, hot_weights=None, hot_pos=None):
     return _emb_forward_fake(weights, None, None, indices, offsets, feature_table, dims, per_sample_weights,
                              pooling, init_params, seed, output_dtype)
 

@@ -264,27 +264,29 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) acc[k] = 0.0f;
       for (int64_t i0 = beg; i0 < end; i0 += kWarp) {
-        int64_t r = -1, key = 0;
+        // Each lane resolves its index's row address (hot_rows.h; 0: no row).
+        unsigned long long p = 0, key = 0;
         float s = 0.0f;
         if (i0 + lane < end) {
-          const int64_t i = i0 + lane, u = inv[i];
-          r = rows[u];
-          key = r < 0 ? ukeys[u] : 0;
+          const int64_t i = i0 + lane, u = inv[i], r = rows[u];
+          if (r >= 0)
+            p = reinterpret_cast<unsigned long long>(resolve_row(w, tab.stride, tab.hot, r));
+          else
+            key = static_cast<unsigned long long>(ukeys[u]);
           s = psw ? psw[i] : 1.0f;
         }
         const int cnt = end - i0 < kWarp ? static_cast<int>(end - i0) : kWarp;
         for (int q = 0; q < cnt; ++q) {
-          const int64_t rq = __shfl_sync(kFullMask, r, q);
+          const W* row = reinterpret_cast<const W*>(__shfl_sync(kFullMask, p, q));
           const float sq = __shfl_sync(kFullMask, s, q);
-          if (rq >= 0) {  // warp-uniform
-            const W* row = w + rq * tab.stride;
+          if (row != nullptr) {  // warp-uniform
 #pragma unroll
             for (int k = 0; k < kPerLane; ++k) {
               const int64_t d = d0 + k * kWarp + lane;
               if (d < D) acc[k] = mul_add(acc[k], sq, load_value(row, d, D));
             }
           } else {  // no row: the key's initial value
-            const int64_t kq = __shfl_sync(kFullMask, key, q);
+            const int64_t kq = static_cast<int64_t>(__shfl_sync(kFullMask, key, q));
 #pragma unroll
             for (int k = 0; k < kPerLane; ++k) {
               const int64_t d = d0 + k * kWarp + lane;
@@ -315,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
     const int64_t u = inv[i], r = rows[u], D = tab.dim;
     O* o = out + i * D;
     if (r >= 0) {
-      const W* row = static_cast<const W*>(tab.w) + r * tab.stride;
+      const W* row = resolve_row(static_cast<const W*>(tab.w), tab.stride, tab.hot, r);
       for (int64_t d = lane; d < D; d += kWarp)
         o[d] = static_cast<O>(mul_add(0.0f, 1.0f, load_value(row, d, D)));
     } else {
@@ -331,7 +333,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
 Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
                     const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
                     const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
-                    int64_t seed, at::ScalarType output_dtype, bool int8_rows) {
+                    int64_t seed, at::ScalarType output_dtype, bool int8_rows,
+                    const std::vector<HotRows>& hot = {}) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -361,7 +364,9 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
   }
   const int64_t items = pooling == kNone ? n : bags.num_bags();
   if (items == 0 || out.numel() == 0) return out;
-  const Tensor tabs = upload(table_facts(R, args), dev, stream);
+  std::vector<TableDev> facts = table_facts(R, args);
+  for (size_t t = 0; t < hot.size(); ++t) facts[t].hot = hot[t];
+  const Tensor tabs = upload(facts, dev, stream);
   const Tensor feats = upload(feature_facts(bags, doff), dev, stream);
   auto launch = [&](auto row_type) {
     using W = decltype(row_type);
@@ -414,13 +419,15 @@ __global__ void lookup_rows_kernel(const table::TableRef* refs, const TablePlace
 }
 
 // emb_lookup_forward: rows resolved per index, then the forward kernels with
-// every index its own "unique" key (inverse = identity).
+// every index its own "unique" key (inverse = identity); a row with a hot
+// copy (hot_rows.h) is read there by the forward kernels.
 Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, TensorList table_buckets,
                            IntArrayRef bucket_capacity, IntArrayRef table_group, IntArrayRef table_local,
                            TensorList weights, const Tensor& indices, const Tensor& offsets,
                            IntArrayRef feature_table, IntArrayRef dims,
                            const std::optional<Tensor>& per_sample_weights, int64_t pooling,
-                           const Tensor& init_params, int64_t seed, at::ScalarType output_dtype) {
+                           const Tensor& init_params, int64_t seed, at::ScalarType output_dtype,
+                           const std::optional<TensorList>& hot_weights, const std::optional<TensorList>& hot_pos) {
   const Rows R = check_rows(weights, dims, indices);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -431,6 +438,7 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
       slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights, dev,
       [&](size_t g) { return download(table_buckets[g].data_ptr<int64_t>(), table_buckets[g].numel(), stream); });
   const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
+  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, weights, dev);
   const auto L = indices.options();
   Tensor rows = at::empty({n}, L);
   if (n > 0) {
@@ -442,7 +450,7 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return forward_rows(weights, rows, indices, at::arange(n, L), offsets, feature_table, dims, per_sample_weights,
-                      pooling, init_params, seed, output_dtype, true);
+                      pooling, init_params, seed, output_dtype, true, hot);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "common/checks.h"
 #include "common/cuda_utils.cuh"
 #include "embedding/bag_checks.h"
+#include "embedding/hot_rows.h"
 #include "embedding/init_rules.h"
 
 namespace dynamicemb {
@@ -36,6 +37,7 @@ struct TableDev {
   void* w;  // [rows, stride] in the storage dtype
   int64_t dim, stride, rows;
   init::Args init;
+  HotRows hot;  // emb_lookup_forward's hot rows (hot_rows.h); none for the training ops
 };
 // Per feature: its table and first column in the pooled output.
 struct FeatureDev {

@@ -8,7 +8,8 @@
 // blocks of 16 indices resolves rows (block k+2 hashed and its digest lines
 // prefetched, block k+1's candidate key line prefetched, block k searched),
 // then pool_span gathers with its own row prefetch. The find is TableRef's,
-// so the result is table_lookup's.
+// so the result is table_lookup's. A row with a hot copy (hot_rows.h) is
+// read there.
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -33,6 +34,7 @@ struct ForwardKeys {
   const TablePlace* place;      // per table
   const W* const* w;
   const int64_t* stride;
+  const HotRows* hot;  // per table
   const int64_t* keys;  // from i0
   const int64_t* tab;
   const W** src;
@@ -42,7 +44,7 @@ struct ForwardKeys {
   int64_t key(int64_t k) const { return keys[k]; }
   void found(int64_t k, int64_t slot) const {
     const int64_t t = tab[k];
-    src[k] = slot >= 0 ? w[t] + ref(k).row(slot, place[t].local) * stride[t] : nullptr;
+    src[k] = slot >= 0 ? resolve_row(w[t], stride[t], hot[t], ref(k).row(slot, place[t].local)) : nullptr;
   }
   void after(int64_t) const {}
 };
@@ -51,8 +53,10 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
                           IntArrayRef bucket_capacity, IntArrayRef table_group, IntArrayRef table_local,
                           TensorList weights, const Tensor& indices, const Tensor& offsets, IntArrayRef feature_table,
                           IntArrayRef dims, const std::optional<Tensor>& per_sample_weights, int64_t pooling,
-                          const Tensor& init_params, int64_t seed, at::ScalarType output_dtype) {
+                          const Tensor& init_params, int64_t seed, at::ScalarType output_dtype,
+                          const std::optional<TensorList>& hot_weights, const std::optional<TensorList>& hot_pos) {
   const Rows R = check_rows(weights, dims);
+  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, weights, at::Device(at::kCPU));
   const LookupTables H = check_lookup_tables(
       slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights,
       at::Device(at::kCPU), [&](size_t g) {
@@ -87,7 +91,7 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         for (int64_t j = jb; j < je; ++j)
           std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
                     bags.table[bags.feature(j)]);
-        const ForwardKeys<W> span{H.refs.data(), H.place.data(), w.data(), R.stride.data(),
+        const ForwardKeys<W> span{H.refs.data(), H.place.data(), w.data(), R.stride.data(), hot.data(),
                                   keys + i0,     tab.data(),     src.data()};
         table::find_pipelined<kFindBlock>(0, i1 - i0, span);
         pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return keys[i]; }, psw, pooling, args,

@@ -7,9 +7,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <optional>
 #include <vector>
 
 #include "common/checks.h"
+#include "embedding/hot_rows.h"
 #include "table/table_ref.h"
 
 namespace dynamicemb {
@@ -77,6 +79,40 @@ LookupTables check_lookup_tables(at::TensorList slot_keys, at::TensorList slot_d
     TORCH_CHECK(weights[t].size(0) == slots, "dynamicemb: table ", t, " has ", weights[t].size(0), " rows for ", slots,
                 " slots");
     out.place.push_back(TablePlace{table_group[t], l});
+  }
+  return out;
+}
+
+// hot_weights / hot_pos (both or neither; one entry per table): table t's
+// hot rows, [h, weights[t].size(1)] in weights[t]'s dtype on `dev`, and
+// hot_pos[t], int32 [weights[t].size(0)] on `dev`, each entry -1 or a hot row.
+// A table with no hot rows may give empty tensors. The entries of hot_pos are
+// read, not checked here (a device download per call): the module builds them.
+inline std::vector<HotRows> check_hot_rows(const std::optional<at::TensorList>& hot_weights,
+                                           const std::optional<at::TensorList>& hot_pos, at::TensorList weights,
+                                           const at::Device& dev) {
+  const size_t T = weights.size();
+  std::vector<HotRows> out(T);
+  TORCH_CHECK(hot_weights.has_value() == hot_pos.has_value(),
+              "dynamicemb: hot_weights and hot_pos are given together or not at all");
+  if (!hot_weights) return out;
+  TORCH_CHECK(hot_weights->size() == T && hot_pos->size() == T, "dynamicemb: hot_weights and hot_pos need one entry "
+              "per table (", T, "), got ", hot_weights->size(), " and ", hot_pos->size());
+  for (size_t t = 0; t < T; ++t) {
+    const at::Tensor& hw = (*hot_weights)[t];
+    const at::Tensor& hp = (*hot_pos)[t];
+    if (hw.numel() == 0 && hp.numel() == 0) continue;
+    TORCH_CHECK(hw.device() == dev && hw.dim() == 2 && hw.is_contiguous() &&
+                    hw.scalar_type() == weights[t].scalar_type() && hw.size(1) == weights[t].size(1),
+                "dynamicemb: hot_weights of table ", t, " must be a contiguous [rows, ", weights[t].size(1), "] ",
+                weights[t].scalar_type(), " tensor on ", dev, ", got ", hw.scalar_type(), " ", hw.sizes(), " on ",
+                hw.device());
+    TORCH_CHECK(hp.device() == dev && hp.dim() == 1 && hp.is_contiguous() && hp.scalar_type() == at::kInt &&
+                    hp.numel() == weights[t].size(0),
+                "dynamicemb: hot_pos of table ", t, " must be a contiguous int32 [", weights[t].size(0), "] tensor on ",
+                dev, " (one entry per row), got ", hp.scalar_type(), " ", hp.sizes(), " on ", hp.device());
+    TORCH_CHECK(hw.size(0) <= INT32_MAX, "dynamicemb: hot_weights of table ", t, " has more than 2^31 - 1 rows");
+    out[t] = HotRows{hw.data_ptr(), hw.size(1), hp.data_ptr<int32_t>()};
   }
   return out;
 }

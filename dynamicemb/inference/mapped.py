@@ -15,7 +15,8 @@ process holds no anonymous copy, so a table larger than the memory the
 process may use is served (the kernel evicts clean pages under pressure).
 On CUDA (device="cuda"), the index goes to device memory and the rows stay
 in host memory registered with CUDA (cudaHostRegister), read by the lookup
-kernel in place (cuda_view).
+kernel in place (cuda_view); load(..., hbm_cache_bytes=N) copies up to N
+bytes of rows to the device, read there instead (hot_cache.py).
 """
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Dict, List
 
 import torch
 
+from dynamicemb.inference import hot_cache
 from dynamicemb.inference.quantize import value_dtype
 
 FORMAT = "dynamicemb.inference/1"
@@ -49,7 +51,8 @@ def save(module, path: str) -> str:
     """Writes `module` (an InferenceEmbeddingTable) to the safetensors file
     `path`, streaming each buffer (no second copy), fsynced, replacing any
     file there atomically."""
-    bufs = {k: v.detach().cpu().contiguous() for k, v in module.named_buffers()}
+    # The hot-row cache (hot_cache.py) is a copy of rows: not written.
+    bufs = {k: v.detach().cpu().contiguous() for k, v in module.named_buffers() if not k.startswith("hot_")}
     order = sorted(bufs, key=lambda k: -bufs[k].element_size())  # each tensor aligned to its element size
     header, offset = {}, 0
     for k in order:
@@ -154,7 +157,7 @@ class _HostBytes:
         torch.cuda.cudart().cudaHostUnregister(self.whole.data_ptr())
 
 
-def load(cls, path: str, mmap: bool = True, device=None):
+def load(cls, path: str, mmap: bool = True, device=None, hbm_cache_bytes: int = 0, hot_keys=None):
     """An InferenceEmbeddingTable of the file at `path` (InferenceEmbeddingTable.load)."""
     tensors, cfg = read_header(path)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -177,4 +180,6 @@ def load(cls, path: str, mmap: bool = True, device=None):
         if not k.startswith("weight_"):
             t = t.clone() if device.type == "cuda" and mmap else t.to(device)
         m.register_buffer(k, t.to(device))
+    if hbm_cache_bytes or hot_keys:
+        hot_cache.build(m, int(hbm_cache_bytes), device, hot_keys)
     return m

@@ -184,20 +184,35 @@ class InferenceEmbeddingTable(nn.Module):
         return save(self, path)
 
     @classmethod
-    def load(cls, path: str, mmap: bool = True, device=None) -> "InferenceEmbeddingTable":
+    def load(cls, path: str, mmap: bool = True, device=None, hbm_cache_bytes: int = 0,
+             hot_keys: Optional[Dict[str, torch.Tensor]] = None) -> "InferenceEmbeddingTable":
         """The table saved at `path`. With mmap (the default) its buffers are
         views of a memory map of the file: served through the page cache
         with no copy in the process's memory, so a table larger than the
         memory the process may use is served; on CUDA the hash index is
         copied to the device and the rows are read from the mapped host
-        pages (registered with CUDA). mmap=False reads it into memory."""
+        pages (registered with CUDA). mmap=False reads it into memory.
+        hbm_cache_bytes > 0 copies up to that many bytes of rows to the
+        device (a hot-row cache the lookup reads instead of the mapped rows;
+        the same answers): those of `hot_keys` ({table: keys, hottest
+        first}) where given, else each table's stored rows in slot order
+        (inference/hot_cache.py)."""
         from dynamicemb.inference.mapped import load
-        return load(cls, path, mmap=mmap, device=device)
+        return load(cls, path, mmap=mmap, device=device, hbm_cache_bytes=hbm_cache_bytes, hot_keys=hot_keys)
 
     # ---- what it holds -----------------------------------------------------------------
 
     def weights(self) -> List[torch.Tensor]:
         return [getattr(self, f"weight_{i}") for i in range(len(self.table_names))]
+
+    hot_cache = False  # load(hbm_cache_bytes=...) sets it with hot_weight_<i> / hot_pos_<i>
+
+    def hot_rows(self):
+        """(hot_weights, hot_pos) of the hot-row cache, or (None, None)."""
+        if not self.hot_cache:
+            return None, None
+        T = range(len(self.table_names))
+        return [getattr(self, f"hot_weight_{i}") for i in T], [getattr(self, f"hot_pos_{i}") for i in T]
 
     def num_keys(self) -> Dict[str, int]:
         """Keys stored per table."""
@@ -231,7 +246,7 @@ class InferenceEmbeddingTable(nn.Module):
                                       [self.bucket_capacity], [0] * len(self.dims), list(range(len(self.dims))),
                                       self.weights(), values.to(torch.int64), offsets.to(torch.int64),
                                       self.feature_table_map, self.dims, per_sample_weights, self.pooling,
-                                      self.eval_init_params, self.seed, self.output_dtype)
+                                      self.eval_init_params, self.seed, self.output_dtype, *self.hot_rows())
         return self._divide_means(out, offsets, per_sample_weights) if self._mean_features else out
 
     def _divide_means(self, out: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
