@@ -53,8 +53,12 @@ struct Params {
 // FBGEMM's gradient_clipping / max_gradient: each element of a row's reduced
 // gradient (the sum over the batch's occurrences of its key) is clamped to
 // [-max_gradient, max_gradient] before any rule sees it.
+// kClip is the call's (max_gradient > 0), decided once per row by
+// update_row: no branch per element in the update loops.
+template <bool kClip>
 DE_HD float clip(float g, const Params& p) {
-  return p.max_gradient > 0.0f ? fminf(fmaxf(g, -p.max_gradient), p.max_gradient) : g;
+  if constexpr (kClip) return fminf(fmaxf(g, -p.max_gradient), p.max_gradient);
+  return g;
 }
 
 // ---- the rules ---------------------------------------------------------------------
@@ -301,8 +305,8 @@ DE_HD void on_element(W* row, int64_t D, int64_t d, Fn fn) {
 // runs fn once, after every element has been visited. Every gradient goes
 // through clip() first. A row-wise rule's sums read each element's weight and
 // state as they were before the update.
-template <class Rule, class W, class Walk>
-DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
+template <class Rule, bool kClip, class W, class Walk>
+DE_HD void update_row_as(W* row, int64_t D, Walk& walk, const Params& p) {
   constexpr int64_t S = Rule::kStatePerDim;
   if constexpr (Rule::kRowwise) {
     constexpr int64_t R = Rule::kStateFixed;
@@ -312,22 +316,31 @@ DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
       sums[k] = walk.sum([&](int64_t d, float g) {
         float s[S > 0 ? S : 1];
         load_state<S>(row, D, d, s);
-        return Rule::term(k, clip(g, p), static_cast<float>(row[d]), s, p);
+        return Rule::term(k, clip<kClip>(g, p), static_cast<float>(row[d]), s, p);
       });
     }
     float rs[R > 0 ? R : 1];
     for (int64_t j = 0; j < R; ++j) rs[j] = static_cast<float>(row_state[j]);
     const typename Rule::Step step = Rule::row(rs, sums, D, p);
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, clip(g, p), step, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, clip<kClip>(g, p), step, p); });
     });
     walk.once([&] {
       for (int64_t j = 0; j < R; ++j) row_state[j] = static_cast<W>(rs[j]);
     });
   } else {
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, clip(g, p), p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, clip<kClip>(g, p), p); });
     });
+  }
+}
+
+template <class Rule, class W, class Walk>
+DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
+  if (p.max_gradient > 0.0f) {
+    update_row_as<Rule, true>(row, D, walk, p);
+  } else {
+    update_row_as<Rule, false>(row, D, walk, p);
   }
 }
 
