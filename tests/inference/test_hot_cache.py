@@ -14,24 +14,16 @@ import torch
 from dynamicemb._ops import ops
 from dynamicemb.inference import FrozenTable, InferenceEmbeddingTable
 from dynamicemb.inference.export import export
+from frozen_tables import random_tables, tbe_batch
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
 
 def _tables(dim_b=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-2**62, 2**62, (600,), generator=g).unique()
-    return [FrozenTable("a", a, torch.randn(a.numel(), 16, generator=g), ["fa", "fb"]),
-            FrozenTable("b", torch.arange(300) * 3, torch.randn(300, dim_b, generator=g), ["fc"])]
+    return random_tables(seed, a_keys=600, b_keys=300, dim_b=dim_b)
 
 
-def _batch(tables, F, B, L, seed, weighted):
-    """TBE-layout ids, 3 in 4 stored keys, the rest missing (their eval initial value)."""
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.cat([t.keys for t in tables])
-    n = F * B * L
-    stored = keys[torch.randint(0, keys.numel(), (n,), generator=g)]
-    values = torch.where(torch.rand(n, generator=g) < 0.75, stored, torch.randint(0, 2**40, (n,), generator=g))
-    return (values, torch.arange(0, n + 1, L)) + ((torch.rand(n, generator=g),) if weighted else ())
+_batch = tbe_batch
+
 
 
 def _row_bytes(m):

@@ -16,26 +16,17 @@ from safetensors import safe_open
 
 from dynamicemb.inference import FrozenTable, InferenceEmbeddingTable
 from dynamicemb.inference.export import export
+from frozen_tables import random_tables, tbe_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _tables(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-2**62, 2**62, (3000,), generator=g).unique()
-    return [FrozenTable("a", a, torch.randn(a.numel(), 16, generator=g), ["fa", "fb"]),
-            FrozenTable("b", torch.arange(1000) * 3, torch.randn(1000, 8, generator=g), ["fc"])]
+    return random_tables(seed)
 
 
-def _batch(tables, F, B, L, seed, weighted):
-    """TBE-layout ids, 3 in 4 stored keys, the rest missing (their eval initial value)."""
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.cat([t.keys for t in tables])
-    n = F * B * L
-    stored = keys[torch.randint(0, keys.numel(), (n,), generator=g)]
-    values = torch.where(torch.rand(n, generator=g) < 0.75, stored, torch.randint(0, 2**40, (n,), generator=g))
-    offsets = torch.arange(0, n + 1, L)
-    return (values, offsets) + ((torch.rand(n, generator=g),) if weighted else ())
+_batch = tbe_batch
+
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
