@@ -7,7 +7,6 @@ dumps without its counts (counter=False)."""
 import os
 
 import pytest
-import torch
 
 import ckpt_helpers as H
 from dynamicemb import CounterNotCheckpointable, FrequencyAdmissionStrategy

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 import ckpt_helpers as H
 import dcp_helpers as D
-from dynamicemb.checkpoint import CheckpointError
 from dynamicemb.checkpoint.state_dict import SLOTS_ENV
 
 ADAM, SGD = D.OPTIMIZERS["adam"], D.OPTIMIZERS["sgd"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.inference import FrozenTable, InferenceEmbeddingTable
+from dynamicemb.inference import InferenceEmbeddingTable
 from dynamicemb.inference.export import export
 from frozen_tables import random_tables, tbe_batch
 from op_checks import generate_opcheck_tests, opcheck_every_call
