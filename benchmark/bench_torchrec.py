@@ -4,12 +4,29 @@ managed-collision (MCH) module, on CPU ranks (gloo).
 
     bash scripts/dev.sh bench torchrec [--rows-per-table 1048576] [--batch 4096] [--steps 20]
     bash scripts/dev.sh bench torchrec --rows-per-table 65536 --batch 512 --steps 3   # smoke test
+    bash scripts/dev.sh bench torchrec --key-pool 262144   # existing ids (issue 39's first target)
 
 Default (issue 4): one EmbeddingBagCollection of 8 tables x dim 64 (SUM
 pooling), one feature per table, `--pooling` ids per sample, ids drawn from
 Zipf(1.05) over a 2**40 key range (inverse CDF over ranks, then a fixed
 bijective scramble), different per step, rank and table, generated before
-timing. A tiny dense part (Linear(8 x 64 -> 1), BCE against random labels,
+timing (torchrec_batches.py). With these ids about 75% of a step's unique
+ids are new to the dynamic tables (an insert and a row init each), which
+FUSED tables never pay.
+
+Existing ids (`--key-pool N`): each table's ids are drawn Zipf(alpha) over
+ranks [1, N] only (same salt and scramble: N distinct keys per table, spread
+over [0, 2**40) and the ranks). Before timing, every model runs forwards
+(training mode, under no_grad: no backward, no optimizer step; the dynamic
+tables still store the keys) over every pool key of every table in batches
+of the normal shape on all ranks, timed apart as `prefill_s`. The JSON then
+gives, per round, how many of the timed steps' unique ids the dynamic tables
+inserted (`results.dynamic.ids`: ~0 without --new-share). Keep N well under
+--rows-per-table (e.g. rows // 4): FUSED folds ids modulo rows (collisions
+grow with N) and a dynamic table holds rows / world per rank; N > rows is
+refused. `--key-pool N --new-share 0.5`: half of each step's ids are never
+seen before, the rest come from the pool (growth and eviction over a stored
+working set). A tiny dense part (Linear(8 x 64 -> 1), BCE against random labels,
 SGD) sits on top; a step = forward + backward (fused table update) + dense
 SGD step. Every model gets the same row capacity per table (`--rows-per-table`,
 summed over ranks), the same batches and EXACT_SGD for its tables:
@@ -50,75 +67,10 @@ import traceback
 import torch
 
 from _common import busy_warning, default_out, env_info, format_table, loadavg, write_json
+from torchrec_batches import (KEY_RANGE, check_key_pool, dynamic_counts, folded, id_counts, make_batches, prefill,
+                              unique_ids)
 
-KEY_RANGE = 2**40
 MODELS = ("dynamic", "native", "mc")
-
-
-# ---- ids ------------------------------------------------------------------------------------
-
-_MASK = KEY_RANGE - 1
-# Odd multipliers below 2**23: k * m stays below 2**63 for k < 2**40 (no overflow).
-_MULS = (0x5BD1E9, 0x6F4F2B, 0x7A3C6D)
-
-
-def scramble(k: torch.Tensor) -> torch.Tensor:
-    """A fixed bijection of [0, 2**40): odd multiplies and xor-shifts mod 2**40,
-    so that hot ranks are spread over the key range (and over the ranks)."""
-    for m in _MULS:
-        k = (k * m) & _MASK
-        k = k ^ (k >> 19)
-    return k
-
-
-def zipf_ids(n: int, alpha: float, g: torch.Generator, salt: int) -> torch.Tensor:
-    """n Zipf(alpha)-like keys in [0, 2**40): ranks from the inverse CDF of a
-    power law truncated to [1, 2**40], shifted by `salt` (a different id
-    stream per table), then scrambled."""
-    u = torch.rand(n, dtype=torch.float64, generator=g)
-    one_minus = 1.0 - alpha
-    c = 1.0 - float(KEY_RANGE) ** one_minus
-    r = (1.0 - u * c) ** (1.0 / one_minus)  # in [1, 2**40]
-    ranks = (r.floor().to(torch.int64) - 1).clamp_(0, KEY_RANGE - 1)
-    return scramble((ranks + salt) & _MASK)
-
-
-def with_new_ids(values: torch.Tensor, share: float, step: int, rank: int, g: torch.Generator) -> torch.Tensor:
-    """`values` with a `share` of its positions (chosen at random) replaced
-    by ids never used before: a counter unique to (step, rank, position),
-    scrambled into the key range (a Zipf id meeting one by chance is
-    negligible), so the tables grow, then evict, at every step."""
-    n = values.numel()
-    pick = torch.randperm(n, generator=g)[:round(share * n)]
-    fresh = (2**39 + ((step * 64 + rank) << 24)) + torch.arange(pick.numel(), dtype=torch.int64)
-    out = values.clone()
-    out[pick] = scramble(fresh & _MASK)
-    return out
-
-
-def make_batches(args, rank, n_steps):
-    """(features, labels) per step for this rank: raw keys (dynamic, mc) or
-    folded keys (native) in one KJT of `tables` features."""
-    import torchrec
-
-    keys = [f"f{t}" for t in range(args.tables)]
-    out = []
-    for step in range(n_steps):
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + rank)
-        per = args.batch * args.pooling
-        values = torch.cat([zipf_ids(per, args.alpha, g, salt=t * 0x9E3779B1) for t in range(args.tables)])
-        new_share = getattr(args, "new_share", 0.0)
-        if new_share > 0:
-            values = with_new_ids(values, new_share, step, rank, g)
-        lengths = torch.full((args.tables * args.batch,), args.pooling, dtype=torch.int64)
-        labels = torch.randint(0, 2, (args.batch,), generator=g).float()
-        out.append((keys, values, lengths, labels))
-
-    def kjt(keys, values, lengths):
-        return torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
-
-    return [(kjt(k, v, ln), lab) for k, v, ln, lab in out]
-
 
 # ---- models ---------------------------------------------------------------------------------
 
@@ -303,10 +255,7 @@ def start_rank(rank, world, port, args) -> None:
 def model_batches(name, args, rank):
     """This rank's batches for a model: raw ids, folded into the row range for native."""
     batches = make_batches(args, rank, args.warmup + args.steps)
-    if name == "native":
-        batches = [(k.__class__.from_lengths_sync(keys=k.keys(), values=k.values() % args.rows_per_table,
-                                                  lengths=k.lengths()), lab) for k, lab in batches]
-    return batches
+    return folded(batches, args.rows_per_table) if name == "native" else batches
 
 
 def rank_main(name, rank, world, port, args, queue):
@@ -324,9 +273,13 @@ def rank_main(name, rank, world, port, args, queue):
         if not dense:
             raise RuntimeError("no dense parameters found")
         opt = torch.optim.SGD(dense, lr=args.lr)
+        result["prefill_s"] = [prefill(name, model, args, rank, world)]
+        counts = [dynamic_counts(name, model)]  # after the pre-fill, before the timed steps, at the end
         model.train()
         times, cpu_times, faults, losses = [], [], [], []
         for i, (kjt, labels) in enumerate(batches):
+            if i == args.warmup:
+                counts.append(dynamic_counts(name, model))
             dist.barrier()
             f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c = time.process_time()
@@ -348,6 +301,10 @@ def rank_main(name, rank, world, port, args, queue):
         result["minor_faults"] = faults
         result["loss_first_last"] = [losses[0], losses[-1]]
         result.update(model_state(name, model))
+        if name == "dynamic":
+            counts.append(dynamic_counts(name, model))
+            result["counts"] = [{"after_prefill": counts[0], "before_timed": counts[1], "end": counts[2],
+                                 "unique_ids_timed": unique_ids(batches[args.warmup:], world)}]
         dist.barrier()
     except Exception as e:  # reported as n/a with the reason
         tb = traceback.extract_tb(e.__traceback__)
@@ -443,6 +400,12 @@ def summarize(name, per_rank, args):
                median_step_cpu_s=statistics.median(cpu), step_cpu_s=cpu,
                median_step_faults=statistics.median(faults), step_faults=faults,
                per_rank={r: {k: v for k, v in per_rank[r].items() if k != "config"} for r in per_rank})
+    if args.key_pool:
+        pre = [max(s) for s in zip(*[per_rank[r]["prefill_s"] for r in sorted(per_rank)])]
+        out.update(prefill_s=statistics.median(pre), prefill_s_rounds=pre)
+    if "counts" in per_rank[0]:
+        out["ids"] = [id_counts([per_rank[r]["counts"][i] for r in sorted(per_rank)], args)
+                      for i in range(len(per_rank[0]["counts"]))]
     return out
 
 
@@ -454,12 +417,13 @@ def pooled(rounds):
             return per_rank
     out = {r: dict(v) for r, v in rounds[0].items()}
     for r in out:
-        for key in ("times_s", "cpu_times_s", "minor_faults"):
-            out[r][key] = [t for per_rank in rounds for t in per_rank[r][key]]
+        for key in ("times_s", "cpu_times_s", "minor_faults", "prefill_s", "counts"):
+            if key in out[r]:
+                out[r][key] = [t for per_rank in rounds for t in per_rank[r][key]]
     return out
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
@@ -470,6 +434,9 @@ def main():
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     ap.add_argument("--new-share", type=float, default=0.0,
                     help="share of each step's ids replaced by ids never seen before (growth and eviction)")
+    ap.add_argument("--key-pool", type=int, default=0,
+                    help="existing-ids mode: each table's ids drawn from N keys only, all stored by a pre-fill "
+                         "before timing; keep N well under --rows-per-table (e.g. rows // 4). 0: Zipf over 2**40")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2,
@@ -486,13 +453,34 @@ def main():
     ap.add_argument("--model-timeout", type=float, default=1800.0, help="seconds before a model is given up")
     ap.add_argument("--collective-timeout", type=float, default=300.0, help="gloo timeout, seconds")
     ap.add_argument("--out", default=default_out("bench_torchrec"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in MODELS]
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
     if bad:
         ap.error(f"unknown models {bad}; choose among {MODELS}")
+    why = check_key_pool(args, args.world)
+    if why:
+        ap.error(why)
+    return args
+
+
+def ids_mode(args):
+    """The ids, in words (the header and the JSON)."""
+    if args.key_pool:
+        s = (f"existing ids: Zipf({args.alpha}) over a pool of {args.key_pool} keys per table (scrambled into "
+             f"[0, 2**40)), every pool key stored by a pre-fill (forwards) before timing")
+    else:
+        s = f"Zipf({args.alpha}) over [0, 2**40) (truncated power-law inverse CDF, fixed scramble)"
+    if args.new_share:
+        s += f"; {100 * args.new_share:g}% of each step's ids replaced by ids never seen before"
+    return s
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    models = args.models
 
     la0 = loadavg()
     warn = busy_warning(args.threads * args.world)
@@ -500,7 +488,7 @@ def main():
         print(warn)
     print(f"[torchrec] {args.tables} tables x dim {args.dim}, {args.rows_per_table} rows per table, "
           f"{args.world} ranks x {args.threads} thread(s), batch {args.batch}/rank x pooling {args.pooling}, "
-          f"Zipf({args.alpha}) over 2**40, {args.warmup} warmup + {args.steps} timed steps; load average {la0}",
+          f"{args.warmup} warmup + {args.steps} timed steps; load average {la0}\n  ids: {ids_mode(args)}",
           flush=True)
     runs = {name: [] for name in models}
     for rnd in range(args.rounds):
@@ -511,6 +499,11 @@ def main():
             runs[name].append(run_model(name, args))
             r = summarize(name, runs[name][-1], args)
             tail = (f"{r['median_step_s'] * 1e3:.1f} ms/step" if r["status"] == "ok" else f"n/a: {r['reason']}")
+            if r["status"] == "ok" and args.key_pool:
+                tail += f", pre-fill {r['prefill_s']:.1f} s"
+            if r["status"] == "ok" and "ids" in r:
+                c = r["ids"][-1]
+                tail += f", new ids in the timed steps {c['new_ids_timed']} of {c['unique_ids_timed']} unique"
             print(f"  round {rnd + 1}: {name:<8} {tail}  ({time.perf_counter() - t0:.0f} s in all, "
                   f"load {loadavg()})", flush=True)
     results = {name: summarize(name, pooled(runs[name]), args) for name in models}
@@ -556,10 +549,14 @@ def main():
                "common": {
                    "ebc": f"{args.tables} tables x dim {args.dim}, SUM pooling, one feature per table",
                    "batch_per_rank": args.batch, "pooling_factor": args.pooling,
-                   "ids": f"Zipf({args.alpha}) over [0, 2**40) (truncated power-law inverse CDF, fixed scramble), "
-                          "per step, rank and table; generated before timing"
-                          + (f"; {100 * args.new_share:g}% of them replaced by ids never seen before"
-                             if args.new_share else ""),
+                   "ids": ids_mode(args) + "; per step, rank and table; generated before timing",
+                   "mode": "existing ids (--key-pool)" if args.key_pool else "mostly new ids (Zipf over 2**40)",
+                   "prefill": ("training-mode forwards under no_grad over every pool key of every table, batches "
+                               "of the normal shape, all ranks, before the timed steps; prefill_s: between two "
+                               "barriers, slowest rank, median over rounds" if args.key_pool else "none"),
+                   "ids_counts": "dynamic: results.dynamic.ids per round, table_stats summed over ranks and "
+                                 "tables; new_ids_timed = inserted during the timed steps, unique_ids_timed = "
+                                 "distinct (table, id) of the timed steps' global batches, summed over steps",
                    "dense": f"Linear({args.tables * args.dim} -> 1), BCE-with-logits vs random labels, SGD "
                             f"lr {args.lr} (DDP over gloo)",
                    "step": "forward + backward (fused table update) + dense SGD step, between barriers; a step's "

@@ -3,9 +3,10 @@ against TorchRec's FUSED tables, phase by phase and op by op.
 
     bash scripts/dev.sh python benchmark/profile_torchrec.py [--rows-per-table 1048576] [--batch 2048]
     bash scripts/dev.sh python benchmark/profile_torchrec.py --new-share 0.5   # half the ids new each step
+    bash scripts/dev.sh python benchmark/profile_torchrec.py --key-pool 262144  # existing ids (pre-filled)
 
 Same models, ids and settings as bench_torchrec.py (its builders and
-batches). Every rank times each step's phases between barriers; a phase's
+batches; with --key-pool the same pre-fill before the steps). Every rank times each step's phases between barriers; a phase's
 time is the slowest rank's, the result the median over --steps steps:
 
   input dist      the sharded EBC's input_dist and its two waits (routing,
@@ -37,6 +38,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_torchrec as B  # noqa: E402
+import torchrec_batches as ids  # noqa: E402
 from _common import default_out, env_info, format_table, write_json  # noqa: E402
 
 PHASES = ("input dist", "lookup", "output dist", "backward", "optimizer", "rest", "step")
@@ -106,6 +108,7 @@ def rank_main(name, rank, world, port, args, queue):
         batches = B.model_batches(name, args, rank)
         dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
         opt = torch.optim.SGD(dense, lr=args.lr)
+        result["prefill_s"] = ids.prefill(name, model, args, rank, world)  # before the phases are wrapped
         clock = PhaseClock()
         instrument(model, clock)
         model.train()
@@ -176,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--pooling", type=int, default=10)
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--new-share", type=float, default=0.0, help="share of each step's ids never seen before")
+    ap.add_argument("--key-pool", type=int, default=0,
+                    help="existing ids: each table's ids from N keys, pre-filled before the steps (as bench_torchrec)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3, help="last steps profiled on rank 0 (0: none)")
@@ -189,11 +194,17 @@ def main(argv=None):
     ap.add_argument("--out", default=default_out("profile_torchrec"))
     args = ap.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.world)
+    why = ids.check_key_pool(args, args.world)
+    if why:
+        ap.error(why)
     # bench_torchrec's builders read these
     args.dynamic_init, args.mc_policy, args.mc_eviction_interval = "uniform", "lru", 1
     args.collective_timeout, args.model_timeout = 300.0, 1800.0
     B.rank_main = rank_main  # run_model spawns B.rank_main
     models = args.models.split(",")
+    print(f"[profile_torchrec] {args.tables} tables x dim {args.dim}, {args.rows_per_table} rows per table, "
+          f"{args.world} ranks, batch {args.batch}/rank x pooling {args.pooling}\n  ids: {B.ids_mode(args)}",
+          flush=True)
     res = {}
     for name in models:
         per_rank = B.run_model(name, args)
@@ -202,7 +213,8 @@ def main(argv=None):
             res[name] = {"error": errors, "traceback": per_rank[min(errors)].get("traceback")}
             print(f"{name}: failed: {errors}\n{res[name]['traceback']}")
             continue
-        res[name] = {"phases_ms": summarize(per_rank), "top_ops": per_rank[0].get("top_ops", [])}
+        res[name] = {"phases_ms": summarize(per_rank), "top_ops": per_rank[0].get("top_ops", []),
+                     "prefill_s": max(v["prefill_s"] for v in per_rank.values())}
     ok = [m for m in models if "phases_ms" in res.get(m, {})]
     rows = [[p] + [f"{res[m]['phases_ms'][p]:.1f}" for m in ok] for p in PHASES]
     if "dynamic" in ok and "native" in ok:
@@ -217,7 +229,7 @@ def main(argv=None):
                            [[o["op"][:70], f"{o['calls_per_step']:.0f}", f"{o['self_ms_per_step']:.2f}",
                              f"{o['total_ms_per_step']:.2f}"] for o in res[m]["top_ops"]]))
     out = {"benchmark": "profile_torchrec", "config": {**vars(args), **env_info(torch.device("cpu"))},
-           "results": res}
+           "ids": B.ids_mode(args), "results": res}
     if args.out:
         write_json(args.out, out)
     return out
