@@ -203,10 +203,13 @@ void pool_span(const Rows& R, const Bags& bags, int64_t jb, int64_t je, const W*
     }
     const int64_t L = bags.length(j);
     const W* const* rows = src + (bags.off[j] - base);
-    if (std::is_same_v<W, float> && std::none_of(rows, rows + L, [](const W* r) { return r == nullptr; })) {
+    constexpr bool kRegisterSums = std::is_same_v<W, float> || std::is_same_v<W, uint8_t>;
+    if (kRegisterSums && std::none_of(rows, rows + L, [](const W* r) { return r == nullptr; })) {
       // Every row is stored: summed in registers (the same sums as add's).
-      sum_rows(acc, reinterpret_cast<const float* const*>(rows), psw ? psw + bags.off[j] : nullptr, L, D,
-               end - bags.off[j]);
+      if constexpr (std::is_same_v<W, float>)
+        sum_rows(acc, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j]);
+      else if constexpr (std::is_same_v<W, uint8_t>)
+        sum_rows_int8(acc, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j]);
     } else {
       std::fill_n(acc, D, 0.0f);
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) add(t, i, psw ? psw[i] : 1.0f);

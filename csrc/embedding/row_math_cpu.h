@@ -103,6 +103,80 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
   }
 }
 
+// sum_rows over uint8 rows (add_scaled's dequantization: q * scale + bias,
+// then scaled by s_l and added): the sums of add_scaled from a zeroed acc,
+// bit for bit, kept in registers 64 (then 16) columns at a time.
+DE_ROW_CLONES static void sum_rows_int8(float* __restrict out, const uint8_t* const* rows, const float* scales,
+                                        int64_t L, int64_t D, int64_t ahead) {
+  using rows_detail::f32x8;
+  using rows_detail::f32x8u;
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  typedef uint8_t u8x32 __attribute__((vector_size(32)));
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  constexpr int64_t kAhead = 48;  // rows (2 lines each at dim 64), as pool_span's add
+  // Codes [h, h + 8) of q, zero-extended to int32 by a shuffle in registers
+  // (a zero extension by conversion, and a direct uint8 -> float one,
+  // compiled to one scalar move per element; a vector built from 8 loaded
+  // bytes went through the stack and stalled on store forwarding).
+#define DE_WIDEN(h)                                                                                                \
+  __builtin_shufflevector(q, z, h, 16, 16, 16, h + 1, 16, 16, 16, h + 2, 16, 16, 16, h + 3, 16, 16, 16, h + 4, 16, \
+                          16, 16, h + 5, 16, 16, 16, h + 6, 16, 16, 16, h + 7, 16, 16, 16)
+  auto to_f32 = [](u8x32 w) {
+    i32x8 i;
+    std::memcpy(&i, &w, sizeof i);
+    return __builtin_convertvector(i, f32x8);
+  };
+  auto params = [&](int64_t l, float* scale, float* bias) {
+    std::memcpy(scale, rows[l] + D, sizeof *scale);
+    std::memcpy(bias, rows[l] + D + sizeof *scale, sizeof *bias);
+  };
+  const u8x16 z = {};
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    f32x8 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = f32x8{};
+    for (int64_t l = 0; l < L; ++l) {
+      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D + 8);
+      const uint8_t* x = rows[l] + d0;
+      float scale, bias;
+      params(l, &scale, &bias);
+      const float s = scales ? scales[l] : 1.0f;
+      for (int m = 0; m < 4; ++m) {
+        u8x16 q;
+        std::memcpy(&q, x + 16 * m, sizeof q);
+        a[2 * m] += s * (to_f32(DE_WIDEN(0)) * scale + bias);
+        a[2 * m + 1] += s * (to_f32(DE_WIDEN(8)) * scale + bias);
+      }
+    }
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k];
+  }
+  for (; d0 + 16 <= D; d0 += 16) {
+    f32x8 a0 = {}, a1 = {};
+    for (int64_t l = 0; l < L; ++l) {
+      if (d0 == 0 && l + kAhead < ahead) prefetch_row(rows[l + kAhead], D + 8);
+      float scale, bias;
+      params(l, &scale, &bias);
+      const float s = scales ? scales[l] : 1.0f;
+      u8x16 q;
+      std::memcpy(&q, rows[l] + d0, sizeof q);
+      a0 += s * (to_f32(DE_WIDEN(0)) * scale + bias);
+      a1 += s * (to_f32(DE_WIDEN(8)) * scale + bias);
+    }
+    *reinterpret_cast<f32x8u*>(out + d0) = a0;
+    *reinterpret_cast<f32x8u*>(out + d0 + 8) = a1;
+  }
+#undef DE_WIDEN
+  for (; d0 < D; ++d0) {
+    float a = 0.0f;
+    for (int64_t l = 0; l < L; ++l) {
+      float scale, bias;
+      params(l, &scale, &bias);
+      a += (scales ? scales[l] : 1.0f) * (static_cast<float>(rows[l][d0]) * scale + bias);
+    }
+    out[d0] = a;
+  }
+}
+
 // out[i] = init::uniform_value(lower, span, bits[i]) for i in [0, n), in
 // vector registers (exact operations: the same floats as the scalar rule).
 [[maybe_unused]] DE_ROW_CLONES static void uniform_floats(float* __restrict out, const uint32_t* __restrict bits,
