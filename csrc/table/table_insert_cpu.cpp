@@ -1,9 +1,12 @@
 // CPU kernel of table_insert: keys regrouped by bucket (table_cpu.h), the
 // buckets walked in parallel and each bucket's keys in input order, each key
 // found, stored in a free slot or evicting (victims_cpu.h), and its outcome
-// committed and tallied by TableRef (table_ref.h).
+// committed and tallied by TableRef (table_ref.h). A call whose keys are all
+// stored already (a trained table's usual step) skips the regrouping: its
+// keys are found by the lookup's pipeline and committed as accessed.
 #include <torch/library.h>
 
+#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -22,6 +25,64 @@ bool bucket_full(const uint8_t* digests, int cap) {
   for (int g = 0; g < cap; g += kGroupSize)
     if (group_free(digests + g)) return false;
   return true;
+}
+
+// find_pipelined's keys for find_all: each key's slot goes to out; a missing
+// key (or a bad table id) raises `missing`.
+struct AllKeys {
+  TableRef r;
+  const int64_t* keys;
+  const int64_t* tids;
+  int64_t* out;
+  std::atomic<bool>* missing;
+  static constexpr bool kAfter = false;
+  int64_t table(int64_t i) const {
+    const int64_t t = tids ? tids[i] : 0;
+    return r.has_table(t) ? t : -1;
+  }
+  const TableRef& ref(int64_t) const { return r; }
+  int64_t key(int64_t i) const { return keys[i]; }
+  void found(int64_t i, int64_t slot) const {
+    out[i] = slot;
+    if (slot < 0) missing->store(true, std::memory_order_relaxed);
+  }
+  void after(int64_t) const {}
+};
+
+// Whether every key is stored (out: their slots). A missing key stops the
+// pass within kStop keys per thread: a call with new keys pays little for it.
+bool find_all(const TableRef& ref, const int64_t* k, const int64_t* tids, int64_t n, int64_t* out) {
+  constexpr int64_t kBlock = 32, kStop = 1024;
+  std::atomic<bool> missing{false};
+  const AllKeys keys{ref, k, tids, out, &missing};
+  cpu::parallel_ranges(n, 2048, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e && !missing.load(std::memory_order_relaxed); s += kStop)
+      find_pipelined<kBlock>(s, std::min(e, s + kStop), keys);
+  });
+  return !missing.load();
+}
+
+// Commits every key at its slot as accessed (kAssigned, which tallies
+// nothing): in parallel where the order of a slot's accesses cannot matter,
+// else in input order, as the walk does for a key given twice.
+void commit_found(const TableRef& ref, const Scoring& scoring, const int64_t* k, const int64_t* ks,
+                  const int64_t* slot, int64_t n, Epoch ecall) {
+  auto commit = [&](int64_t b, int64_t e) {
+    constexpr int64_t kAhead = 16;  // slots are scattered: their lines fetched for writing ahead
+    for (int64_t i = b; i < e; ++i) {
+      if (i + kAhead < e) {
+        const int64_t a = slot[i + kAhead];
+        prefetch_write(ref.scores + a);
+        prefetch_write(ref.epochs + a);
+        if (ref.timestamps) prefetch_write(ref.timestamps + a);
+      }
+      ref.commit(slot[i], kAssigned, k[i], 0, scoring, scoring.key_score(ks, i), ecall);
+    }
+  };
+  if (access_order_free(scoring.strategy))
+    cpu::parallel_ranges(n, 2048, commit);
+  else
+    commit(0, n);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
@@ -46,6 +107,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   const Epoch ecall = static_cast<Epoch>(epoch);
   const bool evicts = may_evict(strategy);
   const int cap = ref.cap();
+
+  if (n > 0 && find_all(ref, k, tids, n, out)) {
+    commit_found(ref, scoring, k, ks, out, n, ecall);
+    results.fill_(static_cast<int64_t>(kAssigned));
+    return {indices, results, new_tensor(0, at::kLong), new_tensor(0, at::kLong), new_tensor(0, at::kLong),
+            new_tensor(0, at::kLong)};
+  }
 
   struct Rec {
     // In: the key, its score argument, bucket and digest, and whether it may

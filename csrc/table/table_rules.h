@@ -130,6 +130,10 @@ DE_HD int64_t score_on_access(int64_t s, int64_t old, int64_t call_score,
   return s == kCustomized ? key_score : call_score;
 }
 
+// Whether accesses of one slot leave the same score in any order (the score
+// is the call's), so that a call's accesses may be committed in parallel.
+DE_HD bool access_order_free(int64_t s) { return !counts_accesses(s) && s != kCustomized; }
+
 // An access of the key at `slot`: its score, and its access time where the
 // strategy keeps one (ts null otherwise).
 DE_HD void refresh_slot(int64_t s, int64_t* sc, int64_t* ts, int64_t slot, int64_t call_score,
