@@ -41,8 +41,15 @@ def write(results, name, payload):
 SOAK_RSS = [300.0, 310.0, 320.0, 322.0, 325.0, 321.0, 324.0, 326.0, 323.0, 325.0, 324.0, 326.0, 322.0]
 
 
+# Issue 39's id modes (bench_torchrec --key-pool, --new-share): (dynamic, native) step s, CPU s, (unique, new) ids
+EXISTING = dict(step_s={"dynamic": 0.045, "native": 0.050}, cpu_s={"dynamic": 0.030, "native": 0.025},
+                key_pool=1 << 18, ids=[(1000, 0), (1000, 2)])
+NEWSHARE = dict(step_s={"dynamic": 0.066, "native": 0.055}, key_pool=1 << 18, new_share=0.5,
+                ids=[(3000, 2000), (3000, 2200)])
+
+
 def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True,
-                 with_quality=False):
+                 with_quality=False, with_torchrec_modes=True):
     p = {
         "table": write(results, "bench_table.json", samples.table({
             0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
@@ -55,6 +62,9 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
             {"dynamic": 0.060, "native": 0.050, "mc": 0.240}, failed=failed_models)),
         "inference": write(results, "inference.json", samples.inference(INF_CASES)),
     }
+    if with_torchrec_modes:
+        p["torchrec_existing"] = write(results, "bench_torchrec_existing.json", samples.torchrec(**EXISTING))
+        p["torchrec_newshare"] = write(results, "bench_torchrec_newshare.json", samples.torchrec(**NEWSHARE))
     if with_soak:
         p["soak"] = write(results, "soak.json", samples.soak(SOAK_RSS))
     if with_tiers:
