@@ -319,6 +319,16 @@ PANELS: List[Tuple[str, Callable]] = [
 PANEL_MORE = {"torchrec": ("torchrec_existing", "torchrec_newshare")}
 
 
+def draw_panel(ax, name: str, key: Dict[str, Any]) -> None:
+    """Benchmark `name`'s panel on `ax`, from the summary's key numbers."""
+    fn = dict(PANELS)[name]
+    if name in PANEL_MORE:
+        fn(ax, key.get(name), more={m: key[m] for m in PANEL_MORE[name] if m in key})
+    else:
+        fn(ax, key[name])
+    ax.grid(True, alpha=0.3)
+
+
 def _title(summary: Dict[str, Any]) -> str:
     e = summary.get("env", {})
     measured = [r.get("measured", {}) for r in summary.get("runs", {}).values() if r.get("measured")]
@@ -351,11 +361,7 @@ def draw(summary: Dict[str, Any], path: str) -> List[str]:
     grid = fig.add_gridspec(rows, COLS)
     for i, (name, fn) in enumerate(panels):
         ax = fig.add_subplot(grid[i // COLS, i % COLS])
-        if name in PANEL_MORE:
-            fn(ax, key.get(name), more={m: key[m] for m in PANEL_MORE[name] if m in key})
-        else:
-            fn(ax, key[name])
-        ax.grid(True, alpha=0.3)
+        draw_panel(ax, name, key)
     if not panels:
         fig.text(0.5, 0.5, "no benchmark results", ha="center", va="center")
     title = _title(summary)

@@ -60,7 +60,7 @@ def torchrec(step_s, failed=(), cpu_s=None, key_pool=0, new_share=0.0, ids=None)
              "evicted_timed": 0, "failed_timed": 0, "pool_keys": 8 * key_pool, "stored_after_prefill": 8 * key_pool,
              "evicted_in_prefill": 0, "failed_in_prefill": 0} for u, n in ids]
     ratios = {}
-    if "dynamic" in results and "native" not in failed:
+    if {"dynamic", "native"} <= set(step_s) - set(failed):  # as bench_torchrec: both ran
         ratios["dynamic_over_native_time"] = step_s["dynamic"] / step_s["native"]
         ratios["dynamic_over_native_cpu"] = cpu_s["dynamic"] / cpu_s["native"]
     return {"benchmark": "bench_torchrec",
