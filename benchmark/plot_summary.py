@@ -7,7 +7,7 @@ machine and the commit.
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import matplotlib
 
@@ -68,28 +68,77 @@ def panel_table(ax, k: Dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="upper center", ncol=2)
 
 
-def panel_torchrec(ax, k: Dict[str, Any]) -> None:
-    labels = {"dynamic": "dynamicemb", "native": "TorchRec FUSED\n(FBGEMM TBE)",
-              "mc": "TorchRec managed\ncollision (MCH)"}
-    names = list(k["models"])
-    ms = [k["models"][n].get("step_ms", 0.0) for n in names]
-    bars = ax.bar([labels.get(n, n) for n in names], ms, color=[OURS if n == "dynamic" else THEIRS for n in names])
-    dyn = k["models"].get("dynamic", {}).get("step_ms")
-    texts = []
-    for n, m in zip(names, ms):
-        if not m:
-            texts.append("")
-            ax.annotate("n/a", (names.index(n), 0), ha="center", va="bottom")
-        elif n != "dynamic" and dyn:
-            texts.append(f"{m:.1f} ms\n(dynamicemb {dyn / m:.2f}x)")
-        else:
-            texts.append(f"{m:.1f} ms")
-    _label_bars(ax, bars, texts)
+TORCHREC_LABELS = {"dynamic": "dynamicemb", "native": "TorchRec FUSED (FBGEMM TBE)",
+                   "mc": "TorchRec managed collision (MCH)"}
+
+
+def _mode_label(k: Dict[str, Any]) -> str:
+    """An id mode's group label: the ids, the new ids' share, dynamic / FUSED and the target."""
+    lines = [k.get("mode") or "mostly new ids"]
+    if k.get("key_pool"):
+        lines[0] += f", pool {k['key_pool'] / 1024:g}K keys"
+    else:
+        lines[0] += ", Zipf over 2^40"
+    if k.get("new_ids_share") is not None:
+        lines.append(f"new ids {100 * k['new_ids_share']:.1f}% of unique")
+    if k.get("wall_ratio") is not None:
+        cpu = f" (CPU {k['cpu_ratio']:.2f}x)" if k.get("cpu_ratio") is not None else ""
+        lines.append(f"dyn / FUSED {k['wall_ratio']:.2f}x{cpu}")
+    if k.get("target"):
+        lines.append("target " + k["target"].replace("<=", "\u2264").replace(">=", "\u2265"))
+    return "\n".join(lines)
+
+
+def panel_torchrec(ax, k: Optional[Dict[str, Any]], more: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+    """The DMP step per model, one group of bars per id mode: the default
+    (k) and those in `more` (existing ids, half new; from their own runs).
+    A bar far above the others (MCH) is cut at the top, its value written."""
+    groups = ([k] if k else []) + list((more or {}).values())
+    models = [m for m in TORCHREC_LABELS if any(m in g["models"] for g in groups)]
+    models += [m for g in groups for m in g["models"] if m not in models]
+    ok = [m.get("step_ms", 0.0) for g in groups for n, m in g["models"].items() if n != "mc"]
+    cut = 1.6 * max(ok) if ok and max(ok) > 0 else None
+    width = 0.8 / max(len(g["models"]) for g in groups)
+    shown, ticks = set(), []
+    for x, g in enumerate(groups):
+        names = [n for n in models if n in g["models"]]
+        dyn = g["models"].get("dynamic", {}).get("step_ms")
+        for i, n in enumerate(names):
+            pos = x + (i - (len(names) - 1) / 2) * width
+            ticks.append((pos, TORCHREC_LABELS.get(n, n).replace(" (", "\n(")))
+            m = g["models"][n].get("step_ms")
+            if not m:
+                ax.annotate("n/a", (pos, 0), ha="center", va="bottom", fontsize=8)
+                continue
+            clipped = cut is not None and m > cut
+            color = OURS if n == "dynamic" else THEIRS
+            ax.bar(pos, min(m, cut) if clipped else m, width, color=color, hatch="//" if n == "mc" else None,
+                   edgecolor="white" if n == "mc" else None, label=None if n in shown else TORCHREC_LABELS.get(n, n))
+            shown.add(n)
+            text = f"{m:.1f}" + (f"\n(dyn {dyn / m:.2f}x)" if n == "mc" and dyn else "")
+            if clipped:
+                ax.annotate(text + "\n(bar cut)", (pos, cut), xytext=(0, -3), textcoords="offset points",
+                            ha="center", va="top", fontsize=7, bbox=dict(boxstyle="square,pad=0.15", fc="white",
+                                                                         ec="none", alpha=0.85))
+            else:
+                ax.annotate(text, (pos, m), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                            fontsize=7)
+    if len(groups) > 1:  # a group per mode, a legend for the models
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([_mode_label(g) for g in groups], fontsize=8)
+        ax.legend(fontsize=7, loc="upper right")
+    else:  # one mode: the models under their bars
+        ax.set_xticks([t[0] for t in ticks])
+        ax.set_xticklabels([t[1] for t in ticks], fontsize=9)
+        ax.set_xlabel(_mode_label(groups[0]).replace("\n", "; "), fontsize=9)
     ax.set_ylabel("median training step, ms (lower is better)")
-    ax.margins(y=0.2)
-    ax.set_title(f"Training step, DMP on {k['world']} CPU ranks: {k['tables']} tables x dim {k['dim']}, "
-                 f"{k['rows_per_table'] / 2**20:g}M rows/table,\nbatch {k['batch']}/rank x {k['pooling']} ids, "
-                 "Zipf ids over 2^40, EXACT_SGD", fontsize=10)
+    if cut is not None:
+        ax.set_ylim(0, 1.15 * cut)
+    g = groups[0]
+    ids = "Zipf ids over 2^40" if len(groups) == 1 and not g.get("key_pool") else "ids by mode below"
+    ax.set_title(f"Training step, DMP on {g['world']} CPU ranks: {g['tables']} tables x dim {g['dim']}, "
+                 f"{g['rows_per_table'] / 2**20:g}M rows/table,\nbatch {g['batch']}/rank x {g['pooling']} ids, "
+                 f"{ids}, EXACT_SGD (bar labels: ms)", fontsize=10)
 
 
 def panel_tiers(ax, k: Dict[str, Any]) -> None:
@@ -266,6 +315,18 @@ PANELS: List[Tuple[str, Callable]] = [
     ("inference", panel_inference), ("embedding", panel_embedding), ("checkpoint", panel_checkpoint),
     ("soak", panel_soak), ("quality", panel_quality),
 ]
+# Benchmarks drawn in another's panel (passed to it as `more`; the panel is drawn if any of them has results).
+PANEL_MORE = {"torchrec": ("torchrec_existing", "torchrec_newshare")}
+
+
+def draw_panel(ax, name: str, key: Dict[str, Any]) -> None:
+    """Benchmark `name`'s panel on `ax`, from the summary's key numbers."""
+    fn = dict(PANELS)[name]
+    if name in PANEL_MORE:
+        fn(ax, key.get(name), more={m: key[m] for m in PANEL_MORE[name] if m in key})
+    else:
+        fn(ax, key[name])
+    ax.grid(True, alpha=0.3)
 
 
 def _title(summary: Dict[str, Any]) -> str:
@@ -291,7 +352,7 @@ def _title(summary: Dict[str, Any]) -> str:
 def draw(summary: Dict[str, Any], path: str) -> List[str]:
     """Writes the picture to `path`; returns the names of the panels drawn."""
     key = summary.get("key_numbers", {})
-    panels = [(n, fn) for n, fn in PANELS if n in key]
+    panels = [(n, fn) for n, fn in PANELS if n in key or any(m in key for m in PANEL_MORE.get(n, ()))]
     w, h = figure_size_px(len(panels))
     rows = max(1, math.ceil(len(panels) / COLS))
     # Constrained layout fits the labels in and keeps the figure's size.
@@ -300,8 +361,7 @@ def draw(summary: Dict[str, Any], path: str) -> List[str]:
     grid = fig.add_gridspec(rows, COLS)
     for i, (name, fn) in enumerate(panels):
         ax = fig.add_subplot(grid[i // COLS, i % COLS])
-        fn(ax, key[name])
-        ax.grid(True, alpha=0.3)
+        draw_panel(ax, name, key)
     if not panels:
         fig.text(0.5, 0.5, "no benchmark results", ha="center", va="center")
     title = _title(summary)

@@ -1,8 +1,9 @@
 """Runs every benchmark with short settings, merges their JSON into
 benchmark/results/summary.json and draws benchmark/results/summary.png.
 
-    bash scripts/dev.sh python benchmark/run_all.py                  # all (~8-12 min on 2 CPU cores)
+    bash scripts/dev.sh python benchmark/run_all.py                  # all (~9-14 min on 2 CPU cores)
     bash scripts/dev.sh python benchmark/run_all.py --only table,inference
+    bash scripts/dev.sh python benchmark/run_all.py --only torchrec_existing,torchrec_newshare  # issue 39's modes
     bash scripts/dev.sh python benchmark/run_all.py --from-json      # redraw from the JSON already there
     bash scripts/dev.sh python benchmark/run_all.py --publish        # ... and copy to docs/
 
@@ -52,19 +53,27 @@ class Bench(NamedTuple):
     name: str
     script: str  # path, relative to benchmark/ unless absolute
     args: Sequence[str]  # the short settings
-    json_name: str  # the file under the results directory (the script's default name)
+    json_name: str  # the file under the results directory (the script's default name, or the mode's)
 
 
-# Short settings: about 7-11 minutes for all of them on 2 CPU cores. The
+# Short settings: about 8-13 minutes for all of them on 2 CPU cores. The
 # scripts' defaults are the full-size runs (see each script's docstring).
+TORCHREC_ARGS = ["--rows-per-table", str(1 << 20), "--batch", "2048", "--steps", "8", "--warmup", "3",
+                 "--rounds", "2"]
+TORCHREC_POOL = ["--models", "dynamic,native", "--key-pool", str(1 << 18)]
 BENCHMARKS: List[Bench] = [
     # The table's targets are set at its full size (16M slots, 1M-key batches; ~40 s): fewer repeats only
     Bench("table", "bench_table.py", ["--repeats", "3"], "bench_table.json"),
     # 1M-id key range: 8 TBE tables of 1M rows (2 GiB) fit beside ours
     Bench("embedding", "bench_embedding.py", ["--key-range", "1000000", "--capacity", str(1 << 18),
                                               "--steps", "8", "--warmup", "3"], "bench_embedding.json"),
-    Bench("torchrec", "bench_torchrec.py", ["--rows-per-table", str(1 << 20), "--batch", "2048", "--steps", "8",
-                                            "--warmup", "3", "--rounds", "2"], "bench_torchrec.json"),
+    Bench("torchrec", "bench_torchrec.py", TORCHREC_ARGS, "bench_torchrec.json"),
+    # Issue 39's id modes, drawn in the torchrec panel, dynamic vs FUSED only: existing ids (a pool of rows / 4
+    # keys per table, all stored by a pre-fill before timing), then the same with half of each step's ids never
+    # seen before (growth and eviction).
+    Bench("torchrec_existing", "bench_torchrec.py", TORCHREC_ARGS + TORCHREC_POOL, "bench_torchrec_existing.json"),
+    Bench("torchrec_newshare", "bench_torchrec.py", TORCHREC_ARGS + TORCHREC_POOL + ["--new-share", "0.5"],
+          "bench_torchrec_newshare.json"),
     Bench("tiers", "bench_tiers.py", ["--quick"], "bench_tiers.json"),
     Bench("checkpoint", "bench_checkpoint.py", ["--rows", "2000000"], "bench_checkpoint.json"),
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),
@@ -310,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None, benchmarks: Sequence[Bench] = BEN
     for name, rec in summary["runs"].items():
         wall_s = rec.get("wall_s", rec.get("previous_run", {}).get("wall_s"))
         wall = f"{wall_s:6.0f} s" if wall_s is not None else " " * 8
-        print(f"  {name:<11} {rec['status']:<9} {wall}  {rec.get('note', '')}")
+        print(f"  {name:<17} {rec['status']:<9} {wall}  {rec.get('note', '')}")
     print(f"wrote {_show(os.path.join(results_dir, 'summary.json'))}, summary.md and "
           f"summary.png ({len(panels)} panels: {', '.join(panels)})")
     for e in summary.get("key_number_errors", {}).items():

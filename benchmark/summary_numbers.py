@@ -6,7 +6,8 @@ Each `key_<name>(data)` takes one script's JSON and returns a small dict of
 numbers in the units their names say (ms, Mkeys/s = 2^20 keys/s, GB/s =
 1e9 bytes/s, ratios as plain floats).
 """
-from typing import Any, Callable, Dict, List, Optional
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 MKEYS = float(2**20)
 
@@ -54,8 +55,27 @@ def key_embedding(d: dict) -> Dict[str, Any]:
             "dim": c.get("dim"), "optimizers": out}
 
 
-def key_torchrec(d: dict) -> Dict[str, Any]:
-    """Per model (dynamic, native, mc): the median step time; the ratios."""
+# bench_torchrec's id modes in run_all (name: label, dynamic / FUSED step-time target). The script's JSON
+# carries issue 4's target (its default mode) whatever the mode; issue 39 sets the two others.
+TORCHREC_MODES: Dict[str, Tuple[str, Optional[str]]] = {
+    "torchrec": ("mostly new ids", None),  # None: the JSON's own target
+    "torchrec_existing": ("existing ids", "<= 1.0"),
+    "torchrec_newshare": ("half the ids new", "<= 1.1"),
+}
+
+
+def _new_share(r: dict) -> Optional[float]:
+    """The share of the timed steps' unique ids that were new to the dynamic
+    tables (inserted), over all rounds (results.dynamic.ids; absent without --key-pool)."""
+    ids = r.get("ids") or []
+    unique = sum(c["unique_ids_timed"] for c in ids)
+    return sum(c["new_ids_timed"] for c in ids) / unique if unique else None
+
+
+def key_torchrec(d: dict, bench: str = "torchrec") -> Dict[str, Any]:
+    """Per model (dynamic, native, mc): the median step time; the ratios;
+    dynamic / FUSED by wall and CPU time against the id mode's target, and
+    the share of new ids in the timed steps (with --key-pool)."""
     models = {}
     for name, r in d["results"].items():
         if r.get("status") == "ok":
@@ -64,9 +84,16 @@ def key_torchrec(d: dict) -> Dict[str, Any]:
         else:
             models[name] = {"status": r.get("status", "n/a"), "reason": r.get("reason")}
     c = d["config"]
-    return {"models": models, "ratios": d.get("ratios", {}), "targets": d.get("targets", {}),
+    ratios, targets = d.get("ratios", {}), d.get("targets", {})
+    label, target = TORCHREC_MODES.get(bench, (bench, None))
+    dyn = d["results"].get("dynamic", {})
+    return {"models": models, "ratios": ratios, "targets": targets,
             "tables": c.get("tables"), "dim": c.get("dim"), "rows_per_table": c.get("rows_per_table"),
-            "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world")}
+            "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world"),
+            "mode": label, "key_pool": c.get("key_pool") or None, "new_share_asked": c.get("new_share") or None,
+            "wall_ratio": ratios.get("dynamic_over_native_time"), "cpu_ratio": ratios.get("dynamic_over_native_cpu"),
+            "target": target or targets.get("dynamic_over_native_time"),
+            "new_ids_share": _new_share(dyn) if dyn.get("status") == "ok" else None}
 
 
 def key_tiers(d: dict) -> Dict[str, Any]:
@@ -141,6 +168,7 @@ def key_quality(d: dict) -> Dict[str, Any]:
 KEY_NUMBERS: Dict[str, Callable[[dict], Dict[str, Any]]] = {
     "table": key_table, "embedding": key_embedding, "torchrec": key_torchrec, "tiers": key_tiers,
     "checkpoint": key_checkpoint, "inference": key_inference, "soak": key_soak, "quality": key_quality,
+    **{n: functools.partial(key_torchrec, bench=n) for n in TORCHREC_MODES if n != "torchrec"},
 }
 
 
@@ -183,6 +211,22 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
         parts.append(f"**Training step, DMP on {k['world']} CPU ranks** ({k['tables']} tables x dim {k['dim']}, "
                      f"{k['rows_per_table']} rows per table, batch {k['batch']} per rank x {k['pooling']} ids)\n\n"
                      + _md(["tables", "ms / step", "samples/s", "dynamicemb time / this"], rows))
+    modes = [n for n in TORCHREC_MODES if n in key]
+    if any(n != "torchrec" for n in modes):
+        rows = []
+        for n in modes:
+            k = key[n]
+            ms = {m: k["models"].get(m, {}).get("step_ms") for m in ("dynamic", "native")}
+            pool = f" (pool of {k['key_pool']} keys per table)" if k.get("key_pool") else " (Zipf over 2^40)"
+            rows.append([k["mode"] + pool, _f(100 * k["new_ids_share"], "{:.1f}%")
+                         if k["new_ids_share"] is not None else "-", _f(ms["dynamic"]), _f(ms["native"]),
+                         _f(k["wall_ratio"], "{:.2f}"), _f(k["cpu_ratio"], "{:.2f}"), k["target"] or "-"])
+        k = key[modes[0]]
+        parts.append(f"**Training step by id mode, dynamicemb / TorchRec FUSED** (DMP on {k['world']} CPU ranks, "
+                     f"{k['rows_per_table']} rows per table, batch {k['batch']} per rank; new ids: the timed steps' "
+                     "unique ids the dynamic tables inserted)\n\n" + _md(
+                         ["ids", "new ids", "dynamicemb ms", "FUSED ms", "wall time ratio", "CPU time ratio",
+                          "target"], rows))
     if "embedding" in key:
         k = key["embedding"]
         rows = [[opt, _f(r.get("optimizer_bytes_per_row"), "{:.0f}"), _f(r.get("ours_train_ms")),

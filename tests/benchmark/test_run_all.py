@@ -41,8 +41,15 @@ def write(results, name, payload):
 SOAK_RSS = [300.0, 310.0, 320.0, 322.0, 325.0, 321.0, 324.0, 326.0, 323.0, 325.0, 324.0, 326.0, 322.0]
 
 
+# Issue 39's id modes (bench_torchrec --key-pool, --new-share): (dynamic, native) step s, CPU s, (unique, new) ids
+EXISTING = dict(step_s={"dynamic": 0.045, "native": 0.050}, cpu_s={"dynamic": 0.030, "native": 0.025},
+                key_pool=1 << 18, ids=[(1000, 0), (1000, 2)])
+NEWSHARE = dict(step_s={"dynamic": 0.066, "native": 0.055}, key_pool=1 << 18, new_share=0.5,
+                ids=[(3000, 2000), (3000, 2200)])
+
+
 def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True,
-                 with_quality=False):
+                 with_quality=False, with_torchrec_modes=True):
     p = {
         "table": write(results, "bench_table.json", samples.table({
             0.5: {"lookup_hit": 60.0, "lookup_miss": 70.0, "insert_new": 30.0, "lookup_gather": 20.0,
@@ -55,6 +62,9 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
             {"dynamic": 0.060, "native": 0.050, "mc": 0.240}, failed=failed_models)),
         "inference": write(results, "inference.json", samples.inference(INF_CASES)),
     }
+    if with_torchrec_modes:
+        p["torchrec_existing"] = write(results, "bench_torchrec_existing.json", samples.torchrec(**EXISTING))
+        p["torchrec_newshare"] = write(results, "bench_torchrec_newshare.json", samples.torchrec(**NEWSHARE))
     if with_soak:
         p["soak"] = write(results, "soak.json", samples.soak(SOAK_RSS))
     if with_tiers:
@@ -286,3 +296,123 @@ def test_a_json_without_the_expected_fields_is_reported_and_left_out(tmp_path):
     assert s["key_number_errors"] == {"checkpoint": "KeyError: 'results'"}
     assert "checkpoint" not in s["key_numbers"] and "table" in s["key_numbers"]
     assert png_size(tmp_path / "summary.png") == (1600, 1080)  # the four others
+
+
+# ---- bench_torchrec's id modes (issue 39): torchrec_existing, torchrec_newshare --------------------
+
+
+def torchrec_panel(key):
+    """The torchrec panel drawn from the key numbers: its bars (center, height), x tick labels (the x axis
+    label added), legend and y limit."""
+    import matplotlib.pyplot as plt
+    import plot_summary
+
+    fig, ax = plt.subplots()
+    try:
+        plot_summary.draw_panel(ax, "torchrec", key)
+        bars = sorted((round(p.get_x() + p.get_width() / 2, 6), p.get_height()) for p in ax.patches)
+        ticks = [t.get_text() for t in ax.get_xticklabels()] + ([ax.get_xlabel()] if ax.get_xlabel() else [])
+        legend = [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else []
+        return bars, ticks, legend, ax.get_ylim()[1]
+    finally:
+        plt.close(fig)
+
+
+def mode_row(label, mode, ids):
+    """The Markdown row of a mode from its sample's inputs."""
+    s = mode["step_s"]
+    cpu = mode.get("cpu_s") or {n: t / 2 for n, t in s.items()}
+    unique = sum(u for u, _ in ids) if ids else 0
+    new = f"{100 * sum(n for _, n in ids) / unique:.1f}%" if ids else "-"
+    return (f"| {label} | {new} | {1e3 * s['dynamic']:.1f} | {1e3 * s['native']:.1f} | "
+            f"{s['dynamic'] / s['native']:.2f} | {cpu['dynamic'] / cpu['native']:.2f} |")
+
+
+def test_torchrec_id_modes_give_key_numbers_markdown_rows_and_grouped_bars(tmp_path):
+    payloads = all_payloads(str(tmp_path))
+    assert run_all.main(["--results-dir", str(tmp_path), "--from-json", "--quiet"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for name in ("torchrec_existing", "torchrec_newshare"):
+        assert s["runs"][name]["status"] == "previous" and s["benchmarks"][name] == payloads[name]
+        assert s["runs"][name]["json"].endswith(f"bench_{name}.json")
+    k = s["key_numbers"]
+    for name, mode, label, target in (("torchrec_existing", EXISTING, "existing ids", "<= 1.0"),
+                                      ("torchrec_newshare", NEWSHARE, "half the ids new", "<= 1.1")):
+        e = k[name]
+        step, cpu = mode["step_s"], mode.get("cpu_s") or {n: t / 2 for n, t in mode["step_s"].items()}
+        assert {n: e["models"][n]["step_ms"] for n in e["models"]} == pytest.approx(
+            {n: 1e3 * t for n, t in step.items()})
+        assert e["wall_ratio"] == pytest.approx(step["dynamic"] / step["native"])
+        assert e["cpu_ratio"] == pytest.approx(cpu["dynamic"] / cpu["native"])
+        assert e["new_ids_share"] == pytest.approx(sum(n for _, n in mode["ids"]) / sum(u for u, _ in mode["ids"]))
+        assert (e["mode"], e["target"], e["key_pool"]) == (label, target, 1 << 18)
+    assert k["torchrec_existing"]["cpu_ratio"] != pytest.approx(k["torchrec_existing"]["wall_ratio"])
+    # The default mode: its JSON's target, no id counts (no --key-pool).
+    assert k["torchrec"]["target"] == "<= 1.3" and k["torchrec"]["new_ids_share"] is None
+    assert k["torchrec"]["mode"] == "mostly new ids"
+
+    md = (tmp_path / "summary.md").read_text()
+    assert "**Training step by id mode, dynamicemb / TorchRec FUSED**" in md
+    default = {"step_s": {"dynamic": 0.060, "native": 0.050}}
+    assert mode_row("mostly new ids (Zipf over 2^40)", default, None) + " <= 1.3 |" in md
+    assert mode_row("existing ids (pool of 262144 keys per table)", EXISTING, EXISTING["ids"]) + " <= 1.0 |" in md
+    assert mode_row("half the ids new (pool of 262144 keys per table)", NEWSHARE, NEWSHARE["ids"]) + " <= 1.1 |" in md
+    assert "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md  # the default's own table stays
+
+    # One panel for the three modes: a group of bars each (dynamic, native, mc; then dynamic, native twice).
+    bars, ticks, legend, top = torchrec_panel(k)
+    heights = [h for _, h in bars]
+    cut = 1.6 * 66.0  # the highest bar but MCH's (half new, dynamic), x 1.6
+    assert sorted(heights) == pytest.approx(sorted([60.0, 50.0, cut, 45.0, 50.0, 66.0, 55.0]))
+    assert [round(x) for x, _ in bars] == [0, 0, 0, 1, 1, 2, 2]
+    assert top >= cut
+    assert len(ticks) == 3 and ticks[0].startswith("mostly new ids") and ticks[1].startswith("existing ids")
+    assert "target \u2264 1.0" in ticks[1] and "target \u2264 1.1" in ticks[2] and "target \u2264 1.3" in ticks[0]
+    assert f"new ids {100 * 2 / 2000:.1f}% of unique" in ticks[1] and "dyn / FUSED 0.90x (CPU 1.20x)" in ticks[1]
+    assert legend == ["dynamicemb", "TorchRec FUSED (FBGEMM TBE)", "TorchRec managed collision (MCH)"]
+    assert png_size(tmp_path / "summary.png") == (1600, 2040)  # seven panels (no quality; no new one): four rows
+
+
+def test_report_without_the_torchrec_mode_results_as_before(tmp_path):
+    """An older results directory (no bench_torchrec_existing/newshare.json): the modes are missing, the
+    rest as before; the torchrec panel shows the default's models under their bars."""
+    payloads = all_payloads(str(tmp_path), with_torchrec_modes=False)
+    assert run_all.main(["--results-dir", str(tmp_path), "--from-json", "--quiet"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["benchmarks"] == payloads
+    for name in ("torchrec_existing", "torchrec_newshare"):
+        assert s["runs"][name]["status"] == "missing" and name not in s["key_numbers"]
+    md = (tmp_path / "summary.md").read_text()
+    assert "by id mode" not in md and "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md
+    bars, ticks, legend, _ = torchrec_panel(s["key_numbers"])
+    assert [h for _, h in bars][:2] == pytest.approx([60.0, 50.0]) and len(bars) == 3
+    assert ticks[:3] == ["dynamicemb", "TorchRec FUSED\n(FBGEMM TBE)", "TorchRec managed collision\n(MCH)"]
+    assert ticks[3] == "mostly new ids, Zipf over 2^40; dyn / FUSED 1.20x (CPU 1.20x); target \u2264 1.3"
+    assert legend == []
+
+
+def test_torchrec_modes_alone_still_get_the_torchrec_panel(tmp_path):
+    write(str(tmp_path), "bench_torchrec_existing.json", samples.torchrec(**EXISTING))
+    assert run_all.main(["--results-dir", str(tmp_path), "--from-json", "--quiet"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert list(s["key_numbers"]) == ["torchrec_existing"]
+    md = (tmp_path / "summary.md").read_text()
+    assert "by id mode" in md and "Training step, DMP" not in md
+    bars, ticks, _, _ = torchrec_panel(s["key_numbers"])
+    assert png_size(tmp_path / "summary.png") == (1600, 600)  # one panel
+    assert [h for _, h in bars] == pytest.approx([45.0, 50.0])
+    assert ticks[:2] == ["dynamicemb", "TorchRec FUSED\n(FBGEMM TBE)"]
+    assert ticks[2].startswith("existing ids, pool 256K keys") and ticks[2].endswith("target \u2264 1.0")
+
+    # A mode whose dynamic model failed: no ratios, no id counts; its FUSED bar still drawn.
+    write(str(tmp_path), "bench_torchrec_newshare.json", samples.torchrec(**NEWSHARE, failed=("dynamic",)))
+    assert run_all.main(["--results-dir", str(tmp_path), "--from-json", "--quiet"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    n = s["key_numbers"]["torchrec_newshare"]
+    assert n["wall_ratio"] is None and n["cpu_ratio"] is None and n["new_ids_share"] is None
+    assert n["models"]["dynamic"]["status"] == "n/a"
+    md = (tmp_path / "summary.md").read_text()
+    assert "| half the ids new (pool of 262144 keys per table) | - | - | 55.0 | - | - | <= 1.1 |" in md
+    bars, ticks, _, _ = torchrec_panel(s["key_numbers"])
+    assert [h for _, h in bars] == pytest.approx([45.0, 50.0, 55.0])
+    assert ticks[1].startswith("half the ids new") and "dyn / FUSED" not in ticks[1]
