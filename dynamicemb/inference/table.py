@@ -70,7 +70,10 @@ class InferenceEmbeddingTable(nn.Module):
         feature_order: the features' order in the input and output (default:
             the tables' order, then each table's features).
         bucket_capacity, load_factor: the read-only hash table's layout
-            (slots per bucket; target keys per slot).
+            (slots per bucket; target keys per slot). 64 slots: a lookup
+            reads one line of digests; against 128, 15-25% faster lookups
+            for about 25% more slots (a bucket that would overflow grows its
+            table, which lowers the load from 0.75 to about 0.6).
         device: where keys and rows live (CPU or CUDA).
 
     ``forward(features)`` takes a KeyedJaggedTensor holding (at least) the
@@ -84,7 +87,7 @@ class InferenceEmbeddingTable(nn.Module):
     def __init__(self, tables: Sequence[FrozenTable], pooling=DynamicEmbPoolingMode.SUM, dtype="float32",
                  is_weighted: bool = False, output_dtype: torch.dtype = torch.float32, seed: int = 0,
                  mean_divisor: str = "torchrec_rw", feature_order: Optional[Sequence[str]] = None,
-                 bucket_capacity: int = 128,
+                 bucket_capacity: int = 64,
                  load_factor: float = 0.75, device=None):
         super().__init__()
         tables = list(tables)
