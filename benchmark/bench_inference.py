@@ -20,7 +20,8 @@ ids over each table's rows. Compared, on the same rows:
     intra-op threads; its latencies are its own per-call clock.
 Reports ids/s (Mkeys/s = 2^20 ids/s) at the median batch time and p50 / p99
 batch latency; writes benchmark/results/inference.json. Target: the int8
-program at >= 0.8x the rate of TorchRec's quantized module.
+program at >= 1.05x the rate of TorchRec's quantized module (issue 39; the
+first target, issue 4's, was 0.8x).
 """
 import argparse
 import json
@@ -203,8 +204,8 @@ def main():
     print(f"memory: program float32 {progs['float32'][1] / 2**20:.0f} MiB, int8 {progs['int8'][1] / 2**20:.0f} MiB "
           f"(raw float32 rows {FEATURES * args.rows * args.dim * 4 / 2**20:.0f} MiB); mapped files float32 "
           f"{file_bytes['float32'] / 2**20:.0f} MiB, int8 {file_bytes['int8'] / 2**20:.0f} MiB (in the page cache)")
-    ok = results["dynamicemb program int8"]["vs_torchrec_int8"] >= 0.8
-    print(f"target (int8 program >= 0.8x torchrec int8): {'met' if ok else 'NOT met'}")
+    ok = results["dynamicemb program int8"]["vs_torchrec_int8"] >= 1.05
+    print(f"target (int8 program >= 1.05x torchrec int8): {'met' if ok else 'NOT met'}")
     path = write_json(args.out, dict(env=env_info(dev), config=vars(args), results=results,
                                      memory_bytes={k: v[1] for k, v in progs.items()}, mapped_file_bytes=file_bytes))
     print(f"wrote {path}")
