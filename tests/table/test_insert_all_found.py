@@ -17,14 +17,6 @@ from table_harness import Pair
 ALL_STRATEGIES = [TIMESTAMP, STEP, CUSTOMIZED, LFU, NO_EVICTION, TIMESTAMP_LFU]
 
 
-@pytest.fixture
-def threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 def _scores(strategy, rng, n, step):
     if strategy in (CUSTOMIZED, LFU):
         return [rng.randrange(1, 9) for _ in range(n)]

@@ -15,15 +15,6 @@ from table_harness import Pair
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture
-def threads():
-    """At least 2 intra-op threads, so that big batches run in parallel."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 def _filled_pair(seed: int) -> Pair:
     """Two tables (3 and 20 buckets of 16), full enough to evict, with tombstones."""
     rng = random.Random(seed)

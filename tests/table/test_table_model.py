@@ -104,17 +104,6 @@ def test_random_operations_match_model(strategy, device, data):
     p.export()
 
 
-@pytest.fixture
-def threads():
-    """At least 2 intra-op threads: batches of >= 4096 keys then take the
-    parallel path (BucketOrder: buckets in parallel, keys of one bucket in
-    input order) instead of the serial one."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(2, old))
-    yield
-    torch.set_num_threads(old)
-
-
 def _batch(rng, n, key_range, num_tables):
     keys = [rng.randrange(key_range) - key_range // 4 for _ in range(n)]
     keys[rng.randrange(n)] = INT64_MIN
