@@ -67,8 +67,8 @@ import traceback
 import torch
 
 from _common import busy_warning, default_out, env_info, format_table, loadavg, write_json
-from torchrec_batches import (KEY_RANGE, check_key_pool, dynamic_counts, folded, id_counts, make_batches, prefill,
-                              unique_ids)
+from torchrec_batches import (KEY_RANGE, check_key_pool, dynamic_counts, folded, fused_target, id_counts,
+                              make_batches, prefill, unique_ids)
 
 MODELS = ("dynamic", "native", "mc")
 
@@ -531,7 +531,8 @@ def main(argv=None):
     print(format_table(["model", "median ms", "min ms", "cpu ms", "faults/step", "steps/s", "samples/s",
                         "dyn/this time", "note"], rows))
     if "dynamic_over_native_time" in ratios:
-        print(f"dynamic / native step time: {ratios['dynamic_over_native_time']:.2f} (target <= 1.3)")
+        print(f"dynamic / native step time: {ratios['dynamic_over_native_time']:.2f} "
+              f"(target {fused_target(args.key_pool, args.new_share)})")
     if "dynamic_over_mc_time" in ratios:
         print(f"dynamic / mc step time: {ratios['dynamic_over_mc_time']:.2f} (target < 1)")
     for a, b in (("native", "dynamic_over_native_cpu"), ("mc", "dynamic_over_mc_cpu")):
@@ -567,7 +568,8 @@ def main(argv=None):
                              "rank, median",
                },
                "results": results, "ratios": ratios,
-               "targets": {"dynamic_over_native_time": "<= 1.3", "dynamic_over_mc_time": "< 1"}}
+               "targets": {"dynamic_over_native_time": fused_target(args.key_pool, args.new_share),
+                           "dynamic_over_mc_time": "< 1"}}
     print(f"wrote {write_json(args.out, payload)}")
 
 

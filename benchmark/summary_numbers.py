@@ -7,7 +7,9 @@ numbers in the units their names say (ms, Mkeys/s = 2^20 keys/s, GB/s =
 1e9 bytes/s, ratios as plain floats).
 """
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
+
+from torchrec_batches import fused_target
 
 MKEYS = float(2**20)
 
@@ -55,12 +57,11 @@ def key_embedding(d: dict) -> Dict[str, Any]:
             "dim": c.get("dim"), "optimizers": out}
 
 
-# bench_torchrec's id modes in run_all (name: label, dynamic / FUSED step-time target). The script's JSON
-# carries issue 4's target (its default mode) whatever the mode; issue 39 sets the two others.
-TORCHREC_MODES: Dict[str, Tuple[str, Optional[str]]] = {
-    "torchrec": ("mostly new ids", None),  # None: the JSON's own target
-    "torchrec_existing": ("existing ids", "<= 1.0"),
-    "torchrec_newshare": ("half the ids new", "<= 1.1"),
+# bench_torchrec's id modes in run_all: their labels (the targets: torchrec_batches.fused_target).
+TORCHREC_MODES: Dict[str, str] = {
+    "torchrec": "mostly new ids",
+    "torchrec_existing": "existing ids",
+    "torchrec_newshare": "half the ids new",
 }
 
 
@@ -85,14 +86,15 @@ def key_torchrec(d: dict, bench: str = "torchrec") -> Dict[str, Any]:
             models[name] = {"status": r.get("status", "n/a"), "reason": r.get("reason")}
     c = d["config"]
     ratios, targets = d.get("ratios", {}), d.get("targets", {})
-    label, target = TORCHREC_MODES.get(bench, (bench, None))
+    label = TORCHREC_MODES.get(bench, bench)
     dyn = d["results"].get("dynamic", {})
     return {"models": models, "ratios": ratios, "targets": targets,
             "tables": c.get("tables"), "dim": c.get("dim"), "rows_per_table": c.get("rows_per_table"),
             "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world"),
             "mode": label, "key_pool": c.get("key_pool") or None, "new_share_asked": c.get("new_share") or None,
             "wall_ratio": ratios.get("dynamic_over_native_time"), "cpu_ratio": ratios.get("dynamic_over_native_cpu"),
-            "target": target or targets.get("dynamic_over_native_time"),
+            # from the run's mode (a JSON written before the per-mode targets carries issue 4's for every mode)
+            "target": fused_target(c.get("key_pool") or 0, c.get("new_share") or 0.0),
             "new_ids_share": _new_share(dyn) if dyn.get("status") == "ok" else None}
 
 

@@ -20,6 +20,15 @@ import time
 
 import torch
 
+
+def fused_target(key_pool: int, new_share: float) -> str:
+    """The target of dynamic / FUSED step time for an id mode: issue 39's
+    for existing ids (<= 1.0) and for half of them new (<= 1.1), issue 4's
+    for the default mostly new ids (<= 1.3)."""
+    if key_pool:
+        return "<= 1.1" if new_share else "<= 1.0"
+    return "<= 1.3"
+
 KEY_RANGE = 2**40
 _MASK = KEY_RANGE - 1
 # Odd multipliers below 2**23: k * m stays below 2**63 for k < 2**40 (no overflow).
