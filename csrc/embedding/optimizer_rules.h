@@ -92,12 +92,14 @@ struct Adam {
     p.derived[0] = 1.0f - powf(p.beta1, static_cast<float>(p.step));
     p.derived[1] = 1.0f - powf(p.beta2, static_cast<float>(p.step));
   }
-  DE_HD static void element(float& w, float* m, float g, const Params& p) {
+  // The moments m moved by g, and the element's step direction r (LAMB's too).
+  DE_HD static float direction(float w, float* m, float g, const Params& p) {
     m[0] = p.beta1 * m[0] + (1.0f - p.beta1) * g;
     m[1] = p.beta2 * m[1] + (1.0f - p.beta2) * g * g;
     const float m_hat = m[0] / p.derived[0], v_hat = m[1] / p.derived[1];
-    w = w - p.lr * (m_hat / (sqrtf(v_hat) + p.eps) + p.weight_decay * w);
+    return m_hat / (sqrtf(v_hat) + p.eps) + p.weight_decay * w;
   }
+  DE_HD static void element(float& w, float* m, float g, const Params& p) { w = w - p.lr * direction(w, m, g, p); }
 };
 
 // EXACT_ADAGRAD: m += g^2; w -= lr * g / (sqrt(m) + eps). FBGEMM's rule has
@@ -192,16 +194,10 @@ struct Lamb {
   struct Step {
     float ratio;  // ||w|| / ||r||
   };
-  // The moments m updated by g, and the element's r.
-  DE_HD static float moments(float w, float* m, float g, const Params& p) {
-    m[0] = p.beta1 * m[0] + (1.0f - p.beta1) * g;
-    m[1] = p.beta2 * m[1] + (1.0f - p.beta2) * g * g;
-    return m[0] / p.derived[0] / (sqrtf(m[1] / p.derived[1]) + p.eps) + p.weight_decay * w;
-  }
   DE_HD static float term(int k, float g, float w, const float* s, const Params& p) {
     if (k == 0) return w * w;
     float m[2] = {s[0], s[1]};  // the pass only reads the state; apply() writes it
-    const float r = moments(w, m, g, p);
+    const float r = Adam::direction(w, m, g, p);
     return r * r;
   }
   DE_HD static Step row(float*, const float* sums, int64_t, const Params&) {
@@ -209,7 +205,7 @@ struct Lamb {
     return Step{rn > 0.0f ? sqrtf(sums[0]) / rn : 0.0f};
   }
   DE_HD static void apply(float& w, float* m, float g, const Step& s, const Params& p) {
-    const float r = moments(w, m, g, p);
+    const float r = Adam::direction(w, m, g, p);
     w = w - (p.lr * s.ratio) * r;
   }
 };
