@@ -68,7 +68,7 @@ import torch
 
 from _common import busy_warning, default_out, env_info, format_table, loadavg, write_json
 from torchrec_batches import (KEY_RANGE, check_key_pool, dynamic_counts, folded, fused_target, id_counts,
-                              make_batches, prefill, unique_ids)
+                              make_batches, mode_label, prefill, unique_ids)
 
 MODELS = ("dynamic", "native", "mc")
 
@@ -551,7 +551,7 @@ def main(argv=None):
                    "ebc": f"{args.tables} tables x dim {args.dim}, SUM pooling, one feature per table",
                    "batch_per_rank": args.batch, "pooling_factor": args.pooling,
                    "ids": ids_mode(args) + "; per step, rank and table; generated before timing",
-                   "mode": "existing ids (--key-pool)" if args.key_pool else "mostly new ids (Zipf over 2**40)",
+                   "mode": mode_label(args.key_pool, args.new_share),
                    "prefill": ("training-mode forwards under no_grad over every pool key of every table, batches "
                                "of the normal shape, all ranks, before the timed steps; prefill_s: between two "
                                "barriers, slowest rank, median over rounds" if args.key_pool else "none"),

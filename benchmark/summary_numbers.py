@@ -6,10 +6,9 @@ Each `key_<name>(data)` takes one script's JSON and returns a small dict of
 numbers in the units their names say (ms, Mkeys/s = 2^20 keys/s, GB/s =
 1e9 bytes/s, ratios as plain floats).
 """
-import functools
 from typing import Any, Callable, Dict, List, Optional
 
-from torchrec_batches import fused_target
+from torchrec_batches import fused_target, mode_label
 
 MKEYS = float(2**20)
 
@@ -57,12 +56,8 @@ def key_embedding(d: dict) -> Dict[str, Any]:
             "dim": c.get("dim"), "optimizers": out}
 
 
-# bench_torchrec's id modes in run_all: their labels (the targets: torchrec_batches.fused_target).
-TORCHREC_MODES: Dict[str, str] = {
-    "torchrec": "mostly new ids",
-    "torchrec_existing": "existing ids",
-    "torchrec_newshare": "half the ids new",
-}
+# bench_torchrec's runs in run_all, one per id mode (their labels and targets: torchrec_batches).
+TORCHREC_MODES = ("torchrec", "torchrec_existing", "torchrec_newshare")
 
 
 def _new_share(r: dict) -> Optional[float]:
@@ -73,7 +68,7 @@ def _new_share(r: dict) -> Optional[float]:
     return sum(c["new_ids_timed"] for c in ids) / unique if unique else None
 
 
-def key_torchrec(d: dict, bench: str = "torchrec") -> Dict[str, Any]:
+def key_torchrec(d: dict) -> Dict[str, Any]:
     """Per model (dynamic, native, mc): the median step time; the ratios;
     dynamic / FUSED by wall and CPU time against the id mode's target, and
     the share of new ids in the timed steps (with --key-pool)."""
@@ -86,15 +81,15 @@ def key_torchrec(d: dict, bench: str = "torchrec") -> Dict[str, Any]:
             models[name] = {"status": r.get("status", "n/a"), "reason": r.get("reason")}
     c = d["config"]
     ratios, targets = d.get("ratios", {}), d.get("targets", {})
-    label = TORCHREC_MODES.get(bench, bench)
+    key_pool, new_share = c.get("key_pool") or 0, c.get("new_share") or 0.0
     dyn = d["results"].get("dynamic", {})
     return {"models": models, "ratios": ratios, "targets": targets,
             "tables": c.get("tables"), "dim": c.get("dim"), "rows_per_table": c.get("rows_per_table"),
             "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world"),
-            "mode": label, "key_pool": c.get("key_pool") or None, "new_share_asked": c.get("new_share") or None,
+            "mode": mode_label(key_pool, new_share), "key_pool": key_pool or None, "new_share_asked": new_share or None,
             "wall_ratio": ratios.get("dynamic_over_native_time"), "cpu_ratio": ratios.get("dynamic_over_native_cpu"),
             # from the run's mode (a JSON written before the per-mode targets carries issue 4's for every mode)
-            "target": fused_target(c.get("key_pool") or 0, c.get("new_share") or 0.0),
+            "target": fused_target(key_pool, new_share),
             "new_ids_share": _new_share(dyn) if dyn.get("status") == "ok" else None}
 
 
@@ -168,9 +163,9 @@ def key_quality(d: dict) -> Dict[str, Any]:
 
 
 KEY_NUMBERS: Dict[str, Callable[[dict], Dict[str, Any]]] = {
-    "table": key_table, "embedding": key_embedding, "torchrec": key_torchrec, "tiers": key_tiers,
+    "table": key_table, "embedding": key_embedding, "tiers": key_tiers,
     "checkpoint": key_checkpoint, "inference": key_inference, "soak": key_soak, "quality": key_quality,
-    **{n: functools.partial(key_torchrec, bench=n) for n in TORCHREC_MODES if n != "torchrec"},
+    **{n: key_torchrec for n in TORCHREC_MODES},
 }
 
 

@@ -21,6 +21,15 @@ import time
 import torch
 
 
+def mode_label(key_pool: int, new_share: float) -> str:
+    """What a run's ids are, as the report names its id mode."""
+    if not key_pool:
+        return "mostly new ids"
+    if not new_share:
+        return "existing ids"
+    return "half the ids new" if new_share == 0.5 else f"{100 * new_share:g}% of the ids new"
+
+
 def fused_target(key_pool: int, new_share: float) -> str:
     """The target of dynamic / FUSED step time for an id mode: issue 39's
     for existing ids (<= 1.0) and for half of them new (<= 1.1), issue 4's
