@@ -157,9 +157,10 @@ def choice(o: DynamicEmbTableOptions, row: int) -> Tuple[str, float]:
     """(tier, share of the table's rows per rank in HBM)."""
     if o.caching:
         return "cached", o.cache_rows(row, 1) / o.max_capacity
-    if o.global_hbm_for_values and not o.values_on_device(o.max_capacity * row):
-        return "host", 0.0
-    return "hbm", 1.0
+    head = o.hbm_rows(row)
+    if head is None or head >= o.max_capacity:
+        return "hbm", 1.0
+    return ("host", 0.0) if head == 0 else ("hybrid", head / o.max_capacity)
 
 
 def run_case(world: int, keys: int, optimizer, dump_rate: float) -> dict:

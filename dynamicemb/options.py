@@ -158,11 +158,13 @@ class DynamicEmbTableOptions:
         """This rank's bytes of accelerator memory for values (0: no limit)."""
         return self.global_hbm_for_values // max(1, self.num_shards)
 
-    def values_on_device(self, value_bytes: int) -> bool:
-        """Whether values of `value_bytes` at max_capacity (and their
-        optimizer state) stay in accelerator memory; False: the table's rows
-        live in pinned host memory, read and updated in place by the kernels."""
-        return self.global_hbm_for_values == 0 or value_bytes <= self.local_hbm_for_values
+    def hbm_rows(self, row_bytes: int) -> Optional[int]:
+        """Rows (values and optimizer state, `row_bytes` each) that this
+        rank's share of global_hbm_for_values holds; None: no limit. A table
+        with more rows is hybrid (table_rows.py): its first rows stay in
+        accelerator memory, the rest in pinned host memory, which the kernels
+        read and update in place."""
+        return None if self.global_hbm_for_values == 0 else self.local_hbm_for_values // row_bytes
 
     @property
     def grows_past_max_capacity(self) -> bool:

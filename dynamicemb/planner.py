@@ -154,10 +154,11 @@ class DynamicEmbeddingShardingPlanner:
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
         """(HBM, DDR) bytes per rank of each dynamic table, as plan() charges
-        them: on a CUDA topology the hash table and the values that fit
-        global_hbm_for_values to HBM, the other values (the host tier) to
-        DDR; a cached table's cache to HBM and its backing store to DDR (see
-        _tier_bytes). On a CPU topology everything is DDR."""
+        them: on a CUDA topology the hash table and the rows (values and
+        optimizer state) that its share of global_hbm_for_values holds to
+        HBM, its other rows (a hybrid table's host part) to DDR; a cached
+        table's cache to HBM and its backing store to DDR (see _tier_bytes).
+        On a CPU topology everything is DDR."""
         on_device = self._topology.compute_device == "cuda"
         out = {}
         for n, o in self.options.items():
@@ -167,10 +168,10 @@ class DynamicEmbeddingShardingPlanner:
                 out[n] = (cache, store) if on_device else (0, cache + store)
             elif not on_device:
                 out[n] = (0, values + table)
-            elif o.values_on_device(values):
-                out[n] = (values + table, 0)
             else:
-                out[n] = (table, values)
+                head = o.hbm_rows(values // o.max_capacity)
+                head = values if head is None else min(values, head * (values // o.max_capacity))
+                out[n] = (table + head, values - head)
         return out
 
     def allotted_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:

@@ -12,8 +12,11 @@ STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rej
 # Tables with caching=True also report their tiers: forward lookups found in
 # the cache (hits) or not (misses), cache rows written back to the backing
 # store, keys a step served outside a too small cache (bypassed), rows in
-# each tier, and the cache's capacity.
-TIER_KEYS = ("hits", "misses", "write_backs", "bypassed", "cache_rows", "store_rows", "cache_capacity")
+# each tier, and the cache's capacity. Tables with an HBM share
+# (global_hbm_for_values, without caching) report their keys whose rows are
+# in device memory and in host memory, and the device part's rows.
+TIER_KEYS = ("hits", "misses", "write_backs", "bypassed", "cache_rows", "store_rows", "cache_capacity",
+             "device_rows", "host_rows", "device_capacity")
 
 
 def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingTables]:

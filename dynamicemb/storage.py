@@ -20,6 +20,7 @@ from dynamicemb.positions import where_true
 from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
                                          RowBlocks)
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
+from dynamicemb.table_rows import TableRows, kernel_weights, new_parts
 from dynamicemb.types import InsertResult, strategy_code, strategy_of
 
 _STATE_COLUMN = rules.INIT_ARGS.index("state")  # of the packed initializer
@@ -97,18 +98,18 @@ class HashTableStorage(EmbeddingStorage):
                 self.group_of[t] = (gi, lt)
         self._table_group = [g for g, _ in self.group_of]
         self._table_local = [lt for _, lt in self.group_of]
-        # The host tier: on a CUDA device, a table whose values do not fit its
-        # share of global_hbm_for_values keeps its rows in pinned host memory,
-        # which the kernels read and update in place (mapped, no copies).
+        # A hybrid table (table_rows.py): the rows past its share of
+        # global_hbm_for_values live in host memory, read and updated in
+        # place by the kernels (mapped, no copies). None: every row on the device.
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.host_tier = [device.type == "cuda" and not o.values_on_device(
-            self.max_caps[t] * (self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
+        self.head_rows = [o.hbm_rows((self.dims[t] + state_widths[t]) * itemsize) for t, o in enumerate(options)]
         # How far each table may grow (memory_budget): growth is checked here, before allocating.
         self.budgets = [memory.TableBudget(names[t], (self.dims[t] + state_widths[t]) * itemsize, self.max_caps[t],
                                            o.memory_budget, o.grows_past_max_capacity) for t, o in enumerate(options)]
         self.limit_caps = [b.limit for b in self.budgets]
-        self._weights = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t])
-                         for t in range(self.num_tables)]
+        self._parts = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t]) for t in range(self.num_tables)]
+        # The heads, by reference: a tiered storage's cache grows a table by replacing its entry.
+        self._weights = [r.head for r in self._parts]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
         self._table_slot_begin = self._per_table_slot_begin()
         self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
@@ -133,13 +134,16 @@ class HashTableStorage(EmbeddingStorage):
         """(initial, maximum) capacity in slots (doubling_capacities)."""
         return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)
 
-    def _new_rows(self, t: int, rows: int, width: int) -> torch.Tensor:
-        """Zero-filled rows of table t in its tier: the pages are touched
-        here, not by the first training steps (as a static table's
-        initialisation touches them)."""
-        if self.host_tier[t]:
-            return torch.zeros(rows, width, dtype=self.dtype, pin_memory=True)
-        return memory.zeros((rows, width), self.dtype, self.device)
+    def _new_rows(self, t: int, rows: int, width: int) -> TableRows:
+        """Zero-filled rows of table t, split at its head rows."""
+        return new_parts(rows, width, self.head_rows[t], self.dtype, self.device)
+
+    def rows_of(self, t: int) -> TableRows:
+        """Table t's rows (both parts of a hybrid table)."""
+        r = self._parts[t]
+        if r.head is not self._weights[t]:  # replaced through weights() (a cache's growth)
+            r = self._parts[t] = TableRows(self._weights[t])
+        return r
 
     def _group_slot_begin(self, g: int) -> torch.Tensor:
         ht, _ = self.groups[g]
@@ -151,7 +155,11 @@ class HashTableStorage(EmbeddingStorage):
             torch.zeros(0, dtype=torch.int64, device=self.device)
 
     def weights(self) -> List[torch.Tensor]:
-        return self._weights
+        """The kernels' rows (table_rows.kernel_weights). For a module
+        without a hybrid table, the storage's own list of each table's rows."""
+        if all(r.tail is None for r in self._parts):
+            return self._weights
+        return kernel_weights([self.rows_of(t) for t in range(self.num_tables)])
 
     def max_rows(self, t: int) -> int:
         """The most keys table t may hold on this rank (a NO_EVICTION table:
@@ -216,7 +224,7 @@ class HashTableStorage(EmbeddingStorage):
         hts = [ht for ht, _ in self.groups]
         return ops.emb_lookup_forward([h.slot_keys for h in hts], [h.slot_digests for h in hts],
                                       [h.table_buckets for h in hts], [h.bucket_capacity for h in hts],
-                                      self._table_group, self._table_local, self._weights, indices, offsets,
+                                      self._table_group, self._table_local, self.weights(), indices, offsets,
                                       feature_table, self.dims, per_sample_weights, pooling, self.eval_init_params,
                                       self.seed, output_dtype)
 
@@ -249,7 +257,7 @@ class HashTableStorage(EmbeddingStorage):
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
             given = keys.new_empty(0) if inverse is None else inverse
             _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
-                self._weights, slots, self._table_slot_begin, table_ids, keys, is_new, given, self.dims,
+                self.weights(), slots, self._table_slot_begin, table_ids, keys, is_new, given, self.dims,
                 self.init_params, self.seed)
             inverse = None if inverse is None else renumbered
         else:
@@ -263,7 +271,7 @@ class HashTableStorage(EmbeddingStorage):
         rows = _slot_rows(slots, self._table_slot_begin[table_ids])
         sel = where_true(is_new)
         if sel.numel():
-            ops.emb_init_rows(self._weights, rows.index_select(0, sel), table_ids.index_select(0, sel),
+            ops.emb_init_rows(self.weights(), rows.index_select(0, sel), table_ids.index_select(0, sel),
                               keys.index_select(0, sel), self.dims, self.init_params, self.seed)
         return rows
 
@@ -381,10 +389,10 @@ class HashTableStorage(EmbeddingStorage):
             src, dst = old_idx[sel] - old_begin[lt], new_idx[sel] - new_begin[lt]
             if lt not in grown and torch.equal(src, dst):
                 continue  # rows did not move
-            w = self._weights[t]
+            w = self.rows_of(t)
             moved = grown[lt] if lt in grown else self._new_rows(t, new_caps[lt], w.shape[1])
-            moved[dst.to(w.device)] = w[src.to(w.device)]
-            self._weights[t] = moved
+            moved.write(dst, w.index_select(0, src))
+            self._parts[t], self._weights[t] = moved, moved.head
         self._slot_begin[g] = self._group_slot_begin(g)
         self._table_slot_begin = self._per_table_slot_begin()
         self.version += 1
@@ -456,13 +464,13 @@ class HashTableStorage(EmbeddingStorage):
         lts = torch.full_like(keys, lt)
         out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), step))
         rows = self._rows(g, out.indices, lts)
-        ok = rows >= 0
-        w = self._weights[table_id]
-        w[rows[ok], :dim] = values.to(device=w.device, dtype=w.dtype)[ok]
+        ok = where_true(rows >= 0)
+        w = self.rows_of(table_id)
+        w.columns(0, dim).write(rows[ok], values.to(w.device).index_select(0, ok))
         if optimizer_state is None:
-            w[rows[ok], dim:] = self.state_init(table_id)
+            w.columns(dim).write(rows[ok], self.state_init(table_id))
         else:
-            w[rows[ok], dim:] = optimizer_state.to(device=w.device, dtype=w.dtype).reshape(keys.numel(), -1)[ok]
+            w.columns(dim).write(rows[ok], optimizer_state.to(w.device).reshape(keys.numel(), -1).index_select(0, ok))
         return rows
 
     # ---- checkpoint state ------------------------------------------------------------------------
@@ -488,11 +496,11 @@ class HashTableStorage(EmbeddingStorage):
         g, lt = self.group_of[table_id]
         ht = self.groups[g][0]
         begin, dim = int(self._slot_begin[g][lt]), self.dims[table_id]
-        w = self._weights[table_id]
+        w = self.rows_of(table_id)
         for b in ht.export(batch_size=batch_size, table_id=lt):
             rows = b.indices - begin
             ts = ht.slot_timestamps[b.indices] if ht.slot_timestamps.numel() else None
-            values, state = RowBlocks(w[:, :dim], rows), RowBlocks(w[:, dim:], rows)
+            values, state = RowBlocks(w.columns(0, dim), rows), RowBlocks(w.columns(dim), rows)
             if not lazy:  # each gathered apart: each comes out contiguous, once
                 values, state = values.materialize(), state.materialize()
             yield RowBatch(b.keys, values, state, b.scores, ts)
@@ -518,13 +526,13 @@ class HashTableStorage(EmbeddingStorage):
         ht.slot_scores[idx] = batch.scores.to(device=self.device, dtype=torch.int64)
         if batch.timestamps is not None and ht.slot_timestamps.numel():
             ht.slot_timestamps[idx] = batch.timestamps.to(device=self.device, dtype=torch.int64)
-        w, dim = self._weights[table_id], self.dims[table_id]
-        rows = self._rows(g, idx, lts).to(w.device)
-        w[rows, :dim] = batch.values.to(device=w.device, dtype=w.dtype)
+        w, dim = self.rows_of(table_id), self.dims[table_id]
+        rows = self._rows(g, idx, lts)
+        w.columns(0, dim).write(rows, batch.values)
         if batch.optimizer_state is None or batch.optimizer_state.shape[1] == 0:
-            w[rows, dim:] = self.state_init(table_id)  # rows without state start fresh
+            w.columns(dim).write(rows, self.state_init(table_id))  # rows without state start fresh
         else:
-            w[rows, dim:] = batch.optimizer_state.to(device=w.device, dtype=w.dtype)
+            w.columns(dim).write(rows, batch.optimizer_state)
 
     # ---- export and accounting -----------------------------------------------------------------
 
@@ -533,14 +541,19 @@ class HashTableStorage(EmbeddingStorage):
         ht = self.groups[g][0]
         begin = int(self._slot_begin[g][lt])
         for b in ht.export(threshold=threshold, batch_size=batch_size, table_id=lt):
-            w = self._weights[table_id]
-            yield b.keys, w[(b.indices - begin).to(w.device)], b.scores
+            yield b.keys, self.rows_of(table_id).index_select(0, b.indices - begin), b.scores
 
     def stats(self, table_id):
         g, lt = self.group_of[table_id]
         ht = self.groups[g][0]
-        return dict(size=ht.size(lt), capacity=ht.capacity(lt), **ht.get_counters(lt),
-                    admission_rejected=int(self.rejected[table_id]))
+        out = dict(size=ht.size(lt), capacity=ht.capacity(lt), **ht.get_counters(lt),
+                   admission_rejected=int(self.rejected[table_id]))
+        if self.head_rows[table_id] is not None:  # a table with an HBM share: its keys in each part
+            split = self.rows_of(table_id).split
+            begin = self.first_slot(table_id)
+            out["device_rows"] = ht.live_in(begin, begin + split)
+            out.update(host_rows=out["size"] - out["device_rows"], device_capacity=split)
+        return out
 
     def clear_table(self, table_id: int) -> int:
         """Removes every entry of one table (keys, scores, values and
@@ -553,6 +566,6 @@ class HashTableStorage(EmbeddingStorage):
         if keys:
             keys = torch.cat(keys)
             removed = int(ht.erase(keys, torch.full_like(keys, lt)).sum())
-        self._weights[table_id].zero_()
+        self.rows_of(table_id).zero_()
         self.version += 1  # rows returned before belong to no key now
         return removed

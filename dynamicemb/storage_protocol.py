@@ -94,7 +94,9 @@ class EmbeddingStorage(abc.ABC):
 
     @abc.abstractmethod
     def weights(self) -> List[torch.Tensor]:
-        """Per table, the [rows, dim + state] tensor the kernels address."""
+        """Per table, the [rows, dim + state] tensor the kernels address; or,
+        when some table's rows are in two parts (table_rows.py), every
+        table's head, then every table's tail."""
 
     @abc.abstractmethod
     def find(self, keys: torch.Tensor, table_ids: torch.Tensor) -> torch.Tensor:

@@ -316,6 +316,12 @@ class ScoredHashTable:
             if keys.numel():
                 yield ExportBatch(keys, tids, idx, self.slot_scores[idx])
 
+    def live_in(self, begin: int, end: int, batch_size: int = 1 << 20) -> int:
+        """Live entries in slots [begin, end)."""
+        return sum(int(ops.table_export_range(table_arg(self), None, b, min(end, b + batch_size),
+                                              self.bucket_capacity, 0)[0].numel())
+                   for b in range(begin, end, batch_size))
+
     def grow(self, new_capacity: Union[int, Sequence[int]], table_id: Optional[int] = None
              ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rebuilds the table with larger capacities, keeping every entry and

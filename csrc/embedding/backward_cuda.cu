@@ -132,7 +132,7 @@ __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, con
     const int64_t r = rows[u];
     if (r < 0) continue;
     const TableDev& tab = tabs[utids[u]];
-    W* row = static_cast<W*>(tab.w) + r * tab.stride;
+    W* row = row_at<W>(tab.rows, r);
     WarpWalk walk{src, tab.dim, occ_begin[u], occ_begin[u + 1], lane};
     optim::dispatch(kind, [&](auto rule) { optim::update_row<decltype(rule)>(row, tab.dim, walk, p); });
   }
@@ -152,7 +152,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   check_1d(inverse, at::kLong, "inverse", dev);
   const int64_t U = rows.numel(), n = inverse.numel();
   TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
   const float* psw = opt_weights(per_sample_weights, n, dev);
   TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
                   grad_output.dim() == 2,

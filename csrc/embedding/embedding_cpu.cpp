@@ -2,8 +2,9 @@
 // initialisation, gather + pool forward, and the backward that reduces one
 // gradient per unique key and applies the optimizer to its row in place.
 //
-// Rows: table t's values are weights[t], a 2-D [rows, dim_t + state_t] tensor
-// in the storage dtype; kernels address them by table-local row (-1: the key
+// Rows: table t's rows (weights[t], or a head and a tail: row_parts.h), 2-D
+// [rows, dim_t + state_t] in the storage dtype; kernels address them by
+// table-local row through row_at (-1: the key
 // has no row, its value is its initial value and it gets no update).
 // Bags: TBE layout, offsets [F * B + 1], bag j = f * B + b; feature f reads
 // table feature_table[f]; pooled output [B, sum_f dim_f], features side by side.
@@ -195,8 +196,7 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
 void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_t seed, const int64_t* r,
                      const int64_t* t, const int64_t* k, const bool* mask, int64_t n) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows", [&] {
-    std::vector<scalar_t*> w;
-    for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
+    const int64_t T = R.num_tables();
     constexpr bool kStreamed = std::is_same_v<scalar_t, float>;
     auto wanted = [&](int64_t i) { return r[i] >= 0 && (mask == nullptr || mask[i]); };
     cpu::parallel_ranges(n, 256, [&](int64_t b, int64_t e) {
@@ -204,19 +204,19 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
       constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
         const int64_t a = i + kAhead;
-        if (!kStreamed && a < e && wanted(a) && 0 <= t[a] && t[a] < (int64_t)w.size() && r[a] < R.w[t[a]].size(0)) {
-          const char* row = reinterpret_cast<const char*>(w[t[a]] + r[a] * R.stride[t[a]]);
+        if (!kStreamed && a < e && wanted(a) && 0 <= t[a] && t[a] < T && r[a] < R.parts[t[a]].rows) {
+          const char* row = reinterpret_cast<const char*>(R.row<scalar_t>(t[a], r[a]));
           for (int64_t q = 0; q < R.stride[t[a]] * static_cast<int64_t>(sizeof(scalar_t)); q += 64)
             __builtin_prefetch(row + q, 1, 3);
         }
         if (!wanted(i)) continue;
-        TORCH_CHECK(0 <= t[i] && t[i] < (int64_t)w.size() && r[i] < R.w[t[i]].size(0), "dynamicemb: row ", r[i],
+        TORCH_CHECK(0 <= t[i] && t[i] < T && r[i] < R.parts[t[i]].rows, "dynamicemb: row ", r[i],
                     " of table ", t[i], " is out of range");
         if constexpr (kStreamed) {
-          init_row(reinterpret_cast<float*>(w[t[i]] + r[i] * R.stride[t[i]]), R.dim[t[i]], R.stride[t[i]], args[t[i]],
+          init_row(reinterpret_cast<float*>(R.row<scalar_t>(t[i], r[i])), R.dim[t[i]], R.stride[t[i]], args[t[i]],
                    seed, k[i], buf);
         } else {
-          init_row(w[t[i]] + r[i] * R.stride[t[i]], R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i]);
+          init_row(R.row<scalar_t>(t[i], r[i]), R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i]);
         }
       }
       if (kStreamed) stream_fence();
@@ -232,7 +232,7 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
   check_1d(keys, at::kLong, "keys");
   const int64_t n = rows.numel();
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
-  init_rows_where(R, init_args(init_params, static_cast<int64_t>(R.w.size())), static_cast<uint64_t>(seed),
+  init_rows_where(R, init_args(init_params, R.num_tables()), static_cast<uint64_t>(seed),
                   rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), nullptr, n);
 }
 
@@ -249,9 +249,9 @@ constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
 
 template <class RowOf>
 cpu::StablePartition row_order(const Rows& R, RowOf row_of, const int64_t* t, int64_t n) {
-  const int64_t T = static_cast<int64_t>(R.w.size());
+  const int64_t T = R.num_tables();
   std::vector<int64_t> base(T + 1, 0);
-  for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.w[k].size(0);
+  for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.parts[k].rows;
   int shift = 0;
   while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
   return cpu::StablePartition(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
@@ -277,7 +277,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
   check_1d(keys, at::kLong, "keys");
   check_1d(is_new, at::kBool, "is_new");
   check_1d(inverse, at::kLong, "inverse");
-  const int64_t n = slots.numel(), m = inverse.numel(), T = static_cast<int64_t>(R.w.size());
+  const int64_t n = slots.numel(), m = inverse.numel(), T = R.num_tables();
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
               "dynamicemb: slots, table_ids, keys and is_new differ in length");
   TORCH_CHECK(slot_begin.numel() == T, "dynamicemb: slot_begin has ", slot_begin.numel(), " entries for ", T,
@@ -335,8 +335,6 @@ template <class W, class O>
 void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const int64_t* ukeys, const int64_t* inv,
                   const float* psw, int64_t pooling, const std::vector<init::Args>& args, uint64_t seed,
                   const std::vector<int64_t>& doff, O* out) {
-  std::vector<const W*> w;
-  for (const auto& x : R.w) w.push_back(x.data_ptr<W>());
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
   for_each_span(bags, [&](int64_t jb, int64_t je) {
     // The row of every index of the span (nullptr: none, it reads its initial
@@ -351,7 +349,7 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
         if (i + kRowsAhead < bags.off[je]) __builtin_prefetch(rows + inv[i + kRowsAhead]);
         const int64_t r = rows[inv[i]];
-        src[i - bags.off[jb]] = r >= 0 ? w[t] + r * R.stride[t] : nullptr;
+        src[i - bags.off[jb]] = r >= 0 ? R.row<const W>(t, r) : nullptr;
       }
     }
     pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return ukeys[inv[i]]; }, psw, pooling, args, seed,
@@ -370,9 +368,9 @@ Tensor forward_cpu(TensorList weights, const Tensor& rows, const Tensor& unique_
   TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
   check_inverse(inverse, rows.numel());
   const int64_t n = inverse.numel();
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables());
   const float* psw = opt_weights(per_sample_weights, n);
-  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
+  const auto args = init_args(init_params, R.num_tables());
   const std::vector<int64_t> doff = feature_columns(R, bags);
   Tensor out = forward_output(R, bags, doff, psw, pooling, output_dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward", [&] {
@@ -420,7 +418,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   const int64_t U = rows.numel(), n = inverse.numel();
   TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
   check_inverse(inverse, U);
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables());
   const float* psw = opt_weights(per_sample_weights, n);
   TORCH_CHECK(grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() && grad_output.dim() == 2,
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor");
@@ -480,8 +478,6 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
   });
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward", [&] {
-    std::vector<scalar_t*> w;
-    for (const auto& x : R.w) w.push_back(x.data_ptr<scalar_t>());
     // Tasks of about equal occurrence counts (not equal key counts: a few hot
     // keys hold much of a skewed batch); each key is reduced by one task.
     const int64_t tasks = U < 256 ? 1 : 8 * at::get_num_threads();
@@ -497,7 +493,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
       for (int64_t u = ub; u < ue; ++u) {
         if (u + kRowAhead < ue && r[u + kRowAhead] >= 0) {  // for writing: fetched exclusive
           const int64_t ta = ut[u + kRowAhead];
-          const char* row = reinterpret_cast<const char*>(w[ta] + r[u + kRowAhead] * R.stride[ta]);
+          const char* row = reinterpret_cast<const char*>(R.row<scalar_t>(ta, r[u + kRowAhead]));
           for (int64_t b = 0; b < R.stride[ta] * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
             __builtin_prefetch(row + b, 1, 3);
         }
@@ -511,7 +507,7 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         sum_rows(g.data(), occ_g.get() + begin[u], occ_s.get() + begin[u], begin[u + 1] - begin[u], D, 0);
         RowWalk walk{g.data(), D};
         optim::dispatch(optimizer, [&](auto rule) {
-          optim::update_row<decltype(rule)>(w[t] + r[u] * R.stride[t], D, walk, p);
+          optim::update_row<decltype(rule)>(R.row<scalar_t>(t, r[u]), D, walk, p);
         });
       }
     });

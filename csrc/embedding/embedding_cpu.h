@@ -2,8 +2,8 @@
 // init, forward, backward; lookup_forward_cpu.cpp: the fused eval lookup):
 // input validation, the bag structure and the pooled gather.
 //
-// Rows: table t's values are weights[t], a 2-D [rows, dim_t + state_t] tensor
-// in the storage dtype (uint8, for emb_lookup_forward only: [rows, dim_t + 8],
+// Rows: table t's rows (row_parts.h: weights[t], or its head and tail), 2-D
+// [rows, dim_t + state_t] in the storage dtype (uint8, for emb_lookup_forward only: [rows, dim_t + 8],
 // bag_checks.h). Bags: TBE layout, offsets [F * B + 1], bag j = f * B + b;
 // feature f reads table feature_table[f]; pooled output [B, sum_f dim_f].
 #pragma once
@@ -22,6 +22,7 @@
 #include "embedding/bag_checks.h"
 #include "embedding/init_rules.h"
 #include "embedding/row_math_cpu.h"
+#include "embedding/row_parts.h"
 
 namespace dynamicemb {
 namespace embedding {
@@ -84,25 +85,32 @@ inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_tab
   return bags;
 }
 
-// Table t's weights and the layout facts the kernels need.
+// Each table's rows (row_parts.h: whole, or a head and a tail) and the
+// layout facts the kernels need.
 struct Rows {
-  std::vector<Tensor> w;
+  std::vector<RowParts> parts;
   std::vector<int64_t> dim, stride;
   at::ScalarType dtype;
+  int64_t num_tables() const { return static_cast<int64_t>(parts.size()); }
+  template <class W>
+  W* row(int64_t t, int64_t r) const { return row_at<W>(parts[t], r); }
 };
 
 inline Rows check_rows(TensorList weights, IntArrayRef dims) {
-  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
-              " weight tensors for ", dims.size(), " tables");
+  const int64_t T = static_cast<int64_t>(dims.size());
+  TORCH_CHECK(!weights.empty(), "dynamicemb: no weight tensors");
   Rows r{{}, {}, {}, weights[0].scalar_type()};
-  for (size_t t = 0; t < weights.size(); ++t) {
-    const Tensor& w = weights[t];
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
-                "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
-    check_row_width(t, r.dtype, w.size(1), dims[t]);
-    r.w.push_back(w);
+  r.parts = table_parts(
+      weights, T,
+      [&](int64_t t, const Tensor& w) {
+        TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
+                    "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
+      },
+      [](const Tensor& w) { return w.data_ptr(); });
+  for (int64_t t = 0; t < T; ++t) {
+    check_row_width(t, r.dtype, r.parts[t].stride, dims[t]);
     r.dim.push_back(dims[t]);
-    r.stride.push_back(w.size(1));
+    r.stride.push_back(r.parts[t].stride);
   }
   return r;
 }

@@ -181,14 +181,14 @@ __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t*
   for (int64_t i = warp_begin(); i < n; i += warp_stride()) {
     const int64_t r = rows[i], t = tids[i];
     if (r < 0) continue;
-    if (t < 0 || t >= T || r >= tabs[t].rows) {
+    if (t < 0 || t >= T || r >= tabs[t].rows.rows) {
       if (lane == 0) flag_min(err, i);
       continue;
     }
     const TableDev& tab = tabs[t];  // a reference: the init args stay in global memory
-    W* row = static_cast<W*>(tab.w) + r * tab.stride;
+    W* row = row_at<W>(tab.rows, r);
     const int64_t key = keys[i];
-    for (int64_t d = lane; d < tab.stride; d += kWarp)
+    for (int64_t d = lane; d < tab.rows.stride; d += kWarp)
       row[d] = d < tab.dim ? static_cast<W>(initial_value(&tab.init, seed, key, d, tab.dim))
                            : static_cast<W>(init::state_value(tab.init));
   }
@@ -204,7 +204,7 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
   check_1d(keys, at::kLong, "keys", R.device);
   const int64_t n = rows.numel();
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
-  const int64_t T = static_cast<int64_t>(R.w.size());
+  const int64_t T = R.num_tables();
   const auto args = init_args(init_params, T, stream);
   if (n == 0) return;
   const Tensor tabs = upload(table_facts(R, args), R.device, stream);
@@ -255,7 +255,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
   for (int64_t j = warp_begin(); j < nb; j += warp_stride()) {
     const FeatureDev feat = feats[j / B];
     const TableDev& tab = tabs[feat.table];
-    const W* w = static_cast<const W*>(tab.w);
     const int64_t D = tab.dim, beg = off[j], end = off[j + 1], L = end - beg;
     const float scale = (mean && L > 0) ? __fdiv_rn(1.0f, static_cast<float>(L)) : 1.0f;
     O* o = out + (j % B) * total_d + feat.col;
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
         if (i0 + lane < end) {
           const int64_t i = i0 + lane, u = inv[i], r = rows[u];
           if (r >= 0)
-            p = reinterpret_cast<unsigned long long>(resolve_row(w, tab.stride, tab.hot, r));
+            p = reinterpret_cast<unsigned long long>(resolve_row<W>(tab.rows, tab.hot, r));
           else
             key = static_cast<unsigned long long>(ukeys[u]);
           s = psw ? psw[i] : 1.0f;
@@ -317,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
     const int64_t u = inv[i], r = rows[u], D = tab.dim;
     O* o = out + i * D;
     if (r >= 0) {
-      const W* row = resolve_row(static_cast<const W*>(tab.w), tab.stride, tab.hot, r);
+      const W* row = resolve_row<W>(tab.rows, tab.hot, r);
       for (int64_t d = lane; d < D; d += kWarp)
         o[d] = static_cast<O>(mul_add(0.0f, 1.0f, load_value(row, d, D)));
     } else {
@@ -344,10 +343,10 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
   check_1d(inverse, at::kLong, "inverse", dev);
   TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
   const int64_t n = inverse.numel();
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
   const float* psw = opt_weights(per_sample_weights, n, dev);
   TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
-  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()), stream);
+  const auto args = init_args(init_params, R.num_tables(), stream);
   std::vector<int64_t> doff(bags.F + 1, 0);
   for (int64_t f = 0; f < bags.F; ++f) doff[f + 1] = doff[f] + R.dim[bags.table[f]];
   const auto opts = at::TensorOptions().dtype(output_dtype).device(dev);
@@ -435,10 +434,10 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
   const LookupTables H = check_lookup_tables(
-      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights, dev,
+      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, R.parts, dev,
       [&](size_t g) { return download(table_buckets[g].data_ptr<int64_t>(), table_buckets[g].numel(), stream); });
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()), dev, stream);
-  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, weights, dev);
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
+  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, R.parts, R.dtype, dev);
   const auto L = indices.options();
   Tensor rows = at::empty({n}, L);
   if (n > 0) {

@@ -18,6 +18,7 @@
 #include "embedding/bag_checks.h"
 #include "embedding/hot_rows.h"
 #include "embedding/init_rules.h"
+#include "embedding/row_parts.h"
 
 namespace dynamicemb {
 namespace embedding {
@@ -34,8 +35,8 @@ constexpr int64_t kChunk = kPerLane * kWarp;
 
 // Per-table facts the kernels need (uploaded per call).
 struct TableDev {
-  void* w;  // [rows, stride] in the storage dtype
-  int64_t dim, stride, rows;
+  RowParts rows;  // where each row is (row_parts.h), in the storage dtype
+  int64_t dim;
   init::Args init;
   HotRows hot;  // emb_lookup_forward's hot rows (hot_rows.h); none for the training ops
 };
@@ -80,30 +81,35 @@ inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_tab
 }
 
 struct Rows {
-  std::vector<Tensor> w;
+  std::vector<RowParts> parts;
   std::vector<int64_t> dim, stride;
   at::ScalarType dtype;
   at::Device device;
+  int64_t num_tables() const { return static_cast<int64_t>(parts.size()); }
 };
 
-// The op runs on the device of `rows`. A table's weights are on that device,
-// or in pinned host memory (the host tier, storage.py): the kernels then read
-// and update the rows in place through the mapped device pointer.
+// The op runs on the device of `rows`. A table's rows (row_parts.h: whole, or
+// a head and a tail) are on that device or in pinned host memory (the host
+// part of a hybrid table, storage.py): the kernels then read and update the
+// rows in place through the mapped device pointer.
 inline Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
-  TORCH_CHECK(!weights.empty() && weights.size() == dims.size(), "dynamicemb: ", weights.size(),
-              " weight tensors for ", dims.size(), " tables");
+  const int64_t T = static_cast<int64_t>(dims.size());
+  TORCH_CHECK(!weights.empty(), "dynamicemb: no weight tensors");
   Rows r{{}, {}, {}, weights[0].scalar_type(), rows.device()};
   TORCH_CHECK(r.device.is_cuda(), "dynamicemb: rows must be on a CUDA device, got ", r.device);
-  for (size_t t = 0; t < weights.size(); ++t) {
-    const Tensor& w = weights[t];
-    TORCH_CHECK((w.device() == r.device || (w.is_cpu() && w.is_pinned())) && w.dim() == 2 && w.is_contiguous() &&
-                    w.scalar_type() == r.dtype,
-                "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
-                r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
-    check_row_width(t, r.dtype, w.size(1), dims[t]);
-    r.w.push_back(w);
+  r.parts = table_parts(
+      weights, T,
+      [&](int64_t t, const Tensor& w) {
+        TORCH_CHECK((w.device() == r.device || (w.is_cpu() && w.is_pinned())) && w.dim() == 2 &&
+                        w.is_contiguous() && w.scalar_type() == r.dtype,
+                    "dynamicemb: weights of table ", t, " must be a contiguous 2-D tensor of ", r.dtype, " on ",
+                    r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
+      },
+      [](const Tensor& w) { return kernel_ptr(w); });
+  for (int64_t t = 0; t < T; ++t) {
+    check_row_width(t, r.dtype, r.parts[t].stride, dims[t]);
     r.dim.push_back(dims[t]);
-    r.stride.push_back(w.size(1));
+    r.stride.push_back(r.parts[t].stride);
   }
   return r;
 }
@@ -124,9 +130,8 @@ inline std::vector<init::Args> init_args(const Tensor& params, int64_t num_table
 
 inline std::vector<TableDev> table_facts(const Rows& R, const std::vector<init::Args>& args) {
   std::vector<TableDev> tabs;
-  for (size_t t = 0; t < R.w.size(); ++t)
-    tabs.push_back(TableDev{kernel_ptr(R.w[t]), R.dim[t], R.stride[t], R.w[t].size(0),
-                            args.empty() ? init::Args{} : args[t]});
+  for (int64_t t = 0; t < R.num_tables(); ++t)
+    tabs.push_back(TableDev{R.parts[t], R.dim[t], args.empty() ? init::Args{} : args[t]});
   return tabs;
 }
 

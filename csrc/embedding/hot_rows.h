@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/hd.h"
+#include "embedding/row_parts.h"
 
 namespace dynamicemb {
 namespace embedding {
@@ -20,14 +21,14 @@ struct HotRows {
   const int32_t* pos = nullptr;
 };
 
-// Where table row r is read: its hot copy when it has one, else w + r * stride.
+// Where table row r is read: its hot copy when it has one, else its row (row_at).
 template <class W>
-DE_HD const W* resolve_row(const W* w, int64_t stride, const HotRows& hot, int64_t r) {
+DE_HD const W* resolve_row(const RowParts& rows, const HotRows& hot, int64_t r) {
   if (hot.pos != nullptr) {
     const int32_t h = hot.pos[r];
     if (h >= 0) return static_cast<const W*>(hot.w) + static_cast<int64_t>(h) * hot.stride;
   }
-  return w + r * stride;
+  return row_at<const W>(rows, r);
 }
 
 }  // namespace embedding

@@ -32,8 +32,7 @@ template <class W>
 struct ForwardKeys {
   const table::TableRef* refs;  // per hash table
   const TablePlace* place;      // per table
-  const W* const* w;
-  const int64_t* stride;
+  const RowParts* rows;  // per table
   const HotRows* hot;  // per table
   const int64_t* keys;  // from i0
   const int64_t* tab;
@@ -44,7 +43,7 @@ struct ForwardKeys {
   int64_t key(int64_t k) const { return keys[k]; }
   void found(int64_t k, int64_t slot) const {
     const int64_t t = tab[k];
-    src[k] = slot >= 0 ? resolve_row(w[t], stride[t], hot[t], ref(k).row(slot, place[t].local)) : nullptr;
+    src[k] = slot >= 0 ? resolve_row<W>(rows[t], hot[t], ref(k).row(slot, place[t].local)) : nullptr;
   }
   void after(int64_t) const {}
 };
@@ -56,18 +55,18 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
                           const Tensor& init_params, int64_t seed, at::ScalarType output_dtype,
                           const std::optional<TensorList>& hot_weights, const std::optional<TensorList>& hot_pos) {
   const Rows R = check_rows(weights, dims);
-  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, weights, at::Device(at::kCPU));
+  const std::vector<HotRows> hot = check_hot_rows(hot_weights, hot_pos, R.parts, R.dtype, at::Device(at::kCPU));
   const LookupTables H = check_lookup_tables(
-      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, weights,
+      slot_keys, slot_digests, table_buckets, bucket_capacity, table_group, table_local, R.parts,
       at::Device(at::kCPU), [&](size_t g) {
         const int64_t* tb = table_buckets[g].data_ptr<int64_t>();
         return std::vector<int64_t>(tb, tb + table_buckets[g].numel());
       });
   check_1d(indices, at::kLong, "indices");
   const int64_t n = indices.numel();
-  const Bags bags = check_bags(n, offsets, feature_table, static_cast<int64_t>(R.w.size()));
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables());
   const float* psw = opt_weights(per_sample_weights, n);
-  const auto args = init_args(init_params, static_cast<int64_t>(R.w.size()));
+  const auto args = init_args(init_params, R.num_tables());
   const std::vector<int64_t> doff = feature_columns(R, bags);
   Tensor out = forward_output(R, bags, doff, psw, pooling, output_dtype);
   const int64_t* keys = indices.data_ptr<int64_t>();
@@ -75,8 +74,6 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
   // Besides float rows, uint8 rows (bag_checks.h), which only this op reads.
   AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, R.dtype, "dynamicemb_lookup_forward", [&] {
     using W = scalar_t;
-    std::vector<const W*> w;
-    for (const auto& x : R.w) w.push_back(x.data_ptr<W>());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, output_dtype, "dynamicemb_lookup_forward_out", [&] {
       using O = scalar_t;
       O* o = out.data_ptr<O>();
@@ -91,8 +88,8 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         for (int64_t j = jb; j < je; ++j)
           std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
                     bags.table[bags.feature(j)]);
-        const ForwardKeys<W> span{H.refs.data(), H.place.data(), w.data(), R.stride.data(), hot.data(),
-                                  keys + i0,     tab.data(),     src.data()};
+        const ForwardKeys<W> span{H.refs.data(), H.place.data(), R.parts.data(), hot.data(), keys + i0, tab.data(),
+                                  src.data()};
         table::find_pipelined<kFindBlock>(0, i1 - i0, span);
         pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return keys[i]; }, psw, pooling, args,
                         static_cast<uint64_t>(seed), doff, acc.data(), o);

@@ -12,6 +12,7 @@
 
 #include "common/checks.h"
 #include "embedding/hot_rows.h"
+#include "embedding/row_parts.h"
 #include "table/table_ref.h"
 
 namespace dynamicemb {
@@ -33,7 +34,7 @@ struct LookupTables {
 template <class ReadTb>
 LookupTables check_lookup_tables(at::TensorList slot_keys, at::TensorList slot_digests, at::TensorList table_buckets,
                                  c10::IntArrayRef bucket_capacity, c10::IntArrayRef table_group,
-                                 c10::IntArrayRef table_local, at::TensorList weights, const at::Device& dev,
+                                 c10::IntArrayRef table_local, const std::vector<RowParts>& rows, const at::Device& dev,
                                  ReadTb read_tb) {
   const size_t G = slot_keys.size();
   TORCH_CHECK(G > 0 && slot_digests.size() == G && table_buckets.size() == G && bucket_capacity.size() == G,
@@ -65,7 +66,7 @@ LookupTables check_lookup_tables(at::TensorList slot_keys, at::TensorList slot_d
     r.digests = slot_digests[g].data_ptr<uint8_t>();
     out.refs.push_back(r);
   }
-  const int64_t T = static_cast<int64_t>(weights.size());
+  const int64_t T = static_cast<int64_t>(rows.size());
   TORCH_CHECK(static_cast<int64_t>(table_group.size()) == T && static_cast<int64_t>(table_local.size()) == T,
               "dynamicemb: table_group and table_local need one entry per table (", T, ")");
   for (int64_t t = 0; t < T; ++t) {
@@ -76,7 +77,7 @@ LookupTables check_lookup_tables(at::TensorList slot_keys, at::TensorList slot_d
     TORCH_CHECK(0 <= l && l + 1 < static_cast<int64_t>(tb.size()), "dynamicemb: table ", t, " maps to logical table ",
                 l, " of a hash table with ", tb.size() - 1);
     const int64_t slots = (tb[l + 1] - tb[l]) * bucket_capacity[table_group[t]];
-    TORCH_CHECK(weights[t].size(0) == slots, "dynamicemb: table ", t, " has ", weights[t].size(0), " rows for ", slots,
+    TORCH_CHECK(rows[t].rows == slots, "dynamicemb: table ", t, " has ", rows[t].rows, " rows for ", slots,
                 " slots");
     out.place.push_back(TablePlace{table_group[t], l});
   }
@@ -84,14 +85,14 @@ LookupTables check_lookup_tables(at::TensorList slot_keys, at::TensorList slot_d
 }
 
 // hot_weights / hot_pos (both or neither; one entry per table): table t's
-// hot rows, [h, weights[t].size(1)] in weights[t]'s dtype on `dev`, and
-// hot_pos[t], int32 [weights[t].size(0)] on `dev`, each entry -1 or a hot row.
+// hot rows, [h, its row width] in the weights' dtype on `dev`, and
+// hot_pos[t], int32 [its rows] on `dev`, each entry -1 or a hot row.
 // A table with no hot rows may give empty tensors. The entries of hot_pos are
 // read, not checked here (a device download per call): the module builds them.
 inline std::vector<HotRows> check_hot_rows(const std::optional<at::TensorList>& hot_weights,
-                                           const std::optional<at::TensorList>& hot_pos, at::TensorList weights,
-                                           const at::Device& dev) {
-  const size_t T = weights.size();
+                                           const std::optional<at::TensorList>& hot_pos, const std::vector<RowParts>& rows,
+                                           at::ScalarType dtype, const at::Device& dev) {
+  const size_t T = rows.size();
   std::vector<HotRows> out(T);
   TORCH_CHECK(hot_weights.has_value() == hot_pos.has_value(),
               "dynamicemb: hot_weights and hot_pos are given together or not at all");
@@ -102,14 +103,13 @@ inline std::vector<HotRows> check_hot_rows(const std::optional<at::TensorList>& 
     const at::Tensor& hw = (*hot_weights)[t];
     const at::Tensor& hp = (*hot_pos)[t];
     if (hw.numel() == 0 && hp.numel() == 0) continue;
-    TORCH_CHECK(hw.device() == dev && hw.dim() == 2 && hw.is_contiguous() &&
-                    hw.scalar_type() == weights[t].scalar_type() && hw.size(1) == weights[t].size(1),
-                "dynamicemb: hot_weights of table ", t, " must be a contiguous [rows, ", weights[t].size(1), "] ",
-                weights[t].scalar_type(), " tensor on ", dev, ", got ", hw.scalar_type(), " ", hw.sizes(), " on ",
-                hw.device());
+    TORCH_CHECK(hw.device() == dev && hw.dim() == 2 && hw.is_contiguous() && hw.scalar_type() == dtype &&
+                    hw.size(1) == rows[t].stride,
+                "dynamicemb: hot_weights of table ", t, " must be a contiguous [rows, ", rows[t].stride, "] ", dtype,
+                " tensor on ", dev, ", got ", hw.scalar_type(), " ", hw.sizes(), " on ", hw.device());
     TORCH_CHECK(hp.device() == dev && hp.dim() == 1 && hp.is_contiguous() && hp.scalar_type() == at::kInt &&
-                    hp.numel() == weights[t].size(0),
-                "dynamicemb: hot_pos of table ", t, " must be a contiguous int32 [", weights[t].size(0), "] tensor on ",
+                    hp.numel() == rows[t].rows,
+                "dynamicemb: hot_pos of table ", t, " must be a contiguous int32 [", rows[t].rows, "] tensor on ",
                 dev, " (one entry per row), got ", hp.scalar_type(), " ", hp.sizes(), " on ", hp.device());
     TORCH_CHECK(hw.size(0) <= INT32_MAX, "dynamicemb: hot_weights of table ", t, " has more than 2^31 - 1 rows");
     out[t] = HotRows{hw.data_ptr(), hw.size(1), hp.data_ptr<int32_t>()};

@@ -63,10 +63,12 @@ def stored(module: BatchedDynamicEmbeddingTables, table_id: int, keys) -> Tuple[
     """(found mask, rows [n, dim + state] as float32, zeros where missing), on the CPU."""
     keys = torch.as_tensor(keys, dtype=torch.int64).to(module.device)
     rows = module.storage.find(keys, torch.full_like(keys, table_id)).cpu()
-    w = module.storage.weights()[table_id].cpu()
+    # Both parts of a hybrid table (HashTableStorage.rows_of), else the storage's rows.
+    rows_of = getattr(module.storage, "rows_of", None)
+    w = rows_of(table_id) if rows_of is not None else module.storage.weights()[table_id]
     out = torch.zeros(keys.numel(), w.shape[1], dtype=torch.float32)
     found = rows >= 0
-    out[found] = w[rows[found]].float()
+    out[found] = w.index_select(0, rows[found]).cpu().float()
     return found, out
 
 

@@ -13,7 +13,7 @@ LAYERS = [
      "dynamicemb.inference.quantize", "dynamicemb.tiers.prefault", "dynamicemb.shard.train_pipeline"],
     # 1: the hash table and what it is built from; admission (its counters are tables) and the options naming it
     ["dynamicemb.memory", "dynamicemb.positions", "dynamicemb.routing", "dynamicemb.table",
-     "dynamicemb.admission", "dynamicemb.options"],
+     "dynamicemb.table_rows", "dynamicemb.admission", "dynamicemb.options"],
     # 2: storages
     ["dynamicemb.storage", "dynamicemb.tiers"],
     # 3: the embedding module

@@ -114,11 +114,12 @@ def stored_rows(model, table: str, keys: torch.Tensor, pg: dist.ProcessGroup):
     mods = [(m, m.table_names.index(table)) for m in dynamic_modules(model) if table in m.table_names]
     assert len(mods) == 1, f"table {table!r} found in {len(mods)} dynamic modules"
     m, t = mods[0]
-    w = m.storage.weights()[t]
+    rows_of = getattr(m.storage, "rows_of", None)  # both parts of a hybrid table
+    w = rows_of(t) if rows_of is not None else m.storage.weights()[t]
     rows = m.storage.find(keys, torch.full_like(keys, t))
     found = rows >= 0
     values = torch.zeros(keys.numel(), w.shape[1], dtype=torch.float64)
-    values[found] = w[rows[found]].to(torch.float64)
+    values[found] = w.index_select(0, rows[found]).to(torch.float64)
     holders = found.to(torch.int64)
     owner = torch.where(found, dist.get_rank(pg), 0)
     for t_ in (values, holders, owner):

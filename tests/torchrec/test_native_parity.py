@@ -2,7 +2,8 @@
 table's rows stored for every key 0..N-1) and fed the same batches, a dynamic
 table trains exactly like TorchRec's FUSED CPU kernel while nothing is evicted
 (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD); ADAM, which TorchRec's CPU
-kernels lack, matches torch.optim.SparseAdam on 1 and 2 ranks; MEAN pooling
+kernels lack, matches torch.optim.SparseAdam on 1 and 2 ranks, with hybrid
+tables too (rows in two parts); MEAN pooling
 on 2 ranks matches nn.EmbeddingBag(mode="mean") with SGD; a collection
 mixing a native FUSED table with dynamic tables matches the pure-native model."""
 import torch
@@ -116,16 +117,27 @@ def _train_beside(configs, bags, opt, dynamic, pg, label) -> bool:
     return saw_empty
 
 
-def _vs_sparse_adam(pg):
+def _vs_sparse_adam(pg, hbm_rows=None):
+    """hbm_rows: hybrid tables, whose rows past the first hbm_rows of a_table
+    on each rank (twice as many of b_table's narrower rows) live in a second
+    part (table_rows.py; on the CPU, a second tensor)."""
     configs = _configs()
     start = models.initial_weights(configs, seed=1)
     bags = _embedding_bags(configs, start, "sum")
     adam = torch.optim.SparseAdam([b.weight for b in bags.values()], lr=ADAM["learning_rate"],
                                   betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
-    dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES), ADAM)
+    share = {} if hbm_rows is None else dict(global_hbm_for_values=pg.size() * hbm_rows * 3 * DIMS["a_table"] * 4)
+    dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES, **share), ADAM)
     for c in configs:
         models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
-    _train_beside(configs, bags, adam, dynamic, pg, f"adam {pg.size()} ranks")
+    label = f"adam {pg.size()} ranks" + ("" if hbm_rows is None else f", hybrid at {hbm_rows} rows")
+    _train_beside(configs, bags, adam, dynamic, pg, label)
+    if hbm_rows is not None:
+        stats = dynamicemb.table_stats(dynamic, pg)
+        for name, rows in (("a_table", hbm_rows), ("b_table", 2 * hbm_rows)):
+            s = stats[name]
+            assert s["device_capacity"] == pg.size() * rows and s["device_rows"] + s["host_rows"] == KEYS, s
+            assert s["device_rows"] > 0 and s["host_rows"] > 0, s  # both parts hold trained rows
 
 
 def _mean_vs_embedding_bag(pg):
@@ -188,6 +200,7 @@ def _parity(rank, world):
     _vs_fused(world_pg)
     _vs_sparse_adam(own_pg)
     _vs_sparse_adam(world_pg)
+    _vs_sparse_adam(world_pg, hbm_rows=8)
     _mean_vs_embedding_bag(world_pg)
     _mixed(world_pg, "ebc")
     _mixed(world_pg, "ec")

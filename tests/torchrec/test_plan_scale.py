@@ -23,9 +23,9 @@ STATE = {EmbOptimType.EXACT_ROWWISE_ADAGRAD.name: lambda d: 1, EmbOptimType.ADAM
 
 def account(plan, world: int, optimizer: str):
     """(HBM, host) bytes per rank of a plan, from its tables' options: a
-    whole table (no budget, or values within its per-rank budget) keeps
-    values, state and hash table in HBM; a host-tier table keeps its hash
-    table in HBM and its rows in host memory; a cached table keeps its cache
+    table keeps its hash table in HBM, and its rows (values and state) there
+    up to its per-rank budget (all without one), the others in host memory;
+    a cached table keeps its cache
     (budget / row bytes, whole buckets, at least one bucket, at most every
     row) and the cache's hash table in HBM, and all its rows plus their key
     index in host memory (a HostStore)."""
@@ -40,11 +40,10 @@ def account(plan, world: int, optimizer: str):
             cached = min(cap, max(BUCKET, per_rank // row // BUCKET * BUCKET))
             hbm += cached * (row + SLOT)
             host += cap * (HOST_INDEX_SLOT + row)
-        elif o.global_hbm_for_values == 0 or cap * row <= per_rank:
-            hbm += cap * (row + SLOT)
-        else:
-            hbm += cap * SLOT
-            host += cap * row
+        else:  # the rows that the per-rank budget holds in HBM, the others in host memory
+            head = cap if o.global_hbm_for_values == 0 else min(cap, per_rank // row)
+            hbm += cap * SLOT + head * row
+            host += (cap - head) * row
     return hbm, host
 
 

@@ -246,16 +246,19 @@ def test_explicit_max_capacity_is_kept():
 # ---- the host tier (global_hbm_for_values) ----------------------------------------------
 
 
-def test_values_over_the_hbm_budget_are_charged_to_host_memory():
-    """On a CUDA topology a table's hash table always takes HBM; its values
-    (and optimizer state) take HBM when they fit the table's per-rank share of
-    global_hbm_for_values (or no budget is set), else DDR: the host tier."""
-    configs = models.ebc_configs(["big_table", "fits_table", "free_table"], dim=16, num_embeddings=4096)
+def test_rows_past_the_hbm_share_are_charged_to_host_memory():
+    """On a CUDA topology a table's hash table always takes HBM; of its rows
+    (values and optimizer state), those that its per-rank share of
+    global_hbm_for_values holds take HBM (all of them without a share), the
+    others DDR: a hybrid table's host part."""
+    names = ["big_table", "half_table", "fits_table", "free_table", "host_table"]
+    configs = models.ebc_configs(names, dim=16, num_embeddings=4096)
     world, rows = 2, get_sharded_table_capacity(4096, 2)
-    values = get_table_value_bytes(rows, 16)
-    constraints = {**models.dynamic_constraints(["big_table"], global_hbm_for_values=world * values - 2),
-                   **models.dynamic_constraints(["fits_table"], global_hbm_for_values=world * values),
-                   **models.dynamic_constraints(["free_table"])}
+    row = get_table_value_bytes(1, 16)
+    values = rows * row
+    shares = {"big_table": world * values - 2, "half_table": world * values // 2, "fits_table": world * values,
+              "host_table": 1}
+    constraints = {n: models.dynamic_constraints([n], global_hbm_for_values=shares.get(n, 0))[n] for n in names}
     hbm, ddr = 2**40, 2**41
     topology = Topology(world_size=world, compute_device="cuda", hbm_cap=hbm, ddr_cap=ddr)
     planner = DynamicEmbeddingShardingPlanner(configs, topology=topology, constraints=constraints)
@@ -263,12 +266,14 @@ def test_values_over_the_hbm_budget_are_charged_to_host_memory():
     opts = planner.options
     assert all(o.num_shards == world for o in opts.values())
     assert opts["big_table"].local_hbm_for_values == values - 1
-    assert not opts["big_table"].values_on_device(values) and opts["fits_table"].values_on_device(values)
-    assert opts["free_table"].values_on_device(values)
+    head = {"big_table": rows - 1, "half_table": rows // 2, "fits_table": rows, "free_table": None, "host_table": 0}
+    assert {n: opts[n].hbm_rows(row) for n in names} == head
     table = rows * 18  # hash table bytes per rank (keys, digests, scores, epochs)
+    in_hbm = {n: values if h is None else min(h, rows) * row for n, h in head.items()}
+    assert planner.tier_bytes_per_rank() == {n: (table + in_hbm[n], values - in_hbm[n]) for n in names}
     for d in planner._topology.devices:
-        assert hbm - d.storage.hbm == 3 * table + 2 * values
-        assert ddr - d.storage.ddr == values
+        assert hbm - d.storage.hbm == 5 * table + sum(in_hbm.values())
+        assert ddr - d.storage.ddr == 5 * values - sum(in_hbm.values())
 
 
 def test_cached_tables_charge_their_cache_to_hbm_and_their_store_to_ddr(tmp_path):
