@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cuda_parity import DEV, PARITY_MARKS, same
+from dynamicemb import rules
 from dynamicemb._ops import ops
 
 pytestmark = PARITY_MARKS
@@ -19,9 +20,13 @@ def batch(gen, F, B, max_len, key_range):
 
 
 def init_params(modes, streams=None):
+    """The packed initializer (rules.INIT_ARGS' columns) of one table per mode;
+    a new row's optimizer state starts at 0.125."""
     rows = []
-    for t, m in enumerate(modes):  # mode, mean, std_dev, lower, upper, value, stream
-        rows.append([m, 0.1, 0.5, -0.4, 0.6, 0.25, t if streams is None else streams[t]])
+    for t, m in enumerate(modes):
+        args = dict(mode=m, mean=0.1, std_dev=0.5, lower=-0.4, upper=0.6, value=0.25,
+                    stream=t if streams is None else streams[t], state=0.125)
+        rows.append([args[k] for k in rules.INIT_ARGS])
     return torch.tensor(rows, dtype=torch.float64)
 
 
