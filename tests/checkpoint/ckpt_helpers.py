@@ -210,7 +210,8 @@ def entries(model) -> dict:
         slots, found = ht.lookup(keys, torch.full_like(keys, lt))
         assert bool(found.all())
         rows = st.find(keys, torch.full_like(keys, t))
-        w = st.weights()[t][rows].clone()
+        rows_of = getattr(st, "rows_of", None)  # both parts of a hybrid table
+        w = rows_of(t).index_select(0, rows) if rows_of is not None else st.weights()[t][rows].clone()
         dim = ref.options.dim
         out[name] = dict(keys=keys, values=w[:, :dim], state=w[:, dim:], scores=ht.slot_scores[slots].clone(),
                          ts=ht.slot_timestamps[slots].clone() if ht.slot_timestamps.numel() else None)
