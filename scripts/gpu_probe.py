@@ -248,6 +248,66 @@ def train_pipeline_sparse_dist(dev):
     return f"TrainPipelineSparseDist, dynamic tables: {steps} steps"
 
 
+def _sync_site(filename, lineno):
+    """The innermost frame of dynamicemb's own code on the current stack, as
+    "path:line code" (else the warning's own location)."""
+    ours = os.path.join(ROOT, "dynamicemb") + os.sep
+    frames = [f for f in traceback.extract_stack() if f.filename.startswith(ours)]
+    if not frames:
+        return f"{os.path.basename(filename)}:{lineno}"
+    f = frames[-1]
+    return f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} {(f.line or '').strip()[:80]}"
+
+
+def _count_syncs(fn):
+    """fn() under torch.cuda.set_sync_debug_mode("warn"): {site: count} of
+    its host synchronisations (warnings raised in autograd's threads come
+    back at backward()'s call: their site is then the caller's)."""
+    import collections
+    import warnings
+    sites = collections.Counter()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, *a, **k: sites.update(
+            [_sync_site(filename, lineno)])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common())
+
+
+@check
+def module_step_host_syncs(dev):
+    """Host synchronisations inside one training step of our module (issue
+    32 wants none), forward and backward apart, for a batch of stored keys
+    and one of new keys: where each happens, for the session that removes them."""
+    if dev.type != "cuda":
+        return "not counted: host synchronisation is a CUDA notion"
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 16, init_capacity=1 << 16) for _ in range(2)]
+    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.ADAM, learning_rate=0.01, device=dev)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(lo, hi):
+        idx = torch.randint(lo, hi, (2 * 512 * 8,), generator=g).to(dev)
+        return idx, torch.arange(0, idx.numel() + 1, 8, device=dev)
+
+    stored = batch(0, 10_000)
+    for _ in range(3):
+        m(*stored).sum().backward()
+    out = {}
+    for label, b in (("stored_keys", stored), ("new_keys", batch(10**6, 2 * 10**6))):
+        held = {}
+        fwd = _count_syncs(lambda: held.update(out=m(*b)))
+        bwd = _count_syncs(lambda: held["out"].sum().backward())
+        out[label] = {"forward_syncs": sum(fwd.values()), "backward_syncs": sum(bwd.values()),
+                      "forward_sites": fwd, "backward_sites": bwd}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
