@@ -8,9 +8,6 @@ from torch import nn
 from dynamicemb import DynamicEmbPoolingMode, EmbOptimType
 from emb_helpers import make_module, random_batch, stored
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 NUM_KEYS = [30, 45]
 DIMS = [4, 8]
 LR, BETA1, BETA2, EPS = 0.02, 0.8, 0.95, 1e-8

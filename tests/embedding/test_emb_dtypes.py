@@ -6,9 +6,6 @@ import torch
 from dynamicemb import DynamicEmbPoolingMode, EmbOptimType
 from emb_helpers import make_module, random_batch, stored, stored_keys
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 FEATURE_TABLE = [0, 1]
 NUM_KEYS = [40, 40]
 # Absolute tolerance on pooled outputs of a few rows of magnitude ~0.15.

@@ -9,9 +9,6 @@ import torch
 from dynamicemb import DynamicEmbScoreStrategy, EmbOptimType
 from emb_helpers import DEBUG_INIT, bags, debug_rows, make_module, stored, stored_keys, stored_scores
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 LR, EPS, B1, B2 = 0.1, 1e-8, 0.9, 0.999
 D = 4
 

@@ -12,9 +12,6 @@ from dynamicemb import DynamicEmbPoolingMode, DynamicEmbTableOptions, EmbOptimTy
 from dynamicemb import BatchedDynamicEmbeddingTables
 from emb_helpers import random_batch, stored, stored_keys
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 DIMS = [4, 12]
 NUM_KEYS = [3000, 700]  # table 1 grows less, and later, than table 0
 FEATURE_TABLE = [0, 1, 0]

@@ -18,6 +18,7 @@ from dynamicemb import (
 )
 from emb_helpers import random_batch
 
+ROWS_WHOLE = True  # conftest.py: this module makes its own splits
 DIMS = [8, 4, 12]
 FEATURE_TABLE = [0, 1, 2, 0]
 NUM_KEYS = [900, 400, 2000]  # table 2 evicts at its max capacity

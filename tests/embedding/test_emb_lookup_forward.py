@@ -21,9 +21,6 @@ from dynamicemb._ops import ops
 from emb_helpers import random_batch
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 P = DynamicEmbPoolingMode
 
 

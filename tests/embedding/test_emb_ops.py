@@ -13,6 +13,8 @@ from dynamicemb._ops import ops
 from emb_helpers import bags, make_module, random_batch
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
+ROWS_WHOLE = True  # conftest.py: these tests pass the kernels' list of row tensors themselves
+
 FEATURE_TABLE = [0, 1, 0]
 DIMS = [4, 8]
 

@@ -80,13 +80,13 @@ def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, we
 @pytest.mark.parametrize("dims", [[5, 3], [300, 40]])  # one chunk of a CUDA warp, and several
 def test_partial_rowwise_adam_matches_fbgemms_rule(pooling, dims, device):
     m = _train_against_reference(EmbOptimType.PARTIAL_ROWWISE_ADAM, dims, device, pooling, weight_decay=0.01)
-    assert [w.shape[1] for w in m.storage.weights()] == [2 * d + 1 for d in dims]
+    assert [m.storage.rows_of(t).shape[1] for t in range(m.num_tables)] == [2 * d + 1 for d in dims]
 
 
 @pytest.mark.parametrize("dims", [[5, 3], [300, 40]])
 def test_lamb_matches_fbgemms_rule(dims, device):
     m = _train_against_reference(EmbOptimType.LAMB, dims, device, weight_decay=0.01)
-    assert [w.shape[1] for w in m.storage.weights()] == [3 * d for d in dims]
+    assert [m.storage.rows_of(t).shape[1] for t in range(m.num_tables)] == [3 * d for d in dims]
 
 
 def test_partial_rowwise_adam_state_is_about_half_of_adams():
@@ -263,6 +263,7 @@ def test_partial_rowwise_adam_checkpoint_round_trip(tmp_path):
     (dict(gradient_clipping=True, max_gradient=float("inf")), "max_gradient must be a finite number"),
 ])
 def test_knobs_that_would_be_ignored_or_are_invalid_are_refused(kwargs, match):
+    kwargs = dict(kwargs)  # the parameter's dict is shared by this test's runs (conftest.py: row_parts)
     optimizer = kwargs.pop("optimizer", EmbOptimType.EXACT_SGD)
     with pytest.raises(ValueError, match=match):
         make_module([4], optimizer=optimizer, module_kwargs=kwargs)

@@ -48,7 +48,7 @@ def test_state_width_is_the_columns_an_update_writes(rule):
 @pytest.mark.parametrize("rule", ALL)
 def test_module_and_planner_size_rows_by_the_rule(rule):
     m = make_module([D, 2 * D], optimizer=rule.name)
-    assert [w.shape[1] for w in m.storage.weights()] == [d + rule.state_width(d) for d in (D, 2 * D)]
+    assert [m.storage.rows_of(t).shape[1] for t in range(m.num_tables)] == [d + rule.state_width(d) for d in (D, 2 * D)]
     assert get_table_value_bytes(10, D, torch.float32, rule.name) == 10 * (D + rule.state_width(D)) * 4
 
 

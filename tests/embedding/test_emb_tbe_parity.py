@@ -15,9 +15,6 @@ from dynamicemb import (
 )
 from emb_helpers import make_module, random_batch, stored
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 NUM_KEYS = [50, 70, 40]
 # Table 0 is read by two features. FBGEMM's CPU backward requires the
 # features of a shared table to be adjacent, as TorchRec always lays them out.

@@ -6,9 +6,6 @@ import torch
 from dynamicemb import DynamicEmbPoolingMode, DynamicEmbScoreStrategy, EmbOptimType
 from emb_helpers import DEBUG_INIT, bags, debug_rows, make_module, random_batch, stored, stored_keys, stored_scores
 
-# Run with every table whole and split in two parts (conftest.py: row_parts).
-pytestmark = pytest.mark.usefixtures("row_parts")
-
 SUM, MEAN, NONE = DynamicEmbPoolingMode.SUM, DynamicEmbPoolingMode.MEAN, DynamicEmbPoolingMode.NONE
 
 # Features 0 and 2 share table 0, so a key's occurrences add up across features.
