@@ -34,21 +34,28 @@ class RowBatch(NamedTuple):
 
 
 class RowBlocks:
-    """Rows `rows` of `source` ([slots, width]), gathered block by block on
-    demand: bounded memory for streaming a large export to disk."""
+    """Rows `rows` of `source` ([slots, width]: a tensor, or a table's rows in
+    parts, table_rows.TableRows), gathered block by block on demand: bounded
+    memory for streaming a large export to disk."""
 
     BLOCK_BYTES = 4 << 20
 
-    def __init__(self, source: torch.Tensor, rows: torch.Tensor):
-        self.source, self.rows = source, rows.to(source.device)  # the host tier's rows are on the host
+    def __init__(self, source, rows: torch.Tensor):
+        self.source, self.rows = source, rows.to(source.device)
         self.dtype = source.dtype
         self.shape = (rows.numel(), source.shape[1])
 
     def blocks(self) -> Iterator[torch.Tensor]:
-        """Contiguous CPU tensors whose concatenation is the rows, in order."""
+        """Contiguous CPU tensors whose concatenation is the rows, in order
+        (a hybrid table's host rows go to the CPU directly, not through the device)."""
         step = max(1, self.BLOCK_BYTES // max(1, self.shape[1] * self.source.element_size()))
+        cpu = torch.device("cpu")
         for i in range(0, self.shape[0], step):
-            yield self.source.index_select(0, self.rows[i:i + step]).cpu()
+            part = self.rows[i:i + step]
+            if isinstance(self.source, torch.Tensor):
+                yield self.source.index_select(0, part).cpu()
+            else:
+                yield self.source.index_select(0, part, out_device=cpu)
 
     def materialize(self) -> torch.Tensor:
         return self.source.index_select(0, self.rows)

@@ -77,16 +77,18 @@ class TableRows:
         at_tail = (~in_head).nonzero().squeeze(1)
         return (at_head, rows.index_select(0, at_head)), (at_tail, rows.index_select(0, at_tail) - self.split)
 
-    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
-        """Rows `rows` (any order, repeats allowed), as a new tensor on the head's device."""
+    def index_select(self, dim: int, rows: torch.Tensor, out_device: Optional[torch.device] = None) -> torch.Tensor:
+        """Rows `rows` (any order, repeats allowed), as a new tensor on
+        out_device (default: the head's). Each part's rows cross to it once
+        (a dump's host rows do not go through the device)."""
         assert dim == 0
+        out_device = self.device if out_device is None else torch.device(out_device)
         rows = rows.to(self.device)
         if self.tail is None:
-            return self.head.index_select(0, rows)
-        out = torch.empty((rows.numel(), self.head.shape[1]), dtype=self.dtype, device=self.device)
-        (at_h, r_h), (at_t, r_t) = self._where(rows)
-        out[at_h] = self.head.index_select(0, r_h)
-        out[at_t] = self.tail.index_select(0, r_t.to(self.tail.device)).to(self.device)
+            return self.head.index_select(0, rows).to(out_device)
+        out = torch.empty((rows.numel(), self.head.shape[1]), dtype=self.dtype, device=out_device)
+        for part, (at, r) in zip((self.head, self.tail), self._where(rows)):
+            out[at.to(out_device)] = part.index_select(0, r.to(part.device)).to(out_device)
         return out
 
     def write(self, rows: torch.Tensor, values) -> None:
