@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from _common import busy_warning, default_out, env_info, format_table, sync, write_json
-from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType, get_table_value_bytes
 from dynamicemb.optimizer import optimizer_code, state_width
 
 # The optimizers FBGEMM's CPU TBE implements (the others run ours alone there).
@@ -66,8 +66,7 @@ def fbgemm_tbe(num_tables, rows, dim, optimizer, lr, features, device):
 def ours(num_tables, capacity, dim, optimizer, lr, features, device, hbm_share=None):
     """Our module; with hbm_share, hybrid tables: that share of each table's
     rows in device memory (global_hbm_for_values), the rest in host memory."""
-    row = (dim + state_width(optimizer_code(optimizer), dim)) * 4
-    hbm = 0 if hbm_share is None else max(1, int(hbm_share * capacity) * row)
+    hbm = 0 if hbm_share is None else max(1, get_table_value_bytes(int(hbm_share * capacity), dim, optimizer=optimizer))
     opts = [DynamicEmbTableOptions(dim=dim, max_capacity=capacity, init_capacity=capacity, global_hbm_for_values=hbm)
             for _ in range(num_tables)]
     return BatchedDynamicEmbeddingTables(opts, feature_table_map=[f % num_tables for f in range(features)],

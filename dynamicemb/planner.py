@@ -169,8 +169,9 @@ class DynamicEmbeddingShardingPlanner:
             elif not on_device:
                 out[n] = (0, values + table)
             else:
-                head = o.hbm_rows(values // o.max_capacity)
-                head = values if head is None else min(values, head * (values // o.max_capacity))
+                row = values // o.max_capacity
+                head = o.hbm_rows(row)
+                head = values if head is None else min(values, head * row)
                 out[n] = (table + head, values - head)
         return out
 

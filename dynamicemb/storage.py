@@ -107,9 +107,12 @@ class HashTableStorage(EmbeddingStorage):
         self.budgets = [memory.TableBudget(names[t], (self.dims[t] + state_widths[t]) * itemsize, self.max_caps[t],
                                            o.memory_budget, o.grows_past_max_capacity) for t, o in enumerate(options)]
         self.limit_caps = [b.limit for b in self.budgets]
-        self._parts = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t]) for t in range(self.num_tables)]
-        # The heads, by reference: a tiered storage's cache grows a table by replacing its entry.
-        self._weights = [r.head for r in self._parts]
+        parts = [self._new_rows(t, init_caps[t], self.dims[t] + state_widths[t]) for t in range(self.num_tables)]
+        # Each table's head (its rows when whole) and tail (None: none). A
+        # tiered storage's cache holds _weights by reference and grows a table
+        # by replacing its entry.
+        self._weights = [r.head for r in parts]
+        self._tails = [r.tail for r in parts]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
         self._table_slot_begin = self._per_table_slot_begin()
         self.admission = [AdmissionCounter(o.admit_strategy, o.admission_counter, n, device) if o.admit_strategy
@@ -140,10 +143,7 @@ class HashTableStorage(EmbeddingStorage):
 
     def rows_of(self, t: int) -> TableRows:
         """Table t's rows (both parts of a hybrid table)."""
-        r = self._parts[t]
-        if r.head is not self._weights[t]:  # replaced through weights() (a cache's growth)
-            r = self._parts[t] = TableRows(self._weights[t])
-        return r
+        return TableRows(self._weights[t], self._tails[t])
 
     def _group_slot_begin(self, g: int) -> torch.Tensor:
         ht, _ = self.groups[g]
@@ -157,7 +157,7 @@ class HashTableStorage(EmbeddingStorage):
     def weights(self) -> List[torch.Tensor]:
         """The kernels' rows (table_rows.kernel_weights). For a module
         without a hybrid table, the storage's own list of each table's rows."""
-        if all(r.tail is None for r in self._parts):
+        if all(tail is None for tail in self._tails):
             return self._weights
         return kernel_weights([self.rows_of(t) for t in range(self.num_tables)])
 
@@ -392,7 +392,7 @@ class HashTableStorage(EmbeddingStorage):
             w = self.rows_of(t)
             moved = grown[lt] if lt in grown else self._new_rows(t, new_caps[lt], w.shape[1])
             moved.write(dst, w.index_select(0, src))
-            self._parts[t], self._weights[t] = moved, moved.head
+            self._weights[t], self._tails[t] = moved.head, moved.tail
         self._slot_begin[g] = self._group_slot_begin(g)
         self._table_slot_begin = self._per_table_slot_begin()
         self.version += 1

@@ -97,21 +97,17 @@ struct Rows {
 };
 
 inline Rows check_rows(TensorList weights, IntArrayRef dims) {
-  const int64_t T = static_cast<int64_t>(dims.size());
   TORCH_CHECK(!weights.empty(), "dynamicemb: no weight tensors");
   Rows r{{}, {}, {}, weights[0].scalar_type()};
   r.parts = table_parts(
-      weights, T,
+      weights, dims,
       [&](int64_t t, const Tensor& w) {
         TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == r.dtype,
                     "dynamicemb: weights of table ", t, " must be a contiguous 2-D CPU tensor of ", r.dtype);
       },
       [](const Tensor& w) { return w.data_ptr(); });
-  for (int64_t t = 0; t < T; ++t) {
-    check_row_width(t, r.dtype, r.parts[t].stride, dims[t]);
-    r.dim.push_back(dims[t]);
-    r.stride.push_back(r.parts[t].stride);
-  }
+  r.dim.assign(dims.begin(), dims.end());
+  for (const RowParts& p : r.parts) r.stride.push_back(p.stride);
   return r;
 }
 

@@ -93,12 +93,11 @@ struct Rows {
 // part of a hybrid table, storage.py): the kernels then read and update the
 // rows in place through the mapped device pointer.
 inline Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows) {
-  const int64_t T = static_cast<int64_t>(dims.size());
   TORCH_CHECK(!weights.empty(), "dynamicemb: no weight tensors");
   Rows r{{}, {}, {}, weights[0].scalar_type(), rows.device()};
   TORCH_CHECK(r.device.is_cuda(), "dynamicemb: rows must be on a CUDA device, got ", r.device);
   r.parts = table_parts(
-      weights, T,
+      weights, dims,
       [&](int64_t t, const Tensor& w) {
         TORCH_CHECK((w.device() == r.device || (w.is_cpu() && w.is_pinned())) && w.dim() == 2 &&
                         w.is_contiguous() && w.scalar_type() == r.dtype,
@@ -106,11 +105,8 @@ inline Rows check_rows(TensorList weights, IntArrayRef dims, const Tensor& rows)
                     r.device, " or in pinned host memory, got ", w.device(), w.is_cpu() ? " (not pinned)" : "");
       },
       [](const Tensor& w) { return kernel_ptr(w); });
-  for (int64_t t = 0; t < T; ++t) {
-    check_row_width(t, r.dtype, r.parts[t].stride, dims[t]);
-    r.dim.push_back(dims[t]);
-    r.stride.push_back(r.parts[t].stride);
-  }
+  r.dim.assign(dims.begin(), dims.end());
+  for (const RowParts& p : r.parts) r.stride.push_back(p.stride);
   return r;
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/hd.h"
+#include "embedding/bag_checks.h"
 
 namespace dynamicemb {
 namespace embedding {
@@ -33,13 +34,14 @@ DE_HD W* row_at(const RowParts& p, int64_t r) {
   return r < p.split ? static_cast<W*>(p.head) + r * p.stride : static_cast<W*>(p.tail) + (r - p.split) * p.stride;
 }
 
-// Host side: each table's parts from an op's weights list (T or 2T tensors).
-// check(t, part) checks one tensor (device, contiguity, dtype); the parts of
-// a table must agree in width. ptr(part) is the pointer the kernels use (the
-// mapped device pointer of a pinned tensor on CUDA).
+// Host side, both backends: each table's parts from an op's weights list (T
+// or 2T tensors, T = dims.size()). check(t, part) checks one tensor (device,
+// contiguity, dtype); the parts of a table must agree in width and dtype, and
+// the width must hold the table's dim (check_row_width). ptr(part) is the
+// pointer the kernels use (the mapped device pointer of a pinned tensor on CUDA).
 template <class Check, class Ptr>
-std::vector<RowParts> table_parts(at::TensorList weights, int64_t T, Check check, Ptr ptr) {
-  const int64_t n = static_cast<int64_t>(weights.size());
+std::vector<RowParts> table_parts(at::TensorList weights, c10::IntArrayRef dims, Check check, Ptr ptr) {
+  const int64_t n = static_cast<int64_t>(weights.size()), T = static_cast<int64_t>(dims.size());
   TORCH_CHECK(T > 0 && (n == T || n == 2 * T), "dynamicemb: ", n, " weight tensors for ", T,
               " tables (one per table, or a head and a tail per table)");
   std::vector<RowParts> parts(T);
@@ -50,6 +52,7 @@ std::vector<RowParts> table_parts(at::TensorList weights, int64_t T, Check check
     p.head = ptr(head);
     p.split = p.rows = head.size(0);
     p.stride = head.size(1);
+    check_row_width(t, head.scalar_type(), p.stride, dims[t]);
     if (n == T) continue;
     const at::Tensor& tail = weights[T + t];
     check(t, tail);

@@ -8,6 +8,7 @@ import torch
 
 import ckpt_helpers as H
 import scenarios
+from dynamicemb import EmbOptimType, get_table_value_bytes
 from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
 
 
@@ -41,7 +42,7 @@ def test_plain_module_round_trip(tmp_path):
 def test_hybrid_round_trip(tmp_path, direction):
     """A hybrid table (its rows past 128 in a second part) dumps what the same
     table whole dumps, and each loads the other's dump."""
-    hybrid = dict(global_hbm_for_values=128 * (8 + 16) * 4)  # 128 rows of table a (dim 8, Adam), 256 of b
+    hybrid = dict(global_hbm_for_values=get_table_value_bytes(128, 8, optimizer=EmbOptimType.ADAM))  # 128 rows of a, 256 of b
     src_kw, dst_kw = (hybrid, {}) if direction == "hybrid_to_whole" else ({}, hybrid)
     m = H.plain_module(**src_kw)
     H.plain_train(m, list(range(1, 12)))

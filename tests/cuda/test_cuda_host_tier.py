@@ -16,6 +16,7 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
     EmbOptimType,
+    get_table_value_bytes,
 )
 
 pytestmark = PARITY_MARKS
@@ -39,7 +40,7 @@ def batch(step, device):
     return indices.to(device), offsets.to(device)
 
 
-ROW = (8 + 2 * 8) * 4  # table 0's row: dim 8, Adam's two moments, float32
+ROW = get_table_value_bytes(1, 8, optimizer=EmbOptimType.ADAM)  # table 0's row: dim 8 and Adam's two moments
 
 
 # 1 byte: every row in host memory; 100 rows: a hybrid table once it grows past

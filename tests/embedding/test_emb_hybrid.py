@@ -15,6 +15,7 @@ from dynamicemb import (
     DynamicEmbScoreStrategy,
     DynamicEmbTableOptions,
     EmbOptimType,
+    get_table_value_bytes,
 )
 from emb_helpers import random_batch
 
@@ -23,15 +24,13 @@ DIMS = [8, 4, 12]
 FEATURE_TABLE = [0, 1, 2, 0]
 NUM_KEYS = [900, 400, 2000]  # table 2 evicts at its max capacity
 MAX_CAP = [1024, 512, 256]
-STATE = {EmbOptimType.EXACT_SGD: lambda d: 0, EmbOptimType.ADAM: lambda d: 2 * d,
-         EmbOptimType.EXACT_ROWWISE_ADAGRAD: lambda d: 1}
 
 
 def _module(optimizer, strategy, pooling, head_rows, device):
     """head_rows[t]: rows of table t in its first part (None: whole)."""
     opts = []
     for d, cap, h in zip(DIMS, MAX_CAP, head_rows):
-        row = (d + STATE[optimizer](d)) * 4
+        row = get_table_value_bytes(1, d, optimizer=optimizer)
         opts.append(DynamicEmbTableOptions(
             dim=d, init_capacity=64, max_capacity=cap, bucket_capacity=16, score_strategy=strategy,
             global_hbm_for_values=0 if h is None else max(1, h * row),  # 1 byte: no row in the first part

@@ -126,7 +126,8 @@ def _vs_sparse_adam(pg, hbm_rows=None):
     bags = _embedding_bags(configs, start, "sum")
     adam = torch.optim.SparseAdam([b.weight for b in bags.values()], lr=ADAM["learning_rate"],
                                   betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
-    share = {} if hbm_rows is None else dict(global_hbm_for_values=pg.size() * hbm_rows * 3 * DIMS["a_table"] * 4)
+    share = {} if hbm_rows is None else dict(
+        global_hbm_for_values=pg.size() * dynamicemb.get_table_value_bytes(hbm_rows, DIMS["a_table"], optimizer=ADAM["optimizer"]))
     dynamic = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES, **share), ADAM)
     for c in configs:
         models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
