@@ -73,6 +73,35 @@ def ours(num_tables, capacity, dim, optimizer, lr, features, device, hbm_share=N
                                          optimizer=optimizer, learning_rate=lr, eps=1e-8, device=device)
 
 
+# Issue 32's step baseline: torch.nn.EmbeddingBag(sparse=True) with the torch
+# optimizer of the same rule (ours -> torch's).
+TORCH_BAG_OPTIMIZERS = {"EXACT_SGD": "SGD", "ADAM": "SparseAdam"}
+
+
+class TorchBags(torch.nn.Module):
+    """One torch.nn.EmbeddingBag(mode="sum", sparse=True) per table over the
+    whole key range, feature f reading table f % tables, with a torch sparse
+    optimizer: the same forward output ([batch, features * dim]) and step as
+    ours. Fixed pooling, so each feature's ids are a [batch, pooling] input."""
+
+    def __init__(self, tables, rows, dim, features, pooling, optimizer, lr, device):
+        super().__init__()
+        self.bags = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device) for _ in range(tables))
+        self.features, self.pooling = features, pooling
+        opt = getattr(torch.optim, TORCH_BAG_OPTIMIZERS[optimizer])
+        self.optimizer = opt(self.parameters(), lr=lr, **({"eps": 1e-8} if optimizer == "ADAM" else {}))
+
+    def forward(self, idx, offsets=None):
+        per_feature = idx.view(self.features, -1, self.pooling)  # ids are feature-major, bags of `pooling`
+        return torch.cat([self.bags[f % len(self.bags)](per_feature[f]) for f in range(self.features)], dim=1)
+
+    def train_step(self, idx, offsets, grad):
+        self.optimizer.zero_grad(set_to_none=True)
+        self(idx, offsets).backward(grad)
+        self.optimizer.step()
+
+
 def time_steps(modules, batches, offsets, grad, train, warmup):
     """Per module, the median seconds of a training step (train) or an eval
     forward. The modules take turns batch by batch, so that a burst of load
@@ -82,7 +111,9 @@ def time_steps(modules, batches, offsets, grad, train, warmup):
         for m, module in enumerate(modules):
             sync(grad.device)
             t0 = time.perf_counter()
-            if train:
+            if train and hasattr(module, "train_step"):
+                module.train_step(idx, offsets, grad)
+            elif train:
                 module(idx, offsets).backward(grad)
             else:
                 with torch.no_grad():
@@ -108,6 +139,9 @@ def main():
     ap.add_argument("--hbm-share", type=float, default=None,
                     help="also time hybrid tables holding this share of their rows in device memory "
                          "(global_hbm_for_values), the rest in host memory: ours_hybrid, and hybrid / ours")
+    ap.add_argument("--torch-bags", action="store_true",
+                    help="also time torch.nn.EmbeddingBag(sparse=True) tables over the key range with SGD (beside "
+                         "EXACT_SGD) and SparseAdam (beside ADAM): bag_*, and ours / bag (issue 32: <= 1.25)")
     ap.add_argument("--out", default=default_out("bench_embedding"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -148,6 +182,8 @@ def main():
         tbe = tbe_or_none(name, tables, args, opt, features, device, r)
         if tbe is not None:
             mods["tbe"] = tbe
+        if args.torch_bags and name in TORCH_BAG_OPTIMIZERS:
+            mods["bag"] = TorchBags(tables, args.key_range, args.dim, features, args.pooling, name, 0.01, device)
         for phase, train in (("train", True), ("eval", False)):
             for mod in mods.values():
                 mod.train(train)
@@ -161,21 +197,29 @@ def main():
             r["hybrid_device_share"] = sum(s["device_capacity"] for s in stats) / sum(s["capacity"] for s in stats)
             r["hybrid_train_ratio"] = r["hybrid_train_s"] / r["ours_train_s"]
             r["hybrid_eval_ratio"] = r["hybrid_eval_s"] / r["ours_eval_s"]
+        if "bag" in mods:
+            r["bag_optimizer"] = f"torch.optim.{TORCH_BAG_OPTIMIZERS[name]}"
+            r["bag_train_ratio"] = r["ours_train_s"] / r["bag_train_s"]
+            r["bag_eval_ratio"] = r["ours_eval_s"] / r["bag_eval_s"]
         del mods, tbe
         results[name] = r
         ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"  # noqa: E731
         ratio = lambda k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
         rows.append([name, r["optimizer_bytes_per_row"], ms("ours_train_s"), ms("tbe_train_s"), ratio("train_ratio"),
                      ms("ours_eval_s"), ms("tbe_eval_s"), ratio("eval_ratio")]
-                    + ([ms("hybrid_train_s"), ratio("hybrid_train_ratio")] if args.hbm_share is not None else []))
+                    + ([ms("hybrid_train_s"), ratio("hybrid_train_ratio")] if args.hbm_share is not None else [])
+                    + ([ms("bag_train_s"), ratio("bag_train_ratio"), ms("bag_eval_s"), ratio("bag_eval_ratio")]
+                       if args.torch_bags else []))
         print("  " + "  ".join(map(str, rows[-1])), flush=True)
 
     print()
     hybrid = [f"hybrid ({args.hbm_share:g} in HBM) train ms", "hybrid / ours"] if args.hbm_share is not None else []
+    bags = (["EmbeddingBag train ms", "ours / bag", "EmbeddingBag eval ms", "ours / bag"] if args.torch_bags else [])
     print(format_table(["optimizer", "opt B/row", "ours train ms", "TBE train ms", "ratio", "ours eval ms",
-                        "TBE eval ms", "ratio"] + hybrid, rows))
+                        "TBE eval ms", "ratio"] + hybrid + bags, rows))
     print("target: ratio <= 1.30 for training step and eval" +
-          ("; hybrid / ours <= 1.5 (issue 32, half the rows in HBM)" if hybrid else ""))
+          ("; hybrid / ours <= 1.5 (issue 32, half the rows in HBM)" if hybrid else "") +
+          ("; ours / EmbeddingBag(sparse=True) train <= 1.25 (issue 32: SGD, SparseAdam)" if bags else ""))
     config = {**vars(args), "layout": layout, "our_capacity": capacity, "ids_per_step": n_ids,
               "distinct_ids": distinct, **env_info(device)}
     payload = {"benchmark": "bench_embedding", "config": config, "results": results}

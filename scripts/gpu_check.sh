@@ -220,7 +220,7 @@ fi
 # ---- (d) example.py on one GPU -----------------------------------------------------------------
 if need_build example; then
   if [ $TORCHREC = 1 ]; then
-    step example 150 TERM "$PY" example.py --device "$DEV" --nproc 1 --steps 40 --batch-size 256 --log-every 20 \
+    step example 120 TERM "$PY" example.py --device "$DEV" --nproc 1 --steps 40 --batch-size 256 --log-every 20 \
       --delta-steps 10 --eval-batches 4 --out "$WORK/example_out"
   else
     skip example "torchrec (or dynamicemb's TorchRec part) does not import here: see probe.json"
@@ -236,7 +236,8 @@ if need_build bench_embedding; then
   # --hbm-share 0.5: hybrid tables beside, half their rows in pinned host memory (issue 32: <= 1.5x)
   if [ "$DRY" = 1 ]; then EARGS=(--key-range 100000 --capacity $((1 << 16)) --batch 512 --steps 2 --warmup 1)
   else EARGS=(--key-range 1000000 --capacity $((1 << 18)) --steps 8 --warmup 3); fi
-  EARGS+=(--hbm-share 0.5)
+  # --torch-bags: nn.EmbeddingBag(sparse=True) with SGD / SparseAdam beside (issue 32: ours / bag <= 1.25)
+  EARGS+=(--hbm-share 0.5 --torch-bags)
   step bench_embedding 90 TERM "$PY" benchmark/bench_embedding.py --device "$DEV" "${EARGS[@]}" \
     --out "$OUTDIR/bench_embedding.json"
 fi
