@@ -71,7 +71,10 @@ else
   export DYNAMICEMB_CUDA_ARCHS=90 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
   # The system compiler, whose libstdc++ the process loads (README, GPUs: with a newer GCC
   # first on the image's PATH the extension built but crashed formatting an error message).
-  if [ -z "${CC:-}" ] && [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+  # The image sets CC=/opt/gcc/bin/gcc itself, so it is overridden, not only filled in
+  # (GPU_CHECK_CC=path keeps another).
+  if [ -n "${GPU_CHECK_CC:-}" ]; then export CC=$GPU_CHECK_CC CXX=${GPU_CHECK_CXX:-${GPU_CHECK_CC%gcc}g++}
+  elif [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 fi
 
 note() { echo "$*" >> "$WORK/notes.txt"; echo "[gpu_check] note: $*"; }
@@ -193,7 +196,36 @@ cpu = sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("C
 print(json.dumps({"ops_with_cuda_kernels": len(cuda), "ops_with_cpu_kernels": len(cpu),
                   "cpu_only_ops": sorted(set(cpu) - set(cuda))}))
 EOF
-  if [ -s "$WORK/cuda_ops.json" ]; then BUILT=1; else note "the extension built but dynamicemb does not import"; fi
+  if [ -s "$WORK/cuda_ops.json" ]; then BUILT=1; else
+    note "the extension built but dynamicemb does not import: diagnosis (faulthandler) in gpu_check.log"
+    diag() {  # label, python code: its exit code and the crash's stack into the log
+      { echo "----- import diagnosis: $1"; "$PY" -X faulthandler -c "$2" 2>&1 | tail -25; echo "exit ${PIPESTATUS[0]}"; } >> "$LOG"
+    }
+    diag "fbgemm_gpu alone" "import fbgemm_gpu"
+    diag "the extension alone" "import torch, glob; torch.ops.load_library(glob.glob('dynamicemb/lib/*.so')[0]); print('loaded')"
+    diag "ldd of the extension" "import subprocess, glob; print(subprocess.run(['ldd', glob.glob('dynamicemb/lib/*.so')[0]], capture_output=True, text=True).stdout)"
+    diag "dynamicemb" "import dynamicemb"
+    if command -v cuda-gdb > /dev/null; then  # the native stack of the crash (the image has no gdb)
+      { echo "----- import diagnosis: native backtrace (cuda-gdb)"
+        timeout 90 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args "$PY" -c "import dynamicemb" 2>&1 \
+          | grep -v "^\[New Thread\|^\[Thread\|^warning:" | tail -60; } >> "$LOG"
+    fi
+    # A crash that comes from the carried CPU fbgemm: go on without it (TorchRec's steps are
+    # then skipped; dynamicemb falls back to its own EmbOptimType).
+    if ! "$PY" -c "import fbgemm_gpu" > /dev/null 2>&1; then
+      if [ -n "$PTH" ]; then rm -f "$PTH"; PTH=""; fi  # the carried wheels out of every interpreter
+      export PYTHONPATH=$ROOT
+    fi
+    if [ "$PYTHONPATH" = "$ROOT" ] && "$PY" -c "import dynamicemb" > /dev/null 2>&1; then
+      note "fbgemm_gpu (the carried CPU build) crashes this torch: the steps run without the carried wheels"
+      "$PY" - > "$WORK/cuda_ops.json" 2>>"$LOG" <<'EOF2'
+import json, torch, dynamicemb  # noqa: F401
+cuda = sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA") if n.startswith("dynamicemb::"))
+print(json.dumps({"ops_with_cuda_kernels": len(cuda), "without_carried_wheels": True}))
+EOF2
+      [ -s "$WORK/cuda_ops.json" ] && BUILT=1
+    fi
+  fi
   summarize
 fi
 need_build() { [ $BUILT = 1 ] || { skip "$1" "the extension did not build or import (see build)"; return 1; }; }
@@ -217,16 +249,6 @@ if need_build gpu_tests; then
   step gpu_tests 200 INT "${PYTEST[@]}" $(xdist "$XB") -m gpu --junitxml="$WORK/gpu_tests.xml" tests
 fi
 
-# ---- (d) example.py on one GPU -----------------------------------------------------------------
-if need_build example; then
-  if [ $TORCHREC = 1 ]; then
-    step example 120 TERM "$PY" example.py --device "$DEV" --nproc 1 --steps 40 --batch-size 256 --log-every 20 \
-      --delta-steps 10 --eval-batches 4 --out "$WORK/example_out"
-  else
-    skip example "torchrec (or dynamicemb's TorchRec part) does not import here: see probe.json"
-  fi
-fi
-
 # ---- (e) benchmarks with --device --------------------------------------------------------------
 if need_build bench_table; then
   if [ "$DRY" = 1 ]; then TARGS=(--slots $((1 << 20)) --batch $((1 << 16)) --repeats 1); else TARGS=(--repeats 3); fi
@@ -240,6 +262,16 @@ if need_build bench_embedding; then
   EARGS+=(--hbm-share 0.5 --torch-bags)
   step bench_embedding 90 TERM "$PY" benchmark/bench_embedding.py --device "$DEV" "${EARGS[@]}" \
     --out "$OUTDIR/bench_embedding.json"
+fi
+
+# ---- (d) example.py on one GPU -----------------------------------------------------------------
+if need_build example; then
+  if [ $TORCHREC = 1 ]; then
+    step example 120 TERM "$PY" example.py --device "$DEV" --nproc 1 --steps 40 --batch-size 256 --log-every 20 \
+      --delta-steps 10 --eval-batches 4 --out "$WORK/example_out"
+  else
+    skip example "torchrec (or dynamicemb's TorchRec part) does not import here: see probe.json"
+  fi
 fi
 
 # ---- (c) the other tier, inference and checkpoint tests ----------------------------------------

@@ -87,7 +87,7 @@ def main():
                 st["pytest_says"] = pytest_tail(log)
         if name == "build":
             cu = os.path.join(work, "cuda_ops.json")
-            if os.path.exists(cu):
+            if os.path.exists(cu) and os.path.getsize(cu):
                 st.update(json.load(open(cu)))
         if name == "probe":
             pj = os.path.join(out, "probe.json")
