@@ -150,7 +150,9 @@ class _HostBytes:
 
     def __init__(self, whole: torch.Tensor):
         self.whole = whole
-        self.__cuda_array_interface__ = {"shape": (whole.numel(),), "typestr": "|u1", "data": (whole.data_ptr(), True),
+        # Not flagged read-only: torch refuses such an interface. The pages are registered
+        # read-only with CUDA, and nothing writes the tensor over them.
+        self.__cuda_array_interface__ = {"shape": (whole.numel(),), "typestr": "|u1", "data": (whole.data_ptr(), False),
                                          "version": 3, "strides": None}
 
     def __del__(self):

@@ -230,6 +230,11 @@ def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
     present = torch.cat([b.keys for b in tw.export()])
     present_t = torch.cat([b.table_ids for b in tw.export()])
     absent, absent_t = _batch(gen, 50, 4 * total, T, extremes=False)
+    # Truly absent: refresh takes distinct slots, and a stored key drawn again would
+    # repeat its slot (the CPU applies both accesses in order, CUDA in parallel).
+    stored = set(zip(present.tolist(), present_t.tolist()))
+    new = torch.tensor([(k, t) not in stored for k, t in zip(absent.tolist(), absent_t.tolist())], dtype=torch.bool)
+    absent, absent_t = absent[new], absent_t[new]
     keys, tids = torch.cat([present, absent]), torch.cat([present_t, absent_t])
     perm = torch.randperm(keys.numel(), generator=gen)
     keys, tids = keys[perm], tids[perm]

@@ -68,7 +68,7 @@ def stored(module: BatchedDynamicEmbeddingTables, table_id: int, keys) -> Tuple[
     w = rows_of(table_id) if rows_of is not None else module.storage.weights()[table_id]
     out = torch.zeros(keys.numel(), w.shape[1], dtype=torch.float32)
     found = rows >= 0
-    out[found] = w.index_select(0, rows[found]).cpu().float()
+    out[found] = w.index_select(0, rows[found].to(w.device)).cpu().float()  # a cache's rows: on its device
     return found, out
 
 

@@ -133,6 +133,7 @@ def test_op_rejects_bad_hot_rows():
         ops.emb_lookup_forward(*args, [good_w[0].double(), good_w[1]], good_p)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_cuda_cache(tmp_path, dtype):

@@ -146,6 +146,7 @@ def test_cli_save_and_serve(tmp_path, capsys):
         assert torch.equal(torch.load(tmp_path / "out.pt"), want)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_cuda_mapped_rows(tmp_path, dtype):

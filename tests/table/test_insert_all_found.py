@@ -32,7 +32,7 @@ def test_calls_of_stored_keys_match_model(strategy, threads, device):
     tids = [0 if i < 100 else 1 for i in range(len(keys))]
     p.insert(keys, tids, _scores(strategy, rng, len(keys), 0), now=1, step=1)
     # The keys the first call stored (a failed one is not stored).
-    out = p.table.lookup(torch.tensor(keys), torch.tensor(tids))
+    out = p.table.lookup(torch.tensor(keys, device=device), torch.tensor(tids, device=device))
     ok = [i for i, f in enumerate(out[1].tolist()) if f]
     assert len(ok) > 2000
     for step in range(2, 6):

@@ -100,7 +100,7 @@ def step(m, batch) -> torch.Tensor:
     """One training step (the batch moved to the module's device); returns
     the forward's output."""
     y = m(*(x.to(m.device) for x in batch))
-    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y) / 100).sum().backward()
+    (y * torch.arange(y.numel(), dtype=y.dtype, device=y.device).view_as(y) / 100).sum().backward()
     return y.detach()
 
 
