@@ -179,6 +179,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
         self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        # CUDA steps' failure counts on their way to the host (_FailureCount), oldest first.
+        self._failures_in_flight: list = []
         self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
         # Hooks the output into autograd so backward reaches the fused update.
@@ -224,7 +226,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse)
         if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come
             self.storage.batch_done(newest=True)
-        self._report_failures(res.failed)
+        self._report_failures(res.failed, self.step)
         rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
 
@@ -238,8 +240,29 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         init = self.storage.unstored_init_params
         return self.storage.init_params if init is None else init
 
-    def _report_failures(self, failed: torch.Tensor) -> None:
-        """Counts keys that could not be stored; raises or warns per safe_check_mode."""
+    def _report_failures(self, failed: torch.Tensor, step: int) -> None:
+        """Counts keys that could not be stored; raises or warns per safe_check_mode.
+        On CUDA the counts reach the host without stopping the step: a warning
+        comes a step or so later (naming its step), or at table_stats(); a
+        table in ERROR mode makes every step wait for them, to raise in it."""
+        if self._defers_failures(failed):
+            self._failures_in_flight.append(_FailureCount(failed, step))
+            self._drain_failures(wait=False, stacklevel=6)
+            return
+        self._count_failures(failed.cpu(), step, stacklevel=6)
+
+    def _defers_failures(self, failed: torch.Tensor) -> bool:
+        return failed.device.type == "cuda" and not any(
+            o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
+
+    def _drain_failures(self, wait: bool, stacklevel: int) -> None:
+        """Counts the failures whose copies have landed (all of them with wait)."""
+        while self._failures_in_flight and (wait or self._failures_in_flight[0].landed()):
+            f = self._failures_in_flight.pop(0)
+            self._count_failures(f.counts(), f.step, stacklevel + 1)
+
+    def _count_failures(self, failed: torch.Tensor, step: int, stacklevel: int) -> None:
+        """stacklevel: the warning's, at the module's caller."""
         if not bool(failed.any()):
             return
         self.failed += failed
@@ -247,7 +270,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         budget_reached = getattr(self.storage, "budget_reached", lambda t: None)
         for t in failed.nonzero().squeeze(1).tolist():
             mode = self.table_options[t].safe_check_mode
-            msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {self.step} "
+            msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {step} "
                    f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget); "
                    f"they read their initial value")
             why = budget_reached(t)
@@ -260,7 +283,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                     msg = f"{msg}: {why}"
                 msgs.append(msg)
         if msgs:
-            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=5)  # the module's caller
+            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
 
     # ---- backward ---------------------------------------------------------------------------
 
@@ -434,8 +457,32 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def table_stats(self) -> dict:
         """{table_name: {size, capacity, inserted, evicted, failed, admission_rejected, nonfinite_grads}}."""
+        self._drain_failures(wait=True, stacklevel=3)  # the warnings of CUDA steps not yet counted
         return {n: dict(self.storage.stats(t), nonfinite_grads=int(self.nonfinite_grads[t]))
                 for t, n in enumerate(self.table_names)}
+
+
+class _FailureCount:
+    """A step's per-table failure counts on their way to the host: from CUDA,
+    copied to pinned memory behind the step's work (an event marks when
+    they have landed); from the CPU, at once."""
+
+    def __init__(self, failed: torch.Tensor, step: int):
+        self.step = step
+        cuda = failed.device.type == "cuda"
+        self.host = torch.empty(failed.shape, dtype=failed.dtype, pin_memory=cuda)
+        self.host.copy_(failed, non_blocking=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.event.record()
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def counts(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 class BatchedDynamicEmbeddingTablesV2(BatchedDynamicEmbeddingTables):

@@ -243,7 +243,7 @@ class HashTableStorage(EmbeddingStorage):
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
         slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
         is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
-        failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        failed = torch.zeros(self.num_tables, dtype=torch.int64, device=keys.device)  # read by the module, later on CUDA
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
         try:
             self._find_or_insert_groups(keys, table_ids, counts, step, slots, is_new, failed, rejected)
@@ -296,14 +296,21 @@ class HashTableStorage(EmbeddingStorage):
                 for lt, t in enumerate(tables):
                     if self.admission[t] is not None:
                         self.admission[t].forget(k[gone & (lt_ins == lt)])
-            n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables)).cpu()
-            failed[tables] += n_failed
+            n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables))
+            failed.index_add_(0, self._group_table_ids(g, failed.device), n_failed)
             if at is None:
                 slots.copy_(out.indices)
                 is_new.copy_(new)
             else:
                 slots[at] = out.indices
                 is_new[at] = new
+
+    def _group_table_ids(self, g: int, device: torch.device) -> torch.Tensor:
+        """Group g's table ids as a tensor on `device` (made once)."""
+        cache = self.__dict__.setdefault("_group_tids", {})
+        if (g, device) not in cache:
+            cache[(g, device)] = torch.tensor(self.groups[g][1], dtype=torch.int64, device=device)
+        return cache[(g, device)]
 
     def _admit(self, g, keys, local_tids, counts, rejected):
         """(mask of the keys to insert, mask of those admitted by a counter),
@@ -335,9 +342,22 @@ class HashTableStorage(EmbeddingStorage):
         """Doubles tables (up to their maximum) whose load factor would pass
         max_load_factor if this call's new keys were stored."""
         ht, tables = self.groups[g]
-        upper = torch.bincount(local_tids, minlength=len(tables)).tolist()
-        sizes, caps = ht.sizes.tolist(), ht.capacities()
+        caps = ht.capacities()
         lf = [self.options[t].max_load_factor for t in tables]
+        growable = [lt for lt in range(len(tables)) if caps[lt] < self.limit_caps[tables[lt]]]
+        # Without waiting for the device where the answer is sure: no table can grow, or
+        # none would pass its load factor even if every key of the call were new in it.
+        seen = ht.sizes_at_most() if growable else None
+        if not growable or (seen is not None and
+                            all(seen[lt] + keys.numel() <= lf[lt] * caps[lt] for lt in growable)):
+            return
+        self._grow_exact(g, keys, local_tids, caps, lf)
+
+    def _grow_exact(self, g, keys, local_tids, caps, lf) -> None:
+        """_grow_for's decision from the device's counts (waits for them)."""
+        ht, tables = self.groups[g]
+        upper = torch.bincount(local_tids, minlength=len(tables)).tolist()
+        sizes = ht.sizes.tolist()
         suspects = [lt for lt in range(len(tables))
                     if sizes[lt] + upper[lt] > lf[lt] * caps[lt] and caps[lt] < self.limit_caps[tables[lt]]]
         if not suspects:
@@ -420,6 +440,11 @@ class HashTableStorage(EmbeddingStorage):
         idx, res = out.indices, out.results
         evicted = [out.evicted]  # of every attempt (slot indices as of that attempt)
         while True:
+            if all(full):  # every table evicts: nothing to grow and retry (no wait for the device)
+                out = InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
+                if out.evicted.keys.numel():
+                    self.version += 1  # the evicted keys' rows now hold other keys
+                return out
             failed = res == InsertResult.FAILED
             per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
             retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]

@@ -71,7 +71,7 @@ class FindOrInsertResult:
     table_ids: torch.Tensor
     rows: torch.Tensor  # table-local row per key, -1 when the key has no row
     inverse: Optional[torch.Tensor]  # the given inverse, renumbered to this order
-    failed: torch.Tensor  # per table: keys that could not be stored in this call
+    failed: torch.Tensor  # per table: keys that could not be stored in this call (on any device)
     rejected: torch.Tensor  # per table: keys refused by admission in this call
 
 

@@ -4,6 +4,7 @@ A thin Python view over slot tensors; every operation is one vectorised op of
 the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
+import copy
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -58,6 +59,38 @@ def doubling_capacities(init_rows: int, max_rows: int, bucket_capacity: int) -> 
     return (max_b >> k) * bucket_capacity, max_b * bucket_capacity
 
 
+class SizesSeen:
+    """The host's latest copy of a table's sizes (int64 [num_tables]), taken
+    after each insert. On CUDA the copy is asynchronous (pinned buffer and an
+    event): read() returns it once the device has written it, None before,
+    so that a growth check can skip a host synchronisation."""
+
+    def __init__(self, sizes: torch.Tensor):
+        self.sizes = sizes
+        self.cuda = sizes.device.type == "cuda"
+        self.host = torch.zeros(sizes.shape, dtype=torch.int64, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        if self.cuda:
+            self.event.record()
+
+    def note(self) -> None:
+        if self.cuda:
+            self.host.copy_(self.sizes, non_blocking=True)
+            self.event.record()
+        else:
+            self.host.copy_(self.sizes)
+
+    def __deepcopy__(self, memo):
+        twin = SizesSeen(copy.deepcopy(self.sizes, memo))
+        twin.note()
+        return twin
+
+    def read(self) -> Optional[List[int]]:
+        if self.cuda and not self.event.query():
+            return None
+        return self.host.tolist()
+
+
 class ScoredHashTable:
     """A bucketed hash table of int64 keys with per-slot scores.
 
@@ -100,9 +133,10 @@ class ScoredHashTable:
         self.strategy = strategy_code(score_strategy)
         self.step = 0  # the STEP strategy's default score
         self._epoch = 0
-        self._table_buckets = self._bucket_offsets([c // bucket_capacity for c in caps])
+        self._set_layout(self._bucket_offsets([c // bucket_capacity for c in caps]))
         self._alloc_slots(sum(caps))
         self.sizes = torch.zeros(num_tables, dtype=torch.int64, device=self.device)
+        self._sizes_seen = SizesSeen(self.sizes)
         # Per table, columns rules.TableCounter: inserted (new keys stored), evicted, failed.
         self.counters = torch.zeros(num_tables, len(rules.TableCounter), dtype=torch.int64, device=self.device)
 
@@ -114,6 +148,12 @@ class ScoredHashTable:
                 f"table {self.table_names[t]!r}: capacity {c!r} must be a positive multiple "
                 f"of bucket_capacity ({bucket_capacity})"
             )
+
+    def _set_layout(self, table_buckets: torch.Tensor) -> None:
+        # The layout also on the host: capacities are read every step (growth
+        # checks), and reading a CUDA tensor would wait for the device.
+        self._table_buckets = table_buckets
+        self._buckets_host: List[int] = table_buckets.tolist()
 
     def _bucket_offsets(self, buckets: List[int]) -> torch.Tensor:
         # Kernels read the layout on the host (CPU) or the device (CUDA).
@@ -141,7 +181,7 @@ class ScoredHashTable:
 
     def table_slot_range(self, table_id: int) -> Tuple[int, int]:
         table_id = self._table_id(table_id)
-        tb = self._table_buckets.tolist()
+        tb = self._buckets_host
         return tb[table_id] * self.bucket_capacity, tb[table_id + 1] * self.bucket_capacity
 
     # ---- inputs --------------------------------------------------------------------
@@ -274,6 +314,7 @@ class ScoredHashTable:
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
                                                     self.bucket_capacity, call, epoch, evictable)
+        self._sizes_seen.note()
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 
     def erase(self, keys: torch.Tensor, table_ids=None) -> torch.Tensor:
@@ -349,7 +390,7 @@ class ScoredHashTable:
         epochs[new_idx] = self.slot_epochs[old_idx]  # slots held by the current call stay held
         self.slot_keys, self.slot_digests, self.slot_scores, self.slot_timestamps = keys, digests, scores, ts
         self.slot_epochs = epochs
-        self._table_buckets = new_tb
+        self._set_layout(new_tb)
         return old_idx, new_idx
 
     # ---- accounting ----------------------------------------------------------------
@@ -359,7 +400,14 @@ class ScoredHashTable:
         return int(self.sizes.sum() if table_id is None else self.sizes[self._table_id(table_id)])
 
     def capacities(self) -> List[int]:
-        return [int(b) * self.bucket_capacity for b in self._table_buckets.diff().tolist()]
+        tb = self._buckets_host
+        return [(e - b) * self.bucket_capacity for b, e in zip(tb, tb[1:])]
+
+    def sizes_at_most(self) -> Optional[List[int]]:
+        """Per table, an upper bound of its live keys, read without waiting
+        for the device: the sizes as of the last insert (keys only leave
+        since), or None while the device has not yet produced them."""
+        return self._sizes_seen.read()
 
     def capacity(self, table_id: Optional[int] = None) -> int:
         caps = self.capacities()

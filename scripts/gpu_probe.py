@@ -308,6 +308,47 @@ def module_step_host_syncs(dev):
     return out
 
 
+@check
+def module_step_profile(dev):
+    """Where one CUDA training step of bench_embedding's shapes (8 tables,
+    dim 64, batch 4096 x pooling 10, EXACT_SGD, stored keys) spends its time:
+    wall ms per step, the GPU's busy ms in it, and the top ops by host time
+    and by GPU time (torch.profiler), for the step against EmbeddingBag."""
+    if dev.type != "cuda":
+        return "not profiled: a CUDA step's profile"
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    tables, batch, pooling = 8, 4096, 10
+    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 18, init_capacity=1 << 18) for _ in range(tables)]
+    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev)
+    g = torch.Generator().manual_seed(0)
+    idx = (torch.randint(0, 1 << 17, (tables * batch * pooling,), generator=g) ** 2 // (1 << 17)).to(dev)  # skewed
+    off = torch.arange(0, idx.numel() + 1, pooling, device=dev)
+    grad = torch.randn(batch, tables * 64, device=dev)
+    for _ in range(5):
+        m(idx, off).backward(grad)
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 10
+    for _ in range(steps):
+        m(idx, off).backward(grad)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            m(idx, off).backward(grad)
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def top(attr, n=14):
+        rows = sorted(ev, key=lambda e: getattr(e, attr), reverse=True)[:n]
+        return {e.key[:70]: round(getattr(e, attr) / 3e3, 3) for e in rows if getattr(e, attr) > 0}
+    return {"wall_ms_per_step": round(wall_ms, 3),
+            "gpu_busy_ms_per_step": round(sum(getattr(e, dev_attr) for e in ev) / 3e3, 3),
+            "top_host_ms": top("self_cpu_time_total"), "top_gpu_ms": top(dev_attr)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")

@@ -22,9 +22,10 @@ def _tiny(mode, device, strategy=DynamicEmbScoreStrategy.TIMESTAMP):
 
 def test_overfull_bucket_is_counted_and_warned(device):
     m = _tiny(DynamicEmbCheckMode.WARNING, device)
-    with pytest.warns(RuntimeWarning, match=r"table 'tiny': 4 keys could not be stored"):
+    # On CUDA the warning may come after the step, by table_stats() at the latest.
+    with pytest.warns(RuntimeWarning, match=r"table 'tiny': 4 keys could not be stored at step 1"):
         out = m(*bags([KEYS], device))
-    stats = m.table_stats()["tiny"]
+        stats = m.table_stats()["tiny"]
     assert stats["failed"] == 4 and stats["size"] == 16
     # Keys are stored in input order: the last four failed.
     assert stored_keys(m, 0) == set(KEYS[:16])
@@ -38,6 +39,33 @@ def test_overfull_bucket_is_counted_and_warned(device):
     out = m(*bags([KEYS[16:]], device))
     torch.testing.assert_close(out.detach().cpu(), debug_rows(KEYS[16:], D), atol=0, rtol=0)
     assert m.table_stats()["tiny"]["evicted"] == 4
+
+def test_failure_counts_that_land_later_warn_naming_their_step(monkeypatch):
+    """A CUDA step does not wait for its failure counts: they are counted and
+    warned when their copy lands (here: not before table_stats), naming the
+    step they happened in. Modelled on the CPU by holding every copy back."""
+    from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables, _FailureCount
+    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_failures", lambda self, failed: True)
+    held = [True]
+    monkeypatch.setattr(_FailureCount, "landed", lambda self: not held[0])
+    m = _tiny(DynamicEmbCheckMode.WARNING, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(*bags([KEYS], "cpu"))  # step 1: 4 keys fail
+        m(*bags([KEYS[:16]], "cpu"))  # step 2: all stored
+    assert m.failed.tolist() == [0]
+    held[0] = False
+    with pytest.warns(RuntimeWarning, match=r"table 'tiny': 4 keys could not be stored at step 1") as w:
+        m(*bags([KEYS[:16]], "cpu"))  # step 3 drains the landed counts
+    assert len(w) == 1 and w[0].filename == __file__  # at the module's caller
+    assert m.failed.tolist() == [4]
+    held[0] = True
+    m(*bags([KEYS[16:] + [500, 501, 502, 503, 504]], "cpu"))  # step 4: evicts; its own failures none
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert m.table_stats()["tiny"]["failed"] == 4  # table_stats waits for every count
+    assert m.failed.tolist() == [4] and m._failures_in_flight == []
+
 
 def test_error_mode_raises_naming_the_table(device):
     m = _tiny(DynamicEmbCheckMode.ERROR, device)

@@ -56,3 +56,34 @@ def test_growth_keeps_every_row(optimizer, bucket_capacity, device):
         _, rows_big = stored(big, t, keys)
         assert bool(found.all())
         torch.testing.assert_close(rows_small, rows_big, atol=0, rtol=0)
+
+
+def test_growth_checks_wait_for_the_device_only_near_the_load_factor(device, monkeypatch):
+    """The growth check reads the device's counts (a host synchronisation on
+    CUDA) only when a table could pass its load factor with this call's keys:
+    never for tables at their maximum, and not while the sizes seen after the
+    last insert plus every key of the call stay under it."""
+    from dynamicemb.storage import HashTableStorage
+    exact = []
+    real = HashTableStorage._grow_exact
+    monkeypatch.setattr(HashTableStorage, "_grow_exact",
+                        lambda self, g, keys, *a: exact.append(keys.numel()) or real(self, g, keys, *a))
+    gen = torch.Generator().manual_seed(5)
+    fixed = _module(EmbOptimType.EXACT_SGD, None, 64, device)  # init = max capacity: cannot grow
+    for _ in range(5):
+        fixed(*random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=32, max_len=6, device=device)).sum().backward()
+    assert exact == []
+
+    growing, ref = _module(EmbOptimType.EXACT_SGD, 1024, 64, device), _module(EmbOptimType.EXACT_SGD, None, 64, device)
+    steps, caps = 30, []
+    for _ in range(steps):
+        batch = random_batch(gen, FEATURE_TABLE, NUM_KEYS, batch=32, max_len=6, device=device)
+        out, out_ref = growing(*batch), ref(*batch)
+        torch.testing.assert_close(out, out_ref, atol=0, rtol=0)
+        out.sum().backward()
+        out_ref.sum().backward()
+        caps.append([growing.table_stats()[t]["capacity"] for t in ("t0", "t1")])
+    # Table 0 (3000 keys, load factor 0.5) grew past 1024 slots, which the exact check decided;
+    # early steps (a few hundred keys in 1024 slots per table) were decided without it.
+    assert caps[-1][0] > 1024 and caps[0] == [1024, 1024]
+    assert 0 < len(exact) < steps
