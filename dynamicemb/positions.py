@@ -27,6 +27,15 @@ def where_true(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero().squeeze(1)
 
 
+def count_where(ids: torch.Tensor, mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """int64 [groups]: per id in [0, groups), how many positions with that id
+    the mask holds. On CUDA by a scatter-add: bincount and mask indexing would
+    wait for the device (to size their outputs)."""
+    if ids.device.type == "cpu":
+        return torch.bincount(ids[mask], minlength=groups)
+    return torch.zeros(groups, dtype=torch.int64, device=ids.device).index_add_(0, ids, mask.to(torch.int64))
+
+
 def by_group(ids: torch.Tensor, groups: int) -> Tuple[torch.Tensor, List[int]]:
     """(positions grouped by ids in [0, groups), ascending within a group;
     each group's count): group g's positions are order[sum(counts[:g]):][:counts[g]]."""

@@ -16,7 +16,7 @@ from dynamicemb import memory, rules
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.positions import where_true
+from dynamicemb.positions import count_where, where_true
 from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
                                          RowBlocks)
 from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
@@ -269,10 +269,9 @@ class HashTableStorage(EmbeddingStorage):
         (A CPU step initialises its new rows in find_or_insert's row-order
         pass; this serves other devices, and a step that fails.)"""
         rows = _slot_rows(slots, self._table_slot_begin[table_ids])
-        sel = where_true(is_new)
-        if sel.numel():
-            ops.emb_init_rows(self.weights(), rows.index_select(0, sel), table_ids.index_select(0, sel),
-                              keys.index_select(0, sel), self.dims, self.init_params, self.seed)
+        # Row -1 where a key is not new: the kernels skip it (no positions to count on the host).
+        ops.emb_init_rows(self.weights(), torch.where(is_new, rows, -1), table_ids, keys, self.dims,
+                          self.init_params, self.seed)
         return rows
 
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:
@@ -296,7 +295,7 @@ class HashTableStorage(EmbeddingStorage):
                 for lt, t in enumerate(tables):
                     if self.admission[t] is not None:
                         self.admission[t].forget(k[gone & (lt_ins == lt)])
-            n_failed = torch.bincount(lt_ins[out.results == InsertResult.FAILED], minlength=len(tables))
+            n_failed = count_where(lt_ins, out.results == InsertResult.FAILED, len(tables))
             failed.index_add_(0, self._group_table_ids(g, failed.device), n_failed)
             if at is None:
                 slots.copy_(out.indices)

@@ -5,6 +5,7 @@ the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
 import copy
+import time
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -132,6 +133,7 @@ class ScoredHashTable:
         self.num_tables = num_tables
         self.strategy = strategy_code(score_strategy)
         self.step = 0  # the STEP strategy's default score
+        self._clock_base: Optional[Tuple[int, int]] = None  # CUDA: (GPU timer, host monotonic_ns) read together
         self._epoch = 0
         self._set_layout(self._bucket_offsets([c // bucket_capacity for c in caps]))
         self._alloc_slots(sum(caps))
@@ -238,8 +240,15 @@ class ScoredHashTable:
 
     def now(self) -> int:
         """The table's clock in ns, which the clock strategies score with:
-        time.monotonic_ns() on the CPU, the GPU's global timer on CUDA."""
-        return int(ops.table_clock(self.slot_scores).item())
+        time.monotonic_ns() on the CPU; on CUDA the GPU's global timer, read
+        once and then advanced by the host's monotonic clock (reading it at
+        every call would wait for the device)."""
+        if self.device.type == "cpu":
+            return int(ops.table_clock(self.slot_scores).item())
+        if self._clock_base is None:
+            self._clock_base = (int(ops.table_clock(self.slot_scores).item()), time.monotonic_ns())
+        gpu, host = self._clock_base
+        return gpu + time.monotonic_ns() - host
 
     def _next_epoch(self) -> int:
         self._epoch += 1

@@ -24,3 +24,16 @@ def test_timestamp_scores_come_from_the_device_clock():
     stamps = t.slot_timestamps[batch.indices].cpu()
     assert bool(((stamps >= before) & (stamps <= after)).all())
     assert torch.equal(batch.scores.cpu().sort().values, torch.tensor([1] * 25 + [2] * 25))  # LFU counts
+
+
+def test_the_clock_follows_the_device_timer_without_reading_it():
+    """On CUDA now() reads the timer once and then advances by the host's
+    monotonic clock (no wait for the device): it stays with the timer."""
+    from dynamicemb._ops import ops
+    t = ScoredHashTable(256, 16, S.TIMESTAMP, device=DEV)
+    t.now()
+    for _ in range(3):
+        if DEV == "cuda":
+            torch.cuda._sleep(10_000_000)  # the device busy: its timer runs on
+        ours, timer = t.now(), int(ops.table_clock(t.slot_scores).item())
+        assert abs(ours - timer) < 50_000_000  # within 50 ms

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.positions import by_group, where_true
+from dynamicemb.positions import count_where, by_group, where_true
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
 
@@ -63,3 +63,13 @@ def test_bad_input_is_named(call, message):
 
 
 generate_opcheck_tests(sys.modules[__name__])
+
+
+def test_count_where_counts_the_masked_positions_per_group(device):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 5, (1000,), generator=g)
+    mask = torch.rand(1000, generator=g) < 0.3
+    want = [sum(1 for i, m in zip(ids.tolist(), mask.tolist()) if m and i == k) for k in range(7)]
+    got = count_where(ids.to(device), mask.to(device), 7)
+    assert got.dtype == torch.int64 and got.device.type == device and got.tolist() == want
+    assert count_where(ids[:0].to(device), mask[:0].to(device), 3).tolist() == [0, 0, 0]
