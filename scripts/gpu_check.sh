@@ -5,18 +5,28 @@
 #   install  the carried wheels (.whl/, made by scripts/gpu_wheels.sh) into
 #            /tmp/site with --no-index --no-deps; PYTHONPATH=/tmp/site:repo
 #            (fbgemm-gpu-cpu 1.6 + torchrec 1.6.1, torch 2.11's pairing)
-#   build    the extension with its CUDA kernels, sm_90 only, in place
+#   build    the extension with its CUDA kernels, sm_90 only, in place, with the
+#            system compiler (/usr/bin/gcc: the image's own CC, /opt/gcc, built an
+#            extension that crashed at import); a failed import is diagnosed
+#            (faulthandler per import, ldd, cuda-gdb backtrace) in the log
 #   probe    (a) does torchrec import beside fbgemm-gpu-cpu, which TorchRec and
-#            FBGEMM ops run on CUDA tensors (scripts/gpu_probe.py; records only)
+#            FBGEMM ops run on CUDA tensors, the host syncs of one training step
+#            and its profile (scripts/gpu_probe.py; records only)
 #   gpu_tests  (b) `pytest -m gpu tests`: every test that takes the `device`
 #            fixture runs its cuda param (tests/conftest.py marks it gpu) and
 #            tests/cuda (all gpu-marked) compares CUDA against the CPU
-#   example  (d) example.py --device cuda --nproc 1 with short settings
 #   bench_table, bench_embedding  (e) the benchmarks that take --device, with
-#            run_all.py's short settings (run_all.py itself has no --device)
+#            run_all.py's short settings (run_all.py itself has no --device);
+#            bench_embedding with hybrid tables and nn.EmbeddingBag beside
+#   example  (d) example.py --device cuda --nproc 1 with short settings; skipped
+#            when the probe's DMP step fails (CPU fbgemm: TorchRec's input dist
+#            has no CUDA kernels), with the reason
 #   tier_inference_checkpoint_tests  (c) the rest of tests/tiers, inference,
-#            checkpoint (`-m "not gpu"`: their gpu-marked tests ran in (b))
+#            checkpoint on the CPU (`-m "not gpu"`: their gpu-marked tests ran in
+#            (b)); skipped unless torchrec is 1.8 (torch 2.11 pairs with 1.6.1)
 #
+# First run (H100, 2026-11-26): build 75-103 s, probe 12-18 s, gpu_tests about
+# 60 s with 4 workers, each benchmark 7-12 s.
 # Each step has its own log and time box and the run goes on after a failure.
 # OUTDIR gets (at most 8 files, what the device tool brings back):
 #   summary.json      every step's status, exit code, seconds, test counts,
@@ -27,7 +37,7 @@
 # Usage: scripts/gpu_check.sh OUTDIR
 # GPU_CHECK_ONLY=gpu_tests,example: a rerun of only those steps (install and
 # build always run; both are quick on a warm machine, whose build/ is kept).
-# GPU_CHECK_BUDGET_S (450), GPU_CHECK_XDIST_GPU (4), GPU_CHECK_XDIST (8):
+# GPU_CHECK_BUDGET_S (450), GPU_CHECK_XDIST_GPU (8), GPU_CHECK_XDIST (8):
 # the time budget and the pytest-xdist workers of (b) and (c).
 # GPU_CHECK_ALLOW_CPU=1: a dry run without a GPU: the same selections on the
 # CPU (DYNAMICEMB_PARITY_DEVICE=cpu, smaller benchmarks) with GPU_CHECK_PYTHON
@@ -252,7 +262,7 @@ fi
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --continue-on-collection-errors)
 # pytest-xdist workers (the GPU machine has 16 cores; none here by default: 2 shared cores).
 if [ "$DRY" = 1 ]; then XB=${GPU_CHECK_XDIST_GPU:-0}; XC=${GPU_CHECK_XDIST:-0}
-else XB=${GPU_CHECK_XDIST_GPU:-4}; XC=${GPU_CHECK_XDIST:-8}; fi
+else XB=${GPU_CHECK_XDIST_GPU:-8}; XC=${GPU_CHECK_XDIST:-8}; fi
 xdist() { if [ "$1" -gt 0 ]; then echo "-n $1"; fi; }
 if need_build gpu_tests; then
   # shellcheck disable=SC2046

@@ -88,8 +88,8 @@ def test_no_eviction_at_max_capacity_fails_new_keys(device):
     m(*bags([KEYS[:16]], device)).sum().backward()
     with pytest.warns(RuntimeWarning, match="2 keys could not be stored"):
         out = m(*bags([KEYS[16:18] + KEYS[:2]], device))
+        stats = m.table_stats()["tiny"]  # on CUDA the warning may come after the step, by table_stats
     assert stored_keys(m, 0) == set(KEYS[:16])
-    stats = m.table_stats()["tiny"]
     assert stats["failed"] == 2 and stats["evicted"] == 0
     expected = torch.cat([debug_rows(KEYS[16:18], D), debug_rows(KEYS[:2], D) - 1])
     torch.testing.assert_close(out.detach().cpu(), expected, atol=1e-5, rtol=0)
