@@ -89,6 +89,7 @@ class HashTableStorage(EmbeddingStorage):
             # A cached table's cache never grows: it does not share a hash table with tables that do.
             groups.setdefault((strategy_code(o.score_strategy), o.bucket_capacity, o.caching), []).append(t)
         self.groups = []  # (ScoredHashTable, global table ids)
+        self._group_tids = {}  # (group, device) -> its global table ids as a tensor there
         self.group_of = [None] * self.num_tables  # t -> (group index, table id in the group)
         for gi, ((code, bc, _), tables) in enumerate(groups.items()):
             ht = ScoredHashTable([init_caps[t] for t in tables], bucket_capacity=bc, score_strategy=strategy_of(code),
@@ -306,10 +307,9 @@ class HashTableStorage(EmbeddingStorage):
 
     def _group_table_ids(self, g: int, device: torch.device) -> torch.Tensor:
         """Group g's table ids as a tensor on `device` (made once)."""
-        cache = self.__dict__.setdefault("_group_tids", {})
-        if (g, device) not in cache:
-            cache[(g, device)] = torch.tensor(self.groups[g][1], dtype=torch.int64, device=device)
-        return cache[(g, device)]
+        if (g, device) not in self._group_tids:
+            self._group_tids[(g, device)] = torch.tensor(self.groups[g][1], dtype=torch.int64, device=device)
+        return self._group_tids[(g, device)]
 
     def _admit(self, g, keys, local_tids, counts, rejected):
         """(mask of the keys to insert, mask of those admitted by a counter),
