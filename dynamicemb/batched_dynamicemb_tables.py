@@ -17,6 +17,7 @@ from torch import nn
 
 from dynamicemb._ops import ops
 from dynamicemb.aliases import renamed
+from dynamicemb.host_copy import HostCopy
 from dynamicemb.memory import DynamicEmbBudgetError
 from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, optimizer_code, state_start,
                                   state_width, weight_decay_mode_code)
@@ -179,7 +180,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
         self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
-        # CUDA steps' failure counts on their way to the host (_FailureCount), oldest first.
+        # CUDA steps' failure counts on their way to the host: (step, HostCopy), oldest first.
         self._failures_in_flight: list = []
         self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
@@ -246,7 +247,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         comes a step or so later (naming its step), or at table_stats(); a
         table in ERROR mode makes every step wait for them, to raise in it."""
         if self._defers_failures(failed):
-            self._failures_in_flight.append(_FailureCount(failed, step))
+            self._failures_in_flight.append((step, HostCopy(failed)))
             self._drain_failures(wait=False, stacklevel=6)
             return
         self._count_failures(failed.cpu(), step, stacklevel=6)
@@ -257,9 +258,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def _drain_failures(self, wait: bool, stacklevel: int) -> None:
         """Counts the failures whose copies have landed (all of them with wait)."""
-        while self._failures_in_flight and (wait or self._failures_in_flight[0].landed()):
-            f = self._failures_in_flight.pop(0)
-            self._count_failures(f.counts(), f.step, stacklevel + 1)
+        while self._failures_in_flight and (wait or self._failures_in_flight[0][1].landed()):
+            step, counts = self._failures_in_flight.pop(0)
+            self._count_failures(counts.wait(), step, stacklevel + 1)
 
     def _count_failures(self, failed: torch.Tensor, step: int, stacklevel: int) -> None:
         """stacklevel: the warning's, at the module's caller."""
@@ -460,29 +461,6 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._drain_failures(wait=True, stacklevel=3)  # the warnings of CUDA steps not yet counted
         return {n: dict(self.storage.stats(t), nonfinite_grads=int(self.nonfinite_grads[t]))
                 for t, n in enumerate(self.table_names)}
-
-
-class _FailureCount:
-    """A step's per-table failure counts on their way to the host: from CUDA,
-    copied to pinned memory behind the step's work (an event marks when
-    they have landed); from the CPU, at once."""
-
-    def __init__(self, failed: torch.Tensor, step: int):
-        self.step = step
-        cuda = failed.device.type == "cuda"
-        self.host = torch.empty(failed.shape, dtype=failed.dtype, pin_memory=cuda)
-        self.host.copy_(failed, non_blocking=cuda)
-        self.event = torch.cuda.Event() if cuda else None
-        if cuda:
-            self.event.record()
-
-    def landed(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def counts(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
 
 
 class BatchedDynamicEmbeddingTablesV2(BatchedDynamicEmbeddingTables):

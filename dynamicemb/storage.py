@@ -439,14 +439,11 @@ class HashTableStorage(EmbeddingStorage):
         idx, res = out.indices, out.results
         evicted = [out.evicted]  # of every attempt (slot indices as of that attempt)
         while True:
-            if all(full):  # every table evicts: nothing to grow and retry (no wait for the device)
-                out = InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
-                if out.evicted.keys.numel():
-                    self.version += 1  # the evicted keys' rows now hold other keys
-                return out
-            failed = res == InsertResult.FAILED
-            per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
-            retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
+            retry = []  # every table evicts: nothing to grow and retry (no count: no wait for the device)
+            if not all(full):
+                failed = res == InsertResult.FAILED
+                per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
+                retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
             if not retry:
                 out = InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
                 if out.evicted.keys.numel():

@@ -4,7 +4,6 @@ A thin Python view over slot tensors; every operation is one vectorised op of
 the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
-import copy
 import time
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -12,6 +11,7 @@ import torch
 
 from dynamicemb import memory, rules
 from dynamicemb._ops import ops, table_arg
+from dynamicemb.host_copy import HostCopy
 from dynamicemb.positions import where_true
 from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, strategy_code
 
@@ -60,38 +60,6 @@ def doubling_capacities(init_rows: int, max_rows: int, bucket_capacity: int) -> 
     return (max_b >> k) * bucket_capacity, max_b * bucket_capacity
 
 
-class SizesSeen:
-    """The host's latest copy of a table's sizes (int64 [num_tables]), taken
-    after each insert. On CUDA the copy is asynchronous (pinned buffer and an
-    event): read() returns it once the device has written it, None before,
-    so that a growth check can skip a host synchronisation."""
-
-    def __init__(self, sizes: torch.Tensor):
-        self.sizes = sizes
-        self.cuda = sizes.device.type == "cuda"
-        self.host = torch.zeros(sizes.shape, dtype=torch.int64, pin_memory=self.cuda)
-        self.event = torch.cuda.Event() if self.cuda else None
-        if self.cuda:
-            self.event.record()
-
-    def note(self) -> None:
-        if self.cuda:
-            self.host.copy_(self.sizes, non_blocking=True)
-            self.event.record()
-        else:
-            self.host.copy_(self.sizes)
-
-    def __deepcopy__(self, memo):
-        twin = SizesSeen(copy.deepcopy(self.sizes, memo))
-        twin.note()
-        return twin
-
-    def read(self) -> Optional[List[int]]:
-        if self.cuda and not self.event.query():
-            return None
-        return self.host.tolist()
-
-
 class ScoredHashTable:
     """A bucketed hash table of int64 keys with per-slot scores.
 
@@ -138,7 +106,7 @@ class ScoredHashTable:
         self._set_layout(self._bucket_offsets([c // bucket_capacity for c in caps]))
         self._alloc_slots(sum(caps))
         self.sizes = torch.zeros(num_tables, dtype=torch.int64, device=self.device)
-        self._sizes_seen = SizesSeen(self.sizes)
+        self._sizes_seen = HostCopy(self.sizes)  # after each insert: growth checks read it without waiting
         # Per table, columns rules.TableCounter: inserted (new keys stored), evicted, failed.
         self.counters = torch.zeros(num_tables, len(rules.TableCounter), dtype=torch.int64, device=self.device)
 
@@ -323,7 +291,7 @@ class ScoredHashTable:
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
                                                     self.bucket_capacity, call, epoch, evictable)
-        self._sizes_seen.note()
+        self._sizes_seen = HostCopy(self.sizes)
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 
     def erase(self, keys: torch.Tensor, table_ids=None) -> torch.Tensor:
@@ -416,7 +384,7 @@ class ScoredHashTable:
         """Per table, an upper bound of its live keys, read without waiting
         for the device: the sizes as of the last insert (keys only leave
         since), or None while the device has not yet produced them."""
-        return self._sizes_seen.read()
+        return self._sizes_seen.host.tolist() if self._sizes_seen.landed() else None
 
     def capacity(self, table_id: Optional[int] = None) -> int:
         caps = self.capacities()

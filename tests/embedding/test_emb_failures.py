@@ -44,10 +44,11 @@ def test_failure_counts_that_land_later_warn_naming_their_step(monkeypatch):
     """A CUDA step does not wait for its failure counts: they are counted and
     warned when their copy lands (here: not before table_stats), naming the
     step they happened in. Modelled on the CPU by holding every copy back."""
-    from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables, _FailureCount
+    from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+    from dynamicemb.host_copy import HostCopy
     monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_failures", lambda self, failed: True)
     held = [True]
-    monkeypatch.setattr(_FailureCount, "landed", lambda self: not held[0])
+    monkeypatch.setattr(HostCopy, "landed", lambda self: not held[0])
     m = _tiny(DynamicEmbCheckMode.WARNING, "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

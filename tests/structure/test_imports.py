@@ -12,7 +12,7 @@ LAYERS = [
      "dynamicemb.checkpoint.format",
      "dynamicemb.inference.quantize", "dynamicemb.tiers.prefault", "dynamicemb.shard.train_pipeline"],
     # 1: the hash table and what it is built from; admission (its counters are tables) and the options naming it
-    ["dynamicemb.memory", "dynamicemb.positions", "dynamicemb.routing", "dynamicemb.table",
+    ["dynamicemb.memory", "dynamicemb.positions", "dynamicemb.host_copy", "dynamicemb.routing", "dynamicemb.table",
      "dynamicemb.table_rows", "dynamicemb.admission", "dynamicemb.options"],
     # 2: storages
     ["dynamicemb.storage", "dynamicemb.tiers"],
