@@ -344,9 +344,75 @@ def module_step_profile(dev):
     def top(attr, n=14):
         rows = sorted(ev, key=lambda e: getattr(e, attr), reverse=True)[:n]
         return {e.key[:70]: round(getattr(e, attr) / 3e3, 3) for e in rows if getattr(e, attr) > 0}
-    return {"wall_ms_per_step": round(wall_ms, 3),
+    return {"wall_ms_per_step": round(wall_ms, 3), **_phase_walls(m, idx, off, grad),
             "gpu_busy_ms_per_step": round(sum(getattr(e, dev_attr) for e in ev) / 3e3, 3),
-            "top_host_ms": top("self_cpu_time_total"), "top_gpu_ms": top(dev_attr)}
+            "top_host_ms": top("self_cpu_time_total"), "top_gpu_ms": top(dev_attr),
+            "runtime_calls_per_step": _runtime_calls(prof.events(), 3)}
+
+
+RUNTIME_CALLS = {"cudaLaunchKernel": "launch", "cudaLaunchKernelExC": "launch", "cuLaunchKernel": "launch",
+                 "cuLaunchKernelEx": "launch", "cudaMemcpyAsync": "memcpy", "cudaMemcpy": "memcpy",
+                 "cudaMemsetAsync": "memset", "cudaStreamSynchronize": "sync", "cudaDeviceSynchronize": "sync",
+                 "cudaEventSynchronize": "sync"}
+
+
+def _runtime_calls(events, steps):
+    """Per step: the CUDA runtime calls (kernel launches, copies, memsets,
+    synchronisations) in all, and per top-level op that issued them (the
+    outermost dynamicemb:: op, else the outermost op): which ops to fuse."""
+    import collections
+    total = collections.Counter()
+    per_op = collections.defaultdict(collections.Counter)
+    for e in events:
+        kind = RUNTIME_CALLS.get(e.name)
+        if kind is None:
+            continue
+        total[kind] += 1
+        chain, p = [], e.cpu_parent
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        ours = [n for n in chain if n.startswith("dynamicemb::")]
+        owner = ours[-1] if ours else (chain[-1] if chain else "(no parent)")
+        per_op[owner[:70]][kind] += 1
+    top = sorted(per_op.items(), key=lambda kv: -sum(kv[1].values()))[:30]
+    return {"total": {k: round(v / steps, 1) for k, v in total.items()},
+            "by_op": {name: {k: round(v / steps, 1) for k, v in c.items()} for name, c in top}}
+
+
+def _phase_walls(m, idx, off, grad, steps=10):
+    """Wall ms of the forward alone, the backward alone (each followed by a
+    device sync), and of the host issuing one step behind a long GPU sleep:
+    the issue time is the host's share when nothing waits for the device; a
+    step that syncs waits for the sleep, which then shows."""
+    import time
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+            torch.cuda.synchronize()
+        return round((time.perf_counter() - t) * 1e3 / steps, 3)
+    outs = []
+
+    def fwd():
+        outs.append(m(idx, off))
+
+    def bwd():
+        outs.pop().backward(grad)
+    fwd_ms = timed(fwd)
+    bwd_ms = timed(lambda: (fwd(), torch.cuda.synchronize(), bwd()))  # fwd + bwd
+    torch.cuda.synchronize()
+    issue = []
+    for _ in range(3):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time ahead of the step
+        t = time.perf_counter()
+        m(idx, off).backward(grad)
+        issue.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    return {"forward_ms": fwd_ms, "forward_then_backward_ms": bwd_ms,
+            "host_issue_ms_behind_sleep": round(sorted(issue)[1], 3)}
 
 
 def main():
