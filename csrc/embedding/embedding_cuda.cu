@@ -5,7 +5,9 @@
 //   equal (table, key) pairs together with their occurrences in input order,
 //   so a group's first element is its first occurrence. Groups are then
 //   ordered by (hash part, first occurrence) with one int64 sort key: the
-//   CPU's order (64 hash parts when n >= 4096, else one).
+//   CPU's order (64 hash parts when n >= 4096, else one). The sorts by table
+//   and by order key radix-sort only the bits those values use; the offsets'
+//   check and the group count come back in one synchronising copy.
 // - emb_init_rows / emb_forward read initial values through init::value
 //   (exact double math; nvcc -fmad=false keeps it exact).
 // - emb_forward: one warp per bag (pooled) or per index (NONE), lanes over
@@ -20,7 +22,7 @@
 //
 // Validation (embedding_cuda.cuh) matches the CPU's checks and messages;
 // checks of device data (offsets, row ranges) cost one synchronizing copy of
-// an error record.
+// an error record, once per offsets tensor (checked_once.h).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
@@ -38,6 +40,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/radix_sort_cuda.cuh"
 #include "embedding/embedding_cuda.cuh"
 #include "embedding/init_rules.h"
 #include "embedding/unique_rules.h"
@@ -57,10 +60,15 @@ __device__ __noinline__ float initial_value(const init::Args* a, uint64_t seed, 
 
 // ---- unique ------------------------------------------------------------------------------------
 
-// The table of every index (from its bag's feature).
+// The table of every index (from its bag's feature). It runs before the
+// offsets' check is read: a bag out of [0, nb) (offsets that fail it) is
+// clamped, so that nothing is read out of bounds before the op raises.
 __global__ void index_tables_kernel(const int64_t* off, int64_t nb, int64_t B, const int64_t* feature_table,
                                     int64_t n, int64_t* tid) {
-  for (int64_t i = thread_begin(); i < n; i += thread_stride()) tid[i] = feature_table[bag_of(off, nb, i) / B];
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) {
+    const int64_t bag = bag_of(off, nb, i);
+    tid[i] = feature_table[(bag < 0 ? 0 : bag >= nb ? nb - 1 : bag) / B];
+  }
 }
 
 // head[j] = 1 where sorted pair j differs from pair j - 1 (a new group).
@@ -76,17 +84,17 @@ __global__ void group_starts_kernel(const int64_t* head, const int64_t* seg, int
 }
 
 // Per group: its first occurrence (the first of its sorted elements: the sorts
-// are stable), its count, and the CPU's order key (hash part, first occurrence).
+// are stable), its count, and the CPU's order key (hash part, first
+// occurrence): part << first_bits | first, first < 2^first_bits.
 __global__ void group_order_kernel(const int64_t* start, int64_t G, int64_t n, const int64_t* pos,
-                                   const int64_t* key, const int64_t* tid, bool partitioned, int64_t* first,
-                                   int64_t* count, int64_t* order_key) {
+                                   const int64_t* key, const int64_t* tid, bool partitioned, int first_bits,
+                                   int64_t* first, int64_t* count, int64_t* order_key) {
   for (int64_t g = thread_begin(); g < G; g += thread_stride()) {
     const int64_t s = start[g], e = g + 1 < G ? start[g + 1] : n, f = pos[s];
     first[g] = f;
     count[g] = e - s;
     const int64_t part = unique::part(unique::pair_hash(key[f], unique::salt(tid[f])), partitioned);
-    // Parts in ascending order as the CPU's: the key stays non-negative.
-    order_key[g] = (part << (63 - unique::kPartBits)) | f;  // f < n < 2^57
+    order_key[g] = (part << first_bits) | f;
   }
 }
 
@@ -116,11 +124,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index());
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
-  const Bags bags = check_bags(n, offsets, feature_table, num_tables, dev, stream);
+  const Bags bags = bag_shape(n, offsets, feature_table, num_tables, dev);
   TORCH_CHECK(n < (int64_t{1} << 57), "dynamicemb: too many indices (", n, ")");
+  // Slots 0-2: the offsets' check (unless these offsets passed it already);
+  // slot 3: the number of groups. One copy brings both back.
+  const bool checked = CheckedOnce::holds(offsets, Checked::kOffsets, n);
+  ErrorSlots err(4, dev, stream);
+  if (!checked) launch_offsets_check(bags, err.ptr(), stream);
   const auto L = indices.options();
   Tensor inverse = at::empty({n}, L);
-  if (n == 0) return {at::empty({0}, L), at::empty({0}, L), inverse, at::empty({0}, L)};
+  if (n == 0 || bags.num_bags() == 0) {  // no index to group: the check raises for offsets that end past 0
+    if (!checked) raise_offsets_errors(bags, offsets, err.read(), stream);
+    return {at::empty({0}, L), at::empty({0}, L), inverse, at::empty({0}, L)};
+  }
 
   const Tensor ftab = upload(bags.table, dev, stream);
   Tensor tid = at::empty({n}, L);
@@ -129,11 +145,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // Equal pairs together, in input order: stable by key, then stable by table
-  // (skipped when every feature reads one table).
+  // (skipped when every feature reads one table; ids < num_tables: few bits).
   auto [skey, pos] = stable_sort(indices);
   std::optional<Tensor> stid;
   if (std::set<int64_t>(bags.table.begin(), bags.table.end()).size() > 1) {
-    auto [st, by_table] = stable_sort(tid.index_select(0, pos));
+    auto [st, by_table] = stable_sort_low_bits(tid.index_select(0, pos), bits_for(num_tables - 1), stream);
     stid = st;
     pos = pos.index_select(0, by_table);
     skey = skey.index_select(0, by_table);
@@ -143,19 +159,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
       skey.data_ptr<int64_t>(), stid ? stid->data_ptr<int64_t>() : nullptr, n, head.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const Tensor seg = at::cumsum(head, 0);  // group id + 1 of every sorted element
-  const int64_t G = download(seg.data_ptr<int64_t>() + n - 1, 1, stream)[0];
+  C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, seg.data_ptr<int64_t>() + n - 1, sizeof(int64_t),
+                                 cudaMemcpyDeviceToDevice, stream));
+  const std::vector<int64_t> e = err.read();
+  if (!checked) raise_offsets_errors(bags, offsets, e, stream);
+  const int64_t G = e[3];
 
   Tensor start = at::empty({G}, L), first = at::empty({G}, L), count = at::empty({G}, L),
          order_key = at::empty({G}, L);
   group_starts_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       head.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), n, start.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool partitioned = n >= unique::kPartsFrom;
+  const int first_bits = bits_for(n - 1);
   group_order_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
       start.data_ptr<int64_t>(), G, n, pos.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
-      tid.data_ptr<int64_t>(), n >= unique::kPartsFrom, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
+      tid.data_ptr<int64_t>(), partitioned, first_bits, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
       order_key.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const Tensor order = std::get<1>(stable_sort(order_key));  // keys are distinct
+  // Distinct keys below 2^(part bits + first_bits).
+  const Tensor order =
+      std::get<1>(stable_sort_low_bits(order_key, first_bits + (partitioned ? unique::kPartBits : 0), stream));
 
   Tensor ukeys = at::empty({G}, L), utids = at::empty({G}, L), ucounts = at::empty({G}, L),
          rank = at::empty({G}, L);
@@ -167,6 +191,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       pos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The table ids come from feature_table, checked against num_tables: the
+  // table ops skip their check of them (checked_once.h).
+  CheckedOnce::record(utids, Checked::kTableIds, num_tables);
   return {ukeys, utids, inverse, ucounts};
 }
 

@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/checked_once.h"
 #include "common/checks.h"
 #include "common/cuda_utils.cuh"
 #include "embedding/bag_checks.h"
@@ -63,20 +64,40 @@ __global__ void check_offsets_kernel(const int64_t* off, int64_t nb, int64_t* er
     if (off[j + 1] < off[j]) flag_min(&err[0], j);
 }
 
-inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables, at::Device dev,
-                cudaStream_t stream) {
+// The bags' shape (host), without reading the offsets' values.
+inline Bags bag_shape(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables,
+                      at::Device dev) {
   check_1d(offsets, at::kLong, "offsets", dev);
   const auto [F, B] = check_bag_shape(offsets, feature_table, num_tables);
-  Bags bags{offsets.data_ptr<int64_t>(), F, B, n, std::vector<int64_t>(feature_table.begin(), feature_table.end())};
+  return Bags{offsets.data_ptr<int64_t>(), F, B, n, std::vector<int64_t>(feature_table.begin(), feature_table.end())};
+}
+
+// Error slots 0..2 of the offsets' values check (first decreasing position,
+// off[0], off[nb]); the caller reads them, with slots of its own if it has some.
+inline void launch_offsets_check(const Bags& bags, int64_t* err, cudaStream_t stream) {
   const int64_t nb = bags.num_bags();
-  ErrorSlots err(3, dev, stream);  // first non-decreasing violation, off[0], off[nb]
-  check_offsets_kernel<<<blocks_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err.ptr());
+  check_offsets_kernel<<<blocks_for(nb, kThreads), kThreads, 0, stream>>>(bags.off, nb, err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const std::vector<int64_t> e = err.read();
-  check_offset_values(e[1], e[2], n, e[0] == kNoError ? -1 : e[0], [&](int64_t j) {
+}
+
+// Raises the CPU's error for offsets whose check read `e`; else records them
+// as checked (checked_once.h: the step's later ops skip the check).
+inline void raise_offsets_errors(const Bags& bags, const Tensor& offsets, const std::vector<int64_t>& e,
+                                 cudaStream_t stream) {
+  check_offset_values(e[1], e[2], bags.n, e[0] == kNoError ? -1 : e[0], [&](int64_t j) {
     const auto v = download(bags.off + j, 2, stream);
     return std::make_pair(v[0], v[1]);
   });
+  CheckedOnce::record(offsets, Checked::kOffsets, bags.n);
+}
+
+inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables, at::Device dev,
+                cudaStream_t stream) {
+  Bags bags = bag_shape(n, offsets, feature_table, num_tables, dev);
+  if (CheckedOnce::holds(offsets, Checked::kOffsets, n)) return bags;
+  ErrorSlots err(3, dev, stream);
+  launch_offsets_check(bags, err.ptr(), stream);
+  raise_offsets_errors(bags, offsets, err.read(), stream);
   return bags;
 }
 

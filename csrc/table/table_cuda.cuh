@@ -41,6 +41,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/checked_once.h"
 #include "common/cuda_utils.cuh"
 #include "table/table_checks.h"
 #include "table/table_ref.h"
@@ -134,7 +135,7 @@ __global__ void place_kernel(PlaceArgs a, int64_t n, int32_t* bucket, uint8_t* d
 }
 
 // Raises the CPU's error for a flagged table id, or a layout mismatch.
-void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const TableRef& r,
+void raise_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const TableRef& r,
                  cudaStream_t stream) {
   const std::vector<int64_t> f = flags.read();
   if (f[0] != kNoError) {
@@ -146,6 +147,34 @@ void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids
               " buckets; key position ", f[1], ")");
 }
 
+__global__ void layout_fits_kernel(TableRef r, int64_t* flag) {
+  for (int64_t t = cuda::thread_begin(); t < r.num_tables; t += cuda::thread_stride())
+    if (!r.table_fits(t)) cuda::flag_min(flag, t);
+}
+
+// Whether every table's bucket range lies within the slot arrays: one
+// synchronising copy per table_buckets tensor (checked_once.h), not per call.
+bool layout_fits(const TableRef& r, const Tensor& table_buckets, cudaStream_t stream) {
+  if (CheckedOnce::holds(table_buckets, Checked::kLayout, r.num_buckets)) return true;
+  const ErrorSlots flag(1, table_buckets.device(), stream);
+  layout_fits_kernel<<<cuda::blocks_for(r.num_tables, kThreads), kThreads, 0, stream>>>(r, flag.ptr());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (flag.read()[0] != kNoError) return false;
+  CheckedOnce::record(table_buckets, Checked::kLayout, r.num_buckets);
+  return true;
+}
+
+// The placement flags of a call with table ids, raised if set. Table ids that
+// emb_unique made or that passed before, in a layout that fits, cannot be
+// flagged: their read (a host sync) is skipped.
+void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const TableRef& r,
+                 const Tensor& table_buckets, cudaStream_t stream) {
+  if (CheckedOnce::holds(*table_ids, Checked::kTableIds, r.num_tables) && layout_fits(r, table_buckets, stream))
+    return;
+  raise_flags(flags, table_ids, r, stream);
+  CheckedOnce::record(*table_ids, Checked::kTableIds, r.num_tables);
+}
+
 // Every key's bucket and digest; checks table ids before any slot changes.
 struct Placed {
   Tensor bucket;     // int32 [n], -1: no bucket (only with a flagged error)
@@ -154,7 +183,7 @@ struct Placed {
 };
 
 Placed place_keys(const TableRef& r, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                  cudaStream_t stream) {
+                  const Tensor& table_buckets, cudaStream_t stream) {
   const int64_t n = keys.numel();
   const at::Device dev = keys.device();
   Placed p{new_tensor(n, at::kInt, dev), new_tensor(n, at::kByte, dev), ErrorSlots(2, dev, stream)};
@@ -164,7 +193,7 @@ Placed place_keys(const TableRef& r, const Tensor& keys, const std::optional<Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Only table ids can be out of range before the slots change; without them
   // the (layout) flags are read where the op syncs anyway, if it does.
-  if (table_ids) check_flags(p.flags, table_ids, r, stream);
+  if (table_ids) check_flags(p.flags, table_ids, r, table_buckets, stream);
   return p;
 }
 

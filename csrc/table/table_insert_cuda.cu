@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* tids = opt_ptr(table_ids);
-  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
   const SortedKeys sorted = sort_by_bucket(P.bucket);
   Tensor ev_key = new_tensor(n, at::kLong, dev), ev_score = new_tensor(n, at::kLong, dev);
   const InsertArgs a{ref,
@@ -135,7 +135,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids every key is in table 0, so a layout error leaves every
   // key without a bucket and the slots untouched: raise it before the tally.
-  if (!table_ids) check_flags(P.flags, table_ids, ref, stream);
+  if (!table_ids) raise_flags(P.flags, table_ids, ref, stream);
   tally_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, a.res, tids, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 

@@ -103,7 +103,7 @@ std::tuple<Tensor, Tensor> lookup(at::ArrayRef<Tensor> table, const Tensor& keys
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids nothing can be out of range but the layout; skipping
   // the read-back keeps this lookup free of host syncs.
-  if (table_ids) check_flags(flags, table_ids, c.ref, stream);
+  if (table_ids) check_flags(flags, table_ids, c.ref, table[kTableBuckets], stream);
   return {c.indices, c.found};
 }
 
@@ -140,7 +140,7 @@ std::tuple<Tensor, Tensor> lookup_gather(at::ArrayRef<Tensor> table, const Tenso
                                                                   static_cast<uint16_t*>(dst), row_bytes / 2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (table_ids) check_flags(flags, table_ids, c.ref, stream);
+  if (table_ids) check_flags(flags, table_ids, c.ref, table[kTableBuckets], stream);
   return {c.indices, c.found};
 }
 
@@ -178,7 +178,7 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
   Tensor found = new_tensor(n, at::kBool, dev);
   if (n == 0) return {indices, found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
   const SortedKeys sorted = sort_by_bucket(P.bucket);
   lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
       ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), opt_ptr(key_scores)},
@@ -245,7 +245,7 @@ Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional
   Tensor erased = new_tensor(n, at::kBool, dev);
   if (n == 0) return erased;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Placed P = place_keys(ref, keys, table_ids, stream);
+  const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
   const SortedKeys sorted = sort_by_bucket(P.bucket);
   erase_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
       ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(),

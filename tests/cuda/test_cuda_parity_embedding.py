@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cuda_parity import DEV, PARITY_MARKS, same
-from dynamicemb import rules
+from dynamicemb import ScoredHashTable, rules
 from dynamicemb._ops import ops
 
 pytestmark = PARITY_MARKS
@@ -31,12 +31,12 @@ def init_params(modes, streams=None):
 
 
 @pytest.mark.parametrize("n_scale", [1, 40])  # one hash part / 64 parts (n >= 4096)
-@pytest.mark.parametrize("feature_table", [[0, 0], [0, 1, 0]])
-def test_unique(n_scale, feature_table):
+@pytest.mark.parametrize("feature_table,num_tables", [([0, 0], 2), ([0, 1, 0], 2), ([4, 0, 3, 1, 2, 4], 5)])
+def test_unique(n_scale, feature_table, num_tables):
     gen = torch.Generator().manual_seed(n_scale)
     idx, off = batch(gen, len(feature_table), 30 * n_scale, 8, 300)
-    ref = ops.emb_unique(idx, off, feature_table, 2)
-    got = ops.emb_unique(idx.to(DEV), off.to(DEV), feature_table, 2)
+    ref = ops.emb_unique(idx, off, feature_table, num_tables)
+    got = ops.emb_unique(idx.to(DEV), off.to(DEV), feature_table, num_tables)
     for a, b in zip(ref, got):
         same(a, b)
 
@@ -155,6 +155,45 @@ def test_bad_offsets_raise_like_cpu():
         ops.emb_unique(idx.to(DEV), off.to(DEV), [0], 1)
     with pytest.raises(RuntimeError, match="negative length"):
         ops.route_keys(torch.tensor([2, -1, 3]).to(DEV), idx.to(DEV), None, [1], [1], 2)
+
+
+def test_offsets_changed_in_place_after_their_check_are_checked_again():
+    """On CUDA a step's ops check its offsets once (checked_once.h); offsets
+    written in place since are a new version: every op checks them again."""
+    gen = torch.Generator().manual_seed(5)
+    idx, off, ukeys, utids, inverse, weights, rows = lookup_inputs(gen, [0, 1], 2, 6, [4, 4], torch.float32)
+    idx, off, ukeys, inverse, rows = (t.to(DEV) for t in (idx, off, ukeys, inverse, rows))
+    weights = [w.to(DEV) for w in weights]
+    fwd = lambda o: ops.emb_forward(weights, rows, ukeys, inverse, o, [0, 1], [4, 4], None, 0,  # noqa: E731
+                                    init_params([0, 0]), 3, torch.float32)
+    ops.emb_unique(idx, off, [0, 1], 2)
+    before = fwd(off)
+    good = off.clone()
+    off[3] = off[4] + 1  # offsets[4] < offsets[3]
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        ops.emb_unique(idx, off, [0, 1], 2)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        fwd(off)
+    off.copy_(good)  # valid again, in place: checked, then the same output
+    same(fwd(off), before)
+    off[-1] += 1
+    with pytest.raises(RuntimeError, match="offsets end at"):
+        fwd(off)
+
+
+def test_table_ids_changed_in_place_after_unique_are_checked_again():
+    """emb_unique's table ids skip the table ops' range check until written in place."""
+    idx = torch.arange(12, device=DEV)
+    off = torch.arange(0, 13, 3, device=DEV)
+    ukeys, utids, _, _ = ops.emb_unique(idx, off, [0, 1], 2)
+    t = ScoredHashTable(capacity=64, num_tables=2, bucket_capacity=16, device=DEV)
+    t.insert(ukeys, utids)
+    assert t.lookup(ukeys, utids)[1].all()
+    utids[5] = 2
+    with pytest.raises(RuntimeError, match=r"table id 2 \(key position 5\) is out of range \[0, 2\)"):
+        t.insert(ukeys, utids)
+    with pytest.raises(RuntimeError, match="table id 2"):
+        t.lookup(ukeys, utids)
 
 
 @pytest.mark.parametrize("pooling", [0, 1, 2], ids=["sum", "mean", "none"])

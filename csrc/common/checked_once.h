@@ -1,0 +1,76 @@
+// Device data checked once. On CUDA a check of values (offsets that must not
+// decrease, table ids in range) costs a synchronising copy of an error record.
+// A training step passes the same tensors through several ops: the offsets to
+// emb_unique, emb_forward and emb_backward_update; emb_unique's table ids to
+// the table ops. A tensor that passed a check and is unchanged since (the same
+// TensorImpl, data, length and version counter) skips the check's copy.
+//
+// `what` names the check, `fact` what it established (the length of the
+// indices the offsets cover; the bound of the ids, which holds for any larger
+// bound): a tensor checked for one fact is not taken as checked for another. A few recent tensors are kept,
+// weakly (a freed tensor's address cannot be taken by a new one while its
+// entry lives); inference tensors have no version counter and are never kept.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+
+namespace dynamicemb {
+
+// kOffsets: fact = the indices' count; kTableIds: fact = a bound of the ids;
+// kLayout (a table_buckets tensor): fact = the slot arrays' bucket count.
+enum class Checked : int { kOffsets = 0, kTableIds = 1, kLayout = 2 };
+
+class CheckedOnce {
+ public:
+  // Whether `t`, as it is now, passed check `what` establishing `fact`.
+  static bool holds(const at::Tensor& t, Checked what, int64_t fact) {
+    if (!keepable(t)) return false;
+    State& s = state();
+    const std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries)
+      if (e.matches(t, what, fact)) return true;
+    return false;
+  }
+  // Records that `t` passed check `what` establishing `fact`.
+  static void record(const at::Tensor& t, Checked what, int64_t fact) {
+    if (!keepable(t)) return;
+    State& s = state();
+    const std::lock_guard<std::mutex> lock(s.mu);
+    s.entries[s.next] = Entry{Weak(t.getIntrusivePtr()), t._version(), t.data_ptr(), t.numel(), what, fact};
+    s.next = (s.next + 1) % s.entries.size();
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Entry {
+    Weak impl{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    int64_t version = -1;
+    const void* data = nullptr;
+    int64_t numel = -1;
+    Checked what = Checked::kOffsets;
+    int64_t fact = -1;
+    bool matches(const at::Tensor& t, Checked w, int64_t f) const {
+      // Ids below a bound are below every larger one; the offsets' fact is exact.
+      const bool fact_holds = w == Checked::kTableIds ? fact <= f : fact == f;
+      return what == w && fact_holds && impl._unsafe_get_target() == t.unsafeGetTensorImpl() && !impl.expired() &&
+             data == t.data_ptr() && numel == t.numel() && version == t._version();
+    }
+  };
+  struct State {
+    std::mutex mu;  // the backward runs on autograd's threads
+    std::array<Entry, 16> entries;
+    size_t next = 0;
+  };
+  static bool keepable(const at::Tensor& t) { return t.defined() && !t.is_inference() && t.numel() > 0; }
+  static State& state() {
+    static State s;
+    return s;
+  }
+};
+
+}  // namespace dynamicemb
