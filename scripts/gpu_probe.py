@@ -252,9 +252,11 @@ def _sync_site(filename, lineno):
     """The innermost frame of dynamicemb's own code on the current stack, as
     "path:line code" (else the warning's own location)."""
     ours = os.path.join(ROOT, "dynamicemb") + os.sep
-    frames = [f for f in traceback.extract_stack() if f.filename.startswith(ours)]
-    if not frames:
-        return f"{os.path.basename(filename)}:{lineno}"
+    stack = traceback.extract_stack()
+    frames = [f for f in stack if f.filename.startswith(ours)]
+    if not frames:  # the warning's location, and the frames that led there
+        outer = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack[-6:-1][::-1])
+        return f"{filename}:{lineno} < {outer}"
     f = frames[-1]
     return f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} {(f.line or '').strip()[:80]}"
 

@@ -1,13 +1,12 @@
 // CUDA kernels of the embedding layer. embedding_cpu.cpp defines the
 // semantics; these reproduce them, bit for bit where the float order allows:
 //
-// - emb_unique: sort-based. Two stable sorts (by key, then by table) bring
-//   equal (table, key) pairs together with their occurrences in input order,
-//   so a group's first element is its first occurrence. Groups are then
-//   ordered by (hash part, first occurrence) with one int64 sort key: the
-//   CPU's order (64 hash parts when n >= 4096, else one). The sorts by table
-//   and by order key radix-sort only the bits those values use; the offsets'
-//   check and the group count come back in one synchronising copy.
+// - emb_unique: hash-based. Every (table, key) pair claims a slot of an
+//   open-addressing set, which keeps its first occurrence (atomicMin) and
+//   count. The groups are then ordered by (hash part, first occurrence) with
+//   one radix sort of a key of only the bits those use: the CPU's order (64
+//   hash parts when n >= 4096, else one). The offsets' check and the group
+//   count come back in one synchronising copy.
 // - emb_init_rows / emb_forward read initial values through init::value
 //   (exact double math; nvcc -fmad=false keeps it exact).
 // - emb_forward: one warp per bag (pooled) or per index (NONE), lanes over
@@ -27,8 +26,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cumsum.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/index_select.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
@@ -36,7 +36,7 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <set>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -71,49 +71,74 @@ __global__ void index_tables_kernel(const int64_t* off, int64_t nb, int64_t B, c
   }
 }
 
-// head[j] = 1 where sorted pair j differs from pair j - 1 (a new group).
-__global__ void group_heads_kernel(const int64_t* skey, const int64_t* stid, int64_t n, int64_t* head) {
-  for (int64_t j = thread_begin(); j < n; j += thread_stride())
-    head[j] = j == 0 || skey[j] != skey[j - 1] || (stid && stid[j] != stid[j - 1]);
+// Groups by hashing: every (table, key) pair claims a slot of an open-
+// addressing set at load factor <= 1/2. A slot holds the first occurrence of
+// its pair (the claimant's position, lowered by atomicMin: it always names an
+// index of the same pair) and its count. Which slot a pair takes depends on
+// scheduling; the output does not: groups are ordered by (hash part, first
+// occurrence), both pure functions of the input.
+constexpr int64_t kEmptySlot = std::numeric_limits<int64_t>::max();
+
+__global__ void group_insert_kernel(const int64_t* key, const int64_t* tid, int64_t n, uint64_t mask, int64_t* first,
+                                    int64_t* count, int64_t* slot_of) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) {
+    const int64_t k = key[i], t = tid[i];
+    uint64_t s = unique::pair_hash(k, unique::salt(t)) & mask;
+    while (true) {
+      int64_t f = first[s];  // possibly stale: then larger, of the same pair, or empty
+      if (f == kEmptySlot) {
+        f = static_cast<int64_t>(atomicCAS(reinterpret_cast<unsigned long long*>(&first[s]),
+                                           static_cast<unsigned long long>(kEmptySlot),
+                                           static_cast<unsigned long long>(i)));
+        if (f == kEmptySlot) break;  // claimed
+      }
+      if (key[f] == k && tid[f] == t) {
+        if (i < f) atomicMin(reinterpret_cast<long long*>(&first[s]), static_cast<long long>(i));
+        break;
+      }
+      s = (s + 1) & mask;
+    }
+    atomic_add_i64(&count[s], 1);
+    slot_of[i] = static_cast<int64_t>(s);
+  }
 }
 
-// Per group g (group id = seg[j] - 1 at its head j): where it starts.
-__global__ void group_starts_kernel(const int64_t* head, const int64_t* seg, int64_t n, int64_t* start) {
-  for (int64_t j = thread_begin(); j < n; j += thread_stride())
-    if (head[j]) start[seg[j] - 1] = j;
+__global__ void slot_used_kernel(const int64_t* first, int64_t cap, int64_t* used) {
+  for (int64_t s = thread_begin(); s < cap; s += thread_stride()) used[s] = first[s] != kEmptySlot;
 }
 
-// Per group: its first occurrence (the first of its sorted elements: the sorts
-// are stable), its count, and the CPU's order key (hash part, first
-// occurrence): part << first_bits | first, first < 2^first_bits.
-__global__ void group_order_kernel(const int64_t* start, int64_t G, int64_t n, const int64_t* pos,
+// Per used slot (group g = seg[s] - 1): its first occurrence, count, slot and
+// the CPU's order key: part << first_bits | first, first < 2^first_bits.
+__global__ void group_order_kernel(const int64_t* first, const int64_t* count, const int64_t* seg, int64_t cap,
                                    const int64_t* key, const int64_t* tid, bool partitioned, int first_bits,
-                                   int64_t* first, int64_t* count, int64_t* order_key) {
-  for (int64_t g = thread_begin(); g < G; g += thread_stride()) {
-    const int64_t s = start[g], e = g + 1 < G ? start[g + 1] : n, f = pos[s];
-    first[g] = f;
-    count[g] = e - s;
+                                   int64_t* g_first, int64_t* g_count, int64_t* g_slot, int64_t* order_key) {
+  for (int64_t s = thread_begin(); s < cap; s += thread_stride()) {
+    const int64_t f = first[s];
+    if (f == kEmptySlot) continue;
+    const int64_t g = seg[s] - 1;
+    g_first[g] = f;
+    g_count[g] = count[s];
+    g_slot[g] = s;
     const int64_t part = unique::part(unique::pair_hash(key[f], unique::salt(tid[f])), partitioned);
     order_key[g] = (part << first_bits) | f;
   }
 }
 
-// Unique u = the u-th group in order: its key, table, count; rank[g] = u.
-__global__ void emit_unique_kernel(const int64_t* order, int64_t G, const int64_t* first, const int64_t* count,
-                                   const int64_t* key, const int64_t* tid, int64_t* ukeys, int64_t* utids,
-                                   int64_t* ucounts, int64_t* rank) {
+// Unique u = the u-th group in order: its key, table, count; rank of its slot = u.
+__global__ void emit_unique_kernel(const int64_t* order, int64_t G, const int64_t* g_first, const int64_t* g_count,
+                                   const int64_t* g_slot, const int64_t* key, const int64_t* tid, int64_t* ukeys,
+                                   int64_t* utids, int64_t* ucounts, int64_t* slot_rank) {
   for (int64_t u = thread_begin(); u < G; u += thread_stride()) {
-    const int64_t g = order[u], f = first[g];
+    const int64_t g = order[u], f = g_first[g];
     ukeys[u] = key[f];
     utids[u] = tid[f];
-    ucounts[u] = count[g];
-    rank[g] = u;
+    ucounts[u] = g_count[g];
+    slot_rank[g_slot[g]] = u;
   }
 }
 
-__global__ void emit_inverse_kernel(const int64_t* pos, const int64_t* seg, const int64_t* rank, int64_t n,
-                                    int64_t* inverse) {
-  for (int64_t j = thread_begin(); j < n; j += thread_stride()) inverse[pos[j]] = rank[seg[j] - 1];
+__global__ void emit_inverse_kernel(const int64_t* slot_of, const int64_t* slot_rank, int64_t n, int64_t* inverse) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride()) inverse[i] = slot_rank[slot_of[i]];
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, const Tensor& offsets,
@@ -125,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
   const Bags bags = bag_shape(n, offsets, feature_table, num_tables, dev);
-  TORCH_CHECK(n < (int64_t{1} << 57), "dynamicemb: too many indices (", n, ")");
+  TORCH_CHECK(n < (int64_t{1} << 40), "dynamicemb: too many indices (", n, ")");
   // Slots 0-2: the offsets' check (unless these offsets passed it already);
   // slot 3: the number of groups. One copy brings both back.
   const bool checked = CheckedOnce::holds(offsets, Checked::kOffsets, n);
@@ -144,52 +169,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
       bags.off, bags.num_bags(), bags.B, device_ptr<int64_t>(ftab), n, tid.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  // Equal pairs together, in input order: stable by key, then stable by table
-  // (skipped when every feature reads one table; ids < num_tables: few bits).
-  auto [skey, pos] = stable_sort(indices);
-  std::optional<Tensor> stid;
-  if (std::set<int64_t>(bags.table.begin(), bags.table.end()).size() > 1) {
-    auto [st, by_table] = stable_sort_low_bits(tid.index_select(0, pos), bits_for(num_tables - 1), stream);
-    stid = st;
-    pos = pos.index_select(0, by_table);
-    skey = skey.index_select(0, by_table);
-  }
-  Tensor head = at::empty({n}, L);
-  group_heads_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-      skey.data_ptr<int64_t>(), stid ? stid->data_ptr<int64_t>() : nullptr, n, head.data_ptr<int64_t>());
+  int64_t cap = 2;  // a power of two >= 2n: load factor <= 1/2, always a free slot
+  while (cap < 2 * n) cap *= 2;
+  const Tensor first = at::full({cap}, kEmptySlot, L), count = at::zeros({cap}, L);
+  Tensor slot_of = at::empty({n}, L);
+  group_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+      indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), n, static_cast<uint64_t>(cap - 1),
+      first.data_ptr<int64_t>(), count.data_ptr<int64_t>(), slot_of.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const Tensor seg = at::cumsum(head, 0);  // group id + 1 of every sorted element
-  C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, seg.data_ptr<int64_t>() + n - 1, sizeof(int64_t),
+  Tensor used = at::empty({cap}, L);
+  slot_used_kernel<<<blocks_for(cap, kThreads), kThreads, 0, stream>>>(first.data_ptr<int64_t>(), cap,
+                                                                        used.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Tensor seg = at::cumsum(used, 0);  // group id + 1 of every used slot
+  C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, seg.data_ptr<int64_t>() + cap - 1, sizeof(int64_t),
                                  cudaMemcpyDeviceToDevice, stream));
   const std::vector<int64_t> e = err.read();
   if (!checked) raise_offsets_errors(bags, offsets, e, stream);
   const int64_t G = e[3];
 
-  Tensor start = at::empty({G}, L), first = at::empty({G}, L), count = at::empty({G}, L),
+  Tensor g_first = at::empty({G}, L), g_count = at::empty({G}, L), g_slot = at::empty({G}, L),
          order_key = at::empty({G}, L);
-  group_starts_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-      head.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), n, start.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool partitioned = n >= unique::kPartsFrom;
   const int first_bits = bits_for(n - 1);
-  group_order_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
-      start.data_ptr<int64_t>(), G, n, pos.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
-      tid.data_ptr<int64_t>(), partitioned, first_bits, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
-      order_key.data_ptr<int64_t>());
+  group_order_kernel<<<blocks_for(cap, kThreads), kThreads, 0, stream>>>(
+      first.data_ptr<int64_t>(), count.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), cap,
+      indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), partitioned, first_bits, g_first.data_ptr<int64_t>(),
+      g_count.data_ptr<int64_t>(), g_slot.data_ptr<int64_t>(), order_key.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Distinct keys below 2^(part bits + first_bits).
   const Tensor order =
       std::get<1>(stable_sort_low_bits(order_key, first_bits + (partitioned ? unique::kPartBits : 0), stream));
 
   Tensor ukeys = at::empty({G}, L), utids = at::empty({G}, L), ucounts = at::empty({G}, L),
-         rank = at::empty({G}, L);
+         slot_rank = at::empty({cap}, L);
   emit_unique_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
-      order.data_ptr<int64_t>(), G, first.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
-      indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(), utids.data_ptr<int64_t>(),
-      ucounts.data_ptr<int64_t>(), rank.data_ptr<int64_t>());
+      order.data_ptr<int64_t>(), G, g_first.data_ptr<int64_t>(), g_count.data_ptr<int64_t>(),
+      g_slot.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(),
+      utids.data_ptr<int64_t>(), ucounts.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-      pos.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
+      slot_of.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The table ids come from feature_table, checked against num_tables: the
   // table ops skip their check of them (checked_once.h).
