@@ -352,6 +352,86 @@ def module_step_profile(dev):
             "runtime_calls_per_step": _runtime_calls(prof.events(), 3)}
 
 
+@check
+def module_step_host_breakdown(dev):
+    """Where the host's time goes in module_step_profile's step: every CUDA
+    runtime call by name (calls and host ms per step, e.g. allocations or
+    event queries that block), the step without the backward's non-finite
+    check (its one sync), and nn.EmbeddingBag's step on the same batch with
+    its own runtime calls: what our step does that the baseline does not."""
+    if dev.type != "cuda":
+        return "not profiled: a CUDA step's host time"
+    import collections
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    tables, batch, pooling = 8, 4096, 10
+    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 18, init_capacity=1 << 18) for _ in range(tables)]
+    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev)
+    g = torch.Generator().manual_seed(0)
+    idx = (torch.randint(0, 1 << 17, (tables * batch * pooling,), generator=g) ** 2 // (1 << 17)).to(dev)
+    off = torch.arange(0, idx.numel() + 1, pooling, device=dev)
+    grad = torch.randn(batch, tables * 64, device=dev)
+    bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(1 << 17, 64, mode="sum", sparse=True) for _ in range(tables)).to(dev)
+    sgd = torch.optim.SGD(bags.parameters(), lr=0.01)
+    per_table = idx.view(tables, -1)
+    bag_off = torch.arange(0, batch * pooling, pooling, device=dev)
+
+    def ours():
+        m(idx, off).backward(grad)
+
+    def bag_step():
+        sgd.zero_grad(set_to_none=True)
+        torch.cat([b(per_table[t], bag_off) for t, b in enumerate(bags)], 1).backward(grad)
+        sgd.step()
+
+    def wall(fn, steps=20):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t) * 1e3 / steps, 3)
+
+    def runtime(fn, steps=3):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        calls, ms = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+                calls[e.name] += 1
+                ms[e.name] += e.self_cpu_time_total / 1e3
+        return {n: {"calls": round(calls[n] / steps, 1), "host_ms": round(ms[n] / steps, 3)}
+                for n, _ in ms.most_common(12)}
+    out = {"ours_ms": wall(ours), "bag_ms": wall(bag_step)}
+    cls = type(m)
+    check = cls._apply_gradients
+    try:  # the backward without its finiteness check: the cost of that one sync (not a semantic)
+        def unchecked(self, grad_output, rows, utids, inverse, offsets, psw):
+            self.optimizer_step += 1
+            from dynamicemb._ops import ops
+            from dynamicemb.optimizer import clipping_bound
+            ops.emb_backward_update(grad_output.to(torch.float32).contiguous(), self.storage.weights(), rows, utids,
+                                    inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
+                                    self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
+                                    self.weight_decay, self.optimizer_step, self.weight_decay_mode,
+                                    clipping_bound(self.gradient_clipping, self.max_gradient))
+            self.storage.batch_done()
+        cls._apply_gradients = unchecked
+        out["ours_without_finite_check_ms"] = wall(ours)
+    except Exception as e:  # the probe records
+        out["ours_without_finite_check_ms"] = f"{type(e).__name__}: {e}"
+    finally:
+        cls._apply_gradients = check
+    out["ours_runtime_calls"] = runtime(ours)
+    out["bag_runtime_calls"] = runtime(bag_step)
+    return out
+
+
 RUNTIME_CALLS = {"cudaLaunchKernel": "launch", "cudaLaunchKernelExC": "launch", "cuLaunchKernel": "launch",
                  "cuLaunchKernelEx": "launch", "cudaMemcpyAsync": "memcpy", "cudaMemcpy": "memcpy",
                  "cudaMemsetAsync": "memset", "cudaStreamSynchronize": "sync", "cudaDeviceSynchronize": "sync",
