@@ -310,6 +310,36 @@ def module_step_host_syncs(dev):
     return out
 
 
+def _wall_ms(fn, steps, sync_each=False):
+    """Wall ms per call of fn over `steps` calls, the device idle before and
+    after (and after each call with sync_each)."""
+    import time
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) * 1e3 / steps, 3)
+
+
+PROFILED_SHAPE = (8, 4096, 10)  # tables, batch, pooling: bench_embedding's
+
+
+def _profiled_step(dev):
+    """The profiled step's module (EXACT_SGD, dim 64) and its batch: skewed
+    stored keys, offsets, and the output's gradient."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    tables, batch, pooling = PROFILED_SHAPE
+    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 18, init_capacity=1 << 18) for _ in range(tables)]
+    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev)
+    g = torch.Generator().manual_seed(0)
+    idx = (torch.randint(0, 1 << 17, (tables * batch * pooling,), generator=g) ** 2 // (1 << 17)).to(dev)  # skewed
+    off = torch.arange(0, idx.numel() + 1, pooling, device=dev)
+    return m, idx, off, torch.randn(batch, tables * 64, device=dev)
+
+
 @check
 def module_step_profile(dev):
     """Where one CUDA training step of bench_embedding's shapes (8 tables,
@@ -320,14 +350,7 @@ def module_step_profile(dev):
         return "not profiled: a CUDA step's profile"
     import time
     from torch.profiler import ProfilerActivity, profile
-    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
-    tables, batch, pooling = 8, 4096, 10
-    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 18, init_capacity=1 << 18) for _ in range(tables)]
-    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev)
-    g = torch.Generator().manual_seed(0)
-    idx = (torch.randint(0, 1 << 17, (tables * batch * pooling,), generator=g) ** 2 // (1 << 17)).to(dev)  # skewed
-    off = torch.arange(0, idx.numel() + 1, pooling, device=dev)
-    grad = torch.randn(batch, tables * 64, device=dev)
+    m, idx, off, grad = _profiled_step(dev)
     for _ in range(5):
         m(idx, off).backward(grad)
     torch.cuda.synchronize()
@@ -362,16 +385,9 @@ def module_step_host_breakdown(dev):
     if dev.type != "cuda":
         return "not profiled: a CUDA step's host time"
     import collections
-    import time
     from torch.profiler import ProfilerActivity, profile
-    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
-    tables, batch, pooling = 8, 4096, 10
-    opts = [DynamicEmbTableOptions(dim=64, max_capacity=1 << 18, init_capacity=1 << 18) for _ in range(tables)]
-    m = BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01, device=dev)
-    g = torch.Generator().manual_seed(0)
-    idx = (torch.randint(0, 1 << 17, (tables * batch * pooling,), generator=g) ** 2 // (1 << 17)).to(dev)
-    off = torch.arange(0, idx.numel() + 1, pooling, device=dev)
-    grad = torch.randn(batch, tables * 64, device=dev)
+    tables, batch, pooling = PROFILED_SHAPE
+    m, idx, off, grad = _profiled_step(dev)
     bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(1 << 17, 64, mode="sum", sparse=True) for _ in range(tables)).to(dev)
     sgd = torch.optim.SGD(bags.parameters(), lr=0.01)
     per_table = idx.view(tables, -1)
@@ -385,15 +401,10 @@ def module_step_host_breakdown(dev):
         torch.cat([b(per_table[t], bag_off) for t, b in enumerate(bags)], 1).backward(grad)
         sgd.step()
 
-    def wall(fn, steps=20):
+    def wall(fn):
         for _ in range(5):
             fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-        return round((time.perf_counter() - t) * 1e3 / steps, 3)
+        return _wall_ms(fn, 20)
 
     def runtime(fn, steps=3):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -470,12 +481,7 @@ def _phase_walls(m, idx, off, grad, steps=10):
     import time
 
     def timed(fn):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-            torch.cuda.synchronize()
-        return round((time.perf_counter() - t) * 1e3 / steps, 3)
+        return _wall_ms(fn, steps, sync_each=True)
     outs = []
 
     def fwd():
