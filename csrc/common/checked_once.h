@@ -7,9 +7,10 @@
 //
 // `what` names the check, `fact` what it established (the length of the
 // indices the offsets cover; the bound of the ids, which holds for any larger
-// bound): a tensor checked for one fact is not taken as checked for another. A few recent tensors are kept,
-// weakly (a freed tensor's address cannot be taken by a new one while its
-// entry lives); inference tensors have no version counter and are never kept.
+// bound): a tensor checked for one fact is not taken as checked for another.
+// A few recent tensors of each check are kept, weakly (a freed tensor's
+// address cannot be taken by a new one while its entry lives); inference
+// tensors have no version counter and are never kept.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
@@ -32,7 +33,7 @@ class CheckedOnce {
     if (!keepable(t)) return false;
     State& s = state();
     const std::lock_guard<std::mutex> lock(s.mu);
-    for (const Entry& e : s.entries)
+    for (const Entry& e : s.ring(what).entries)
       if (e.matches(t, what, fact)) return true;
     return false;
   }
@@ -41,8 +42,9 @@ class CheckedOnce {
     if (!keepable(t)) return;
     State& s = state();
     const std::lock_guard<std::mutex> lock(s.mu);
-    s.entries[s.next] = Entry{Weak(t.getIntrusivePtr()), t._version(), t.data_ptr(), t.numel(), what, fact};
-    s.next = (s.next + 1) % s.entries.size();
+    Ring& r = s.ring(what);
+    r.entries[r.next] = Entry{Weak(t.getIntrusivePtr()), t._version(), t.data_ptr(), t.numel(), what, fact};
+    r.next = (r.next + 1) % r.entries.size();
   }
 
  private:
@@ -61,10 +63,16 @@ class CheckedOnce {
              data == t.data_ptr() && numel == t.numel() && version == t._version();
     }
   };
+  struct Ring {
+    std::array<Entry, 8> entries;
+    size_t next = 0;
+  };
+  // One ring per check: a step's new table ids do not push out the offsets
+  // and the layout, which stay the same for many steps.
   struct State {
     std::mutex mu;  // the backward runs on autograd's threads
-    std::array<Entry, 16> entries;
-    size_t next = 0;
+    std::array<Ring, 3> rings;
+    Ring& ring(Checked what) { return rings[static_cast<size_t>(what)]; }
   };
   static bool keepable(const at::Tensor& t) { return t.defined() && !t.is_inference() && t.numel() > 0; }
   static State& state() {
