@@ -2,7 +2,7 @@
 // decrease, table ids in range) costs a synchronising copy of an error record.
 // A training step passes the same tensors through several ops: the offsets to
 // emb_unique, emb_forward and emb_backward_update; emb_unique's table ids to
-// the table ops. A tensor that passed a check and is unchanged since (the same
+// the table ops, its inverse to emb_forward and emb_backward_update. A tensor that passed a check and is unchanged since (the same
 // TensorImpl, data, length and version counter) skips the check's copy.
 //
 // `what` names the check, `fact` what it established (the length of the
@@ -22,9 +22,10 @@
 
 namespace dynamicemb {
 
-// kOffsets: fact = the indices' count; kTableIds: fact = a bound of the ids;
-// kLayout (a table_buckets tensor): fact = the slot arrays' bucket count.
-enum class Checked : int { kOffsets = 0, kTableIds = 1, kLayout = 2 };
+// kOffsets: fact = the indices' count; kTableIds / kInverse: fact = a bound
+// of the ids (the tables / the unique keys); kLayout (a table_buckets
+// tensor): fact = the slot arrays' bucket count.
+enum class Checked : int { kOffsets = 0, kTableIds = 1, kLayout = 2, kInverse = 3 };
 
 class CheckedOnce {
  public:
@@ -57,8 +58,9 @@ class CheckedOnce {
     Checked what = Checked::kOffsets;
     int64_t fact = -1;
     bool matches(const at::Tensor& t, Checked w, int64_t f) const {
-      // Ids below a bound are below every larger one; the offsets' fact is exact.
-      const bool fact_holds = w == Checked::kTableIds ? fact <= f : fact == f;
+      // Ids below a bound are below every larger one; the other facts are exact.
+      const bool bounded = w == Checked::kTableIds || w == Checked::kInverse;
+      const bool fact_holds = bounded ? fact <= f : fact == f;
       return what == w && fact_holds && impl._unsafe_get_target() == t.unsafeGetTensorImpl() && !impl.expired() &&
              data == t.data_ptr() && numel == t.numel() && version == t._version();
     }
@@ -71,7 +73,7 @@ class CheckedOnce {
   // and the layout, which stay the same for many steps.
   struct State {
     std::mutex mu;  // the backward runs on autograd's threads
-    std::array<Ring, 3> rings;
+    std::array<Ring, 4> rings;
     Ring& ring(Checked what) { return rings[static_cast<size_t>(what)]; }
   };
   static bool keepable(const at::Tensor& t) { return t.defined() && !t.is_inference() && t.numel() > 0; }

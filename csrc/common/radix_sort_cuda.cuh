@@ -1,6 +1,6 @@
 // Stable radix sorts over the low bits only (cub): values known to lie in
 // [0, 2^bits) need bits/8 passes where at::sort of int64 takes all eight
-// (emb_unique's sorts by table id and by its order key: a few bits each).
+// (emb_unique's order key, the backward's inverse, route's ranks).
 // cub's kernels live in a versioned inline namespace with hidden visibility,
 // so they do not meet torch's own (at_cuda_detail) copies.
 #pragma once
@@ -11,6 +11,8 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <cub/device/device_radix_sort.cuh>
+
+#include "common/cuda_utils.cuh"
 
 #include <cstdint>
 #include <limits>
@@ -28,11 +30,12 @@ inline int bits_for(int64_t max_value) {
 
 // Stable ascending sort of a contiguous int64 tensor whose values lie in
 // [0, 2^bits): (sorted values, their positions), equal values in input order.
+// Past cub's int count, the full sort (cuda_utils.cuh stable_sort).
 inline std::tuple<at::Tensor, at::Tensor> stable_sort_low_bits(const at::Tensor& keys, int bits,
                                                                 cudaStream_t stream) {
   const int64_t n = keys.numel();
   TORCH_CHECK(keys.is_contiguous() && keys.scalar_type() == at::kLong, "dynamicemb: sort keys must be contiguous int64");
-  TORCH_CHECK(n <= std::numeric_limits<int>::max(), "dynamicemb: too many values for one sort (", n, ")");
+  if (n > std::numeric_limits<int>::max()) return stable_sort(keys);
   at::Tensor sorted = at::empty_like(keys), pos = at::empty_like(keys);
   const at::Tensor iota = at::arange(n, keys.options());
   if (n == 0) return {sorted, pos};

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/cuda_utils.cuh"
+#include "common/radix_sort_cuda.cuh"
 #include "dist/route_checks.h"
 #include "dist/route_rules.h"
 
@@ -100,7 +101,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> route_cuda(const Tensor& lengths, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Stable by rank = ordered by (rank, bag), input order within a bag.
   std::optional<Tensor> order;
-  if (world > 1) order = std::get<1>(stable_sort(rank));
+  if (world > 1) order = std::get<1>(stable_sort_low_bits(rank, bits_for(world - 1), stream));  // ranks < world
   scatter_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       order ? order->data_ptr<int64_t>() : nullptr, key.data_ptr<int64_t>(), w, n, out_val.data_ptr<int64_t>(),
       w ? out_w.data_ptr<float>() : nullptr, permute.data_ptr<int64_t>());

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/radix_sort_cuda.cuh"
 #include "embedding/embedding_cuda.cuh"
 #include "embedding/optimizer_rules.h"
 
@@ -152,6 +153,7 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   check_1d(inverse, at::kLong, "inverse", dev);
   const int64_t U = rows.numel(), n = inverse.numel();
   TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
+  check_inverse(inverse, U, stream);
   const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
   const float* psw = opt_weights(per_sample_weights, n, dev);
   TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
@@ -163,10 +165,11 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                                                max_gradient);
   if (U == 0) return;
 
-  // The occurrences of each unique key, in input order (stable sort of inverse).
+  // The occurrences of each unique key, in input order (stable sort of
+  // inverse, checked to lie in [0, U): only its low bits are sorted).
   const auto L = inverse.options();
   Tensor occ = at::empty({0}, L), sorted_inv = at::empty({0}, L), bag = at::empty({0}, L);
-  if (n > 0) std::tie(sorted_inv, occ) = stable_sort(inverse);
+  if (n > 0) std::tie(sorted_inv, occ) = stable_sort_low_bits(inverse, bits_for(U - 1), stream);
   const Tensor occ_begin = segment_begins(sorted_inv, U, stream);
   if (pooling != kNone && n > 0) {
     bag = at::empty({n}, L);

@@ -28,6 +28,12 @@ inline std::pair<int64_t, int64_t> check_bag_shape(const at::Tensor& offsets, c1
   return {F, (offsets.numel() - 1) / F};
 }
 
+// An inverse entry (at position i, value v) that names none of `keys` unique keys.
+[[noreturn]] inline void raise_inverse_error(int64_t i, int64_t v, int64_t keys) {
+  TORCH_CHECK(false, "dynamicemb: inverse[", i, "] = ", v, " names no key (", keys, " keys)");
+  __builtin_unreachable();
+}
+
 // The offsets' values: start at 0, end at n, non-decreasing. `bad` is a j
 // with offsets[j + 1] < offsets[j] (< 0: none); pair_at(j) reads
 // (offsets[j], offsets[j + 1]) for the message.

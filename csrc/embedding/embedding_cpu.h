@@ -46,7 +46,7 @@ inline void check_inverse(const Tensor& inverse, int64_t keys) {
   if (!any) return;
   int64_t i = 0;
   while (static_cast<uint64_t>(inv[i]) < static_cast<uint64_t>(keys)) ++i;
-  TORCH_CHECK(false, "dynamicemb: inverse[", i, "] = ", inv[i], " names no key (", keys, " keys)");
+  raise_inverse_error(i, inv[i], keys);
 }
 
 // The bag structure of a batch: B bags per feature, F features.

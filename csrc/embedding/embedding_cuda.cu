@@ -150,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
   const Bags bags = bag_shape(n, offsets, feature_table, num_tables, dev);
-  TORCH_CHECK(n < (int64_t{1} << 40), "dynamicemb: too many indices (", n, ")");
+  TORCH_CHECK(n < (int64_t{1} << 57), "dynamicemb: too many indices (", n, ")");  // order key: 6 + 57 bits
   // Slots 0-2: the offsets' check (unless these offsets passed it already);
   // slot 3: the number of groups. One copy brings both back.
   const bool checked = CheckedOnce::holds(offsets, Checked::kOffsets, n);
@@ -211,9 +211,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       slot_of.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // The table ids come from feature_table, checked against num_tables: the
-  // table ops skip their check of them (checked_once.h).
+  // The table ids come from feature_table, checked against num_tables, and the
+  // inverse names the G groups: the later ops skip their checks (checked_once.h).
   CheckedOnce::record(utids, Checked::kTableIds, num_tables);
+  CheckedOnce::record(inverse, Checked::kInverse, G);
   return {ukeys, utids, inverse, ucounts};
 }
 
@@ -374,12 +375,13 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
   }
 }
 
-// The forward; uint8 rows (int8_rows) only for emb_lookup_forward: the
-// training ops refuse them at their dtype dispatch, as the CPU's.
+// The forward. `lookup` marks emb_lookup_forward's call: uint8 rows only
+// there (the training ops refuse them at their dtype dispatch, as the CPU's),
+// and its inverse is the identity, which needs no check.
 Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique_keys, const Tensor& inverse,
                     const Tensor& offsets, IntArrayRef feature_table, IntArrayRef dims,
                     const std::optional<Tensor>& per_sample_weights, int64_t pooling, const Tensor& init_params,
-                    int64_t seed, at::ScalarType output_dtype, bool int8_rows,
+                    int64_t seed, at::ScalarType output_dtype, bool lookup,
                     const std::vector<HotRows>& hot = {}) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
@@ -389,6 +391,7 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
   check_1d(unique_keys, at::kLong, "unique_keys", dev);
   check_1d(inverse, at::kLong, "inverse", dev);
   TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
+  if (!lookup) check_inverse(inverse, rows.numel(), stream);
   const int64_t n = inverse.numel();
   const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
   const float* psw = opt_weights(per_sample_weights, n, dev);
@@ -432,7 +435,7 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   };
-  if (int8_rows && R.dtype == at::kByte) {
+  if (lookup && R.dtype == at::kByte) {
     launch(uint8_t{});
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_forward_cuda",

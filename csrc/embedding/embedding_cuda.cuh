@@ -101,6 +101,26 @@ inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_tab
   return bags;
 }
 
+__global__ void check_inverse_kernel(const int64_t* inv, int64_t n, int64_t keys, int64_t* err) {
+  for (int64_t i = thread_begin(); i < n; i += thread_stride())
+    if (static_cast<uint64_t>(inv[i]) >= static_cast<uint64_t>(keys)) flag_min(err, i);
+}
+
+// The CPU's check_inverse: every inverse[i] names one of `keys` unique keys
+// (the kernels index rows and keys by it). emb_unique's inverse, unchanged
+// since, passed it (checked_once.h): no synchronising copy then.
+inline void check_inverse(const Tensor& inverse, int64_t keys, cudaStream_t stream) {
+  const int64_t n = inverse.numel();
+  if (n == 0 || CheckedOnce::holds(inverse, Checked::kInverse, keys)) return;
+  ErrorSlots err(1, inverse.device(), stream);
+  check_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(inverse.data_ptr<int64_t>(), n, keys,
+                                                                         err.ptr());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t bad = err.read()[0];
+  if (bad != kNoError) raise_inverse_error(bad, download(inverse.data_ptr<int64_t>() + bad, 1, stream)[0], keys);
+  CheckedOnce::record(inverse, Checked::kInverse, keys);
+}
+
 struct Rows {
   std::vector<RowParts> parts;
   std::vector<int64_t> dim, stride;

@@ -181,6 +181,38 @@ def test_offsets_changed_in_place_after_their_check_are_checked_again():
         fwd(off)
 
 
+@pytest.mark.parametrize("bad", [-1, "U"])
+def test_an_inverse_that_names_no_key_is_refused_like_cpu(bad):
+    """emb_forward and emb_backward_update check inverse on CUDA as on the CPU;
+    emb_unique's own inverse skips that check until it is written in place."""
+    gen = torch.Generator().manual_seed(6)
+    idx, off, ukeys, utids, inverse, weights, rows = lookup_inputs(gen, [0, 1], 2, 6, [4, 4], torch.float32)
+    d_idx, d_off = idx.to(DEV), off.to(DEV)
+    d_ukeys, d_utids, d_inverse, _ = ops.emb_unique(d_idx, d_off, [0, 1], 2)
+    d_rows, d_weights = rows.to(DEV), [w.to(DEV) for w in weights]
+    params = init_params([0, 0])
+
+    def fwd(inv, dev_side):
+        w, r, k, o = (d_weights, d_rows, d_ukeys, d_off) if dev_side else (weights, rows, ukeys, off)
+        return ops.emb_forward(w, r, k, inv, o, [0, 1], [4, 4], None, 0, params, 3, torch.float32)
+
+    def bwd(inv, dev_side):
+        w, r, t, o = (d_weights, d_rows, d_utids, d_off) if dev_side else (weights, rows, utids, off)
+        g = torch.ones(6, 8, device=o.device)
+        ops.emb_backward_update(g, [x.clone() for x in w], r, t, inv, o, [0, 1], [4, 4], None, 0, 0, 0.1, 1e-8,
+                                0.9, 0.999, 0.0, 1, 0, 0.0)
+    same(fwd(d_inverse, True), fwd(inverse, False))  # emb_unique's inverse: the CPU's output
+    value = ukeys.numel() if bad == "U" else bad
+    d_inverse[3] = value  # in place: a new version, checked again
+    inverse = inverse.clone()
+    inverse[3] = value
+    msg = rf"inverse\[3\] = {value} names no key \({ukeys.numel()} keys\)"
+    for call in (fwd, bwd):
+        for inv, dev_side in ((inverse, False), (d_inverse, True)):
+            with pytest.raises(RuntimeError, match=msg):
+                call(inv, dev_side)
+
+
 def test_table_ids_changed_in_place_after_unique_are_checked_again():
     """emb_unique's table ids skip the table ops' range check until written in place."""
     idx = torch.arange(12, device=DEV)
