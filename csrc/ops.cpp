@@ -95,11 +95,16 @@ TORCH_LIBRARY(dynamicemb, m) {
       "emb_forward(Tensor[] weights, Tensor rows, Tensor unique_keys, Tensor inverse, Tensor offsets, "
       "int[] feature_table, int[] dims, Tensor? per_sample_weights, int pooling, Tensor init_params, "
       "int seed, ScalarType output_dtype) -> Tensor");
+  // With skip_nonfinite, a row whose summed gradient is not finite (a NaN /
+  // inf reached it, or its sum overflowed) is left as it was; the result
+  // counts those rows per table (int64 [num_tables], zeros without it), on
+  // the rows' device: no host synchronisation.
   m.def(
       "emb_backward_update(Tensor grad_output, Tensor(a!)[] weights, Tensor rows, "
       "Tensor unique_table_ids, Tensor inverse, Tensor offsets, int[] feature_table, int[] dims, "
       "Tensor? per_sample_weights, int pooling, int optimizer, float lr, float eps, float beta1, "
-      "float beta2, float weight_decay, int step, int weight_decay_mode, float max_gradient=0.0) -> ()");
+      "float beta2, float weight_decay, int step, int weight_decay_mode, float max_gradient=0.0, "
+      "bool skip_nonfinite=False) -> Tensor");
 
   // The eval forward fused with the lookup (no dedup, nothing inserted): index
   // i of feature f is found in hash table table_group[t] (logical table

@@ -167,8 +167,8 @@ def _emb_lookup_forward_fake(slot_keys, slot_digests, table_buckets, bucket_capa
 @torch.library.register_fake(_lib + "emb_backward_update")
 def _emb_backward_update_fake(grad_output, weights, rows, unique_table_ids, inverse, offsets, feature_table, dims,
                               per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, step,
-                              weight_decay_mode, max_gradient=0.0):
-    return None
+                              weight_decay_mode, max_gradient=0.0, skip_nonfinite=False):
+    return rows.new_empty(len(weights), dtype=torch.int64)  # rows per table skipped as not finite
 
 
 # ---- input distribution (csrc/dist) ------------------------------------------------------

@@ -180,8 +180,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
         self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
-        # CUDA steps' failure counts on their way to the host: (step, HostCopy), oldest first.
-        self._failures_in_flight: list = []
+        # CUDA steps' counts on their way to the host, oldest first: (reporter, step, HostCopy), the
+        # reporter the name of the method that counts them (keys that failed, rows not updated).
+        self._counts_in_flight: list = []
         self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
         # Hooks the output into autograd so backward reaches the fused update.
@@ -246,21 +247,26 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         On CUDA the counts reach the host without stopping the step: a warning
         comes a step or so later (naming its step), or at table_stats(); a
         table in ERROR mode makes every step wait for them, to raise in it."""
-        if self._defers_failures(failed):
-            self._failures_in_flight.append((step, HostCopy(failed)))
-            self._drain_failures(wait=False, stacklevel=6)
-            return
-        self._count_failures(failed.cpu(), step, stacklevel=6)
+        self._report_counts("_count_failures", failed, step, stacklevel=7)
 
-    def _defers_failures(self, failed: torch.Tensor) -> bool:
-        return failed.device.type == "cuda" and not any(
+    def _report_counts(self, reporter: str, counts: torch.Tensor, step: int, stacklevel: int) -> None:
+        """Has the method named `reporter` count `counts` of `step`: at once,
+        or (CUDA, no table in ERROR mode) once their copy has landed."""
+        if self._defers_failures(counts):
+            self._counts_in_flight.append((reporter, step, HostCopy(counts)))
+            self._drain_counts(wait=False, stacklevel=stacklevel)
+            return
+        getattr(self, reporter)(counts.cpu(), step, stacklevel=stacklevel)
+
+    def _defers_failures(self, counts: torch.Tensor) -> bool:
+        return counts.device.type == "cuda" and not any(
             o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
 
-    def _drain_failures(self, wait: bool, stacklevel: int) -> None:
-        """Counts the failures whose copies have landed (all of them with wait)."""
-        while self._failures_in_flight and (wait or self._failures_in_flight[0][1].landed()):
-            step, counts = self._failures_in_flight.pop(0)
-            self._count_failures(counts.wait(), step, stacklevel + 1)
+    def _drain_counts(self, wait: bool, stacklevel: int) -> None:
+        """Reports the counts whose copies have landed (all of them with wait)."""
+        while self._counts_in_flight and (wait or self._counts_in_flight[0][2].landed()):
+            reporter, step, counts = self._counts_in_flight.pop(0)
+            getattr(self, reporter)(counts.wait(), step, stacklevel + 1)
 
     def _count_failures(self, failed: torch.Tensor, step: int, stacklevel: int) -> None:
         """stacklevel: the warning's, at the module's caller."""
@@ -292,18 +298,39 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if not all(o.training for o in self.table_options):
             raise RuntimeError("dynamicemb: a table built with training=False has no optimizer state to update")
         grad_output = grad_output.to(torch.float32).contiguous()
-        # A NaN / inf anywhere makes the sum non-finite: one reduction, no mask
-        # (~30x cheaper than isfinite().all()); an overflowing sum of finite
-        # values only takes the exact per-row path, which then finds nothing.
-        if not bool(torch.isfinite(grad_output.sum())):
+        # A table in ERROR mode raises before any row is written: the step
+        # looks at the gradient first (a host synchronisation on CUDA). A NaN /
+        # inf anywhere makes the sum non-finite: one reduction, no mask (~30x
+        # cheaper than isfinite().all()); an overflowing sum of finite values
+        # only takes the exact per-row path, which then finds nothing.
+        # Otherwise the update itself leaves out the rows whose summed
+        # gradient is not finite, and counts them per table on the device.
+        check_first = any(o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
+        if check_first and not bool(torch.isfinite(grad_output.sum())):
             rows = self._skip_nonfinite(grad_output, rows, utids, inverse, offsets)
         self.optimizer_step += 1
-        ops.emb_backward_update(grad_output, self.storage.weights(), rows, utids,
-                                inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
-                                self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
-                                self.weight_decay, self.optimizer_step, self.weight_decay_mode,
-                                clipping_bound(self.gradient_clipping, self.max_gradient))
+        skipped = ops.emb_backward_update(grad_output, self.storage.weights(), rows, utids,
+                                          inverse, offsets, self.feature_table_map, self.dims, psw, self.pooling,
+                                          self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
+                                          self.weight_decay, self.optimizer_step, self.weight_decay_mode,
+                                          clipping_bound(self.gradient_clipping, self.max_gradient),
+                                          skip_nonfinite=not check_first)
         self.storage.batch_done()  # its rows may move again
+        if not check_first:  # on CUDA counted when the copy lands: the step does not wait
+            self._report_counts("_count_nonfinite", skipped, self.optimizer_step, stacklevel=5)
+
+    def _count_nonfinite(self, counts: torch.Tensor, optimizer_step: int, stacklevel: int) -> None:
+        """Rows per table whose update was left out for a non-finite gradient
+        (WARNING and IGNORE modes): counted, and warned once per step."""
+        if not bool(counts.any()):
+            return
+        self.nonfinite_grads += counts
+        msgs = [f"table {self.table_names[t]!r}: {int(counts[t])} rows got a non-finite (NaN / inf) gradient at "
+                f"optimizer step {optimizer_step}" for t in counts.nonzero().squeeze(1).tolist()
+                if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.WARNING]
+        if msgs:
+            warnings.warn("dynamicemb: " + "; ".join(msgs) + "; their updates were skipped", RuntimeWarning,
+                          stacklevel=stacklevel)
 
     def _skip_nonfinite(self, grad_output, rows, utids, inverse, offsets) -> torch.Tensor:
         """Rows whose summed gradient would hold a NaN / inf: counted per
@@ -458,7 +485,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def table_stats(self) -> dict:
         """{table_name: {size, capacity, inserted, evicted, failed, admission_rejected, nonfinite_grads}}."""
-        self._drain_failures(wait=True, stacklevel=3)  # the warnings of CUDA steps not yet counted
+        self._drain_counts(wait=True, stacklevel=3)  # the warnings of CUDA steps not yet counted
         return {n: dict(self.storage.stats(t), nonfinite_grads=int(self.nonfinite_grads[t]))
                 for t, n in enumerate(self.table_names)}
 

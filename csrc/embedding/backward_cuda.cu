@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
@@ -99,12 +100,25 @@ struct WarpWalk {
     }
     held = false;
   }
+  // Whether every element of the row's gradient is finite (the CPU's
+  // all_finite), in every lane: then a row of one chunk keeps it for the rule.
+  __device__ __forceinline__ bool all_finite() {
+    bool ok = true;
+    for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+      src.sum(g, d0, D, beg, end, lane);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k)
+        if (d0 + k * kWarp + lane < D && !isfinite(g[k])) ok = false;
+    }
+    held = D <= kChunk;
+    return __all_sync(kFullMask, ok);
+  }
   // The terms summed in element order across the warp (the CPU's sequential sum).
   template <class Term>
   __device__ __forceinline__ float sum(Term term) {
     float total = 0.0f;
     for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-      src.sum(g, d0, D, beg, end, lane);
+      if (!held) src.sum(g, d0, D, beg, end, lane);
       float v[kPerLane];
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k) {
@@ -124,10 +138,12 @@ struct WarpWalk {
 };
 
 // One warp per unique key with a row: the rule of `kind` on the row in place
-// (backward_update_cpu's loop).
+// (backward_update_cpu's loop). skipped (nullptr: no check): per table, the
+// rows left as they were because their gradient is not finite.
 template <class W>
 __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, const int64_t* rows, const int64_t* utids,
-                                       const int64_t* occ_begin, int64_t U, int64_t kind, optim::Params p) {
+                                       const int64_t* occ_begin, int64_t U, int64_t kind, optim::Params p,
+                                       unsigned long long* skipped) {
   const int lane = lane_id();
   for (int64_t u = warp_begin(); u < U; u += warp_stride()) {
     const int64_t r = rows[u];
@@ -135,15 +151,20 @@ __global__ void backward_update_kernel(GradSource src, const TableDev* tabs, con
     const TableDev& tab = tabs[utids[u]];
     W* row = row_at<W>(tab.rows, r);
     WarpWalk walk{src, tab.dim, occ_begin[u], occ_begin[u + 1], lane};
+    if (skipped != nullptr && !walk.all_finite()) {
+      if (lane == 0) atomicAdd(skipped + utids[u], 1ull);
+      continue;
+    }
     optim::dispatch(kind, [&](auto rule) { optim::update_row<decltype(rule)>(row, tab.dim, walk, p); });
   }
 }
 
-void backward_update_cuda(const Tensor& grad_output, TensorList weights, const Tensor& rows,
-                          const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
-                          IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
-                          int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                          double weight_decay, int64_t step, int64_t weight_decay_mode, double max_gradient) {
+Tensor backward_update_cuda(const Tensor& grad_output, TensorList weights, const Tensor& rows,
+                            const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
+                            IntArrayRef feature_table, IntArrayRef dims,
+                            const std::optional<Tensor>& per_sample_weights, int64_t pooling, int64_t optimizer,
+                            double lr, double eps, double beta1, double beta2, double weight_decay, int64_t step,
+                            int64_t weight_decay_mode, double max_gradient, bool skip_nonfinite) {
   const Rows R = check_rows(weights, dims, rows);
   const at::Device dev = R.device;
   const c10::cuda::CUDAGuard guard(dev);
@@ -163,7 +184,8 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
                                           weight_decay_mode, max_gradient);
   const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode,
                                                max_gradient);
-  if (U == 0) return;
+  Tensor skipped = at::zeros({R.num_tables()}, rows.options());
+  if (U == 0) return skipped;
 
   // The occurrences of each unique key, in input order (stable sort of
   // inverse, checked to lie in [0, U): only its low bits are sorted).
@@ -192,9 +214,11 @@ void backward_update_cuda(const Tensor& grad_output, TensorList weights, const T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward_cuda", [&] {
     backward_update_kernel<scalar_t><<<blocks_for(U, kWarpsPerBlock), kThreads, 0, stream>>>(
         src, device_ptr<TableDev>(tabs), rows.data_ptr<int64_t>(), unique_table_ids.data_ptr<int64_t>(),
-        occ_begin.data_ptr<int64_t>(), U, optimizer, p);
+        occ_begin.data_ptr<int64_t>(), U, optimizer, p,
+        skip_nonfinite ? reinterpret_cast<unsigned long long*>(skipped.data_ptr<int64_t>()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  return skipped;
 }
 
 }  // namespace

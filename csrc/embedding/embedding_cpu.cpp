@@ -12,10 +12,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -406,11 +409,25 @@ struct RowWalk {
   }
 };
 
-void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Tensor& rows,
-                         const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
-                         IntArrayRef feature_table, IntArrayRef dims, const std::optional<Tensor>& per_sample_weights,
-                         int64_t pooling, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                         double weight_decay, int64_t step, int64_t weight_decay_mode, double max_gradient) {
+// Whether every element of g[0, D) is finite: no exponent field all ones
+// (an integer max, which vectorizes where a float reduction may not).
+bool all_finite(const float* g, int64_t D) {
+  constexpr uint32_t kExponent = 0x7f800000u;
+  uint32_t top = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t b;
+    std::memcpy(&b, g + d, sizeof b);
+    top = std::max(top, b & kExponent);
+  }
+  return top != kExponent;
+}
+
+Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const Tensor& rows,
+                           const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
+                           IntArrayRef feature_table, IntArrayRef dims,
+                           const std::optional<Tensor>& per_sample_weights, int64_t pooling, int64_t optimizer,
+                           double lr, double eps, double beta1, double beta2, double weight_decay, int64_t step,
+                           int64_t weight_decay_mode, double max_gradient, bool skip_nonfinite) {
   const Rows R = check_rows(weights, dims);
   check_1d(rows, at::kLong, "rows");
   check_1d(unique_table_ids, at::kLong, "unique_table_ids");
@@ -477,10 +494,13 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
     }
   });
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
+  const int64_t T = R.num_tables();
+  // Tasks of about equal occurrence counts (not equal key counts: a few hot
+  // keys hold much of a skewed batch); each key is reduced by one task, which
+  // counts its rows left out as not finite (summed per table in task order).
+  const int64_t tasks = U < 256 ? 1 : 8 * at::get_num_threads();
+  std::vector<int64_t> skipped(tasks * T, 0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward", [&] {
-    // Tasks of about equal occurrence counts (not equal key counts: a few hot
-    // keys hold much of a skewed batch); each key is reduced by one task.
-    const int64_t tasks = U < 256 ? 1 : 8 * at::get_num_threads();
     std::vector<int64_t> task_u(tasks + 1, U);
     for (int64_t q = 0; q < tasks; ++q)
       task_u[q] = std::lower_bound(begin.begin(), begin.end() - 1, n * q / tasks) - begin.begin();
@@ -505,6 +525,10 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
         if (r[u] < 0) continue;
         const int64_t t = ut[u], D = R.dim[t];
         sum_rows(g.data(), occ_g.get() + begin[u], occ_s.get() + begin[u], begin[u + 1] - begin[u], D, 0);
+        if (skip_nonfinite && !all_finite(g.data(), D)) {
+          ++skipped[q * T + t];
+          continue;
+        }
         RowWalk walk{g.data(), D};
         optim::dispatch(optimizer, [&](auto rule) {
           optim::update_row<decltype(rule)>(R.row<scalar_t>(t, r[u]), D, walk, p);
@@ -512,6 +536,11 @@ void backward_update_cpu(const Tensor& grad_output, TensorList weights, const Te
       }
     });
   });
+  Tensor counts = at::zeros({T}, rows.options());
+  int64_t* c = counts.data_ptr<int64_t>();
+  for (int64_t q = 0; q < tasks; ++q)
+    for (int64_t t = 0; t < T; ++t) c[t] += skipped[q * T + t];
+  return counts;
 }
 
 }  // namespace

@@ -127,6 +127,73 @@ def test_backward_update(optimizer, pooling, wdtype, psw, decay):
         same(a, b)
 
 
+@pytest.mark.parametrize("optimizer", [0, 3], ids=["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", [0, 2], ids=["sum", "none"])
+def test_backward_update_skips_rows_whose_gradient_is_not_finite(optimizer, pooling):
+    # A NaN, an inf, and finite entries whose sum overflows, into rows of one
+    # chunk (dim 7) and of two (300). Reference: the same update with those
+    # rows given no row (-1), and their count per table taken by hand.
+    gen = torch.Generator().manual_seed(11)
+    feature_table = [0, 1, 0]
+    dims = [24, 24] if pooling == 2 else [7, 300]
+    state = [STATE[optimizer](d) for d in dims]
+    idx, off, ukeys, utids, inverse, weights, rows = lookup_inputs(gen, feature_table, 2, 20, dims, torch.float32,
+                                                                   state, missing=0.1)
+    for w, d in zip(weights, dims):
+        w[:, d:] = w[:, d:].abs()
+    B = (off.numel() - 1) // 3
+    grad = torch.randn((idx.numel(), dims[0]) if pooling == 2 else (B, sum(dims[t] for t in feature_table)),
+                       generator=gen)
+    # Output rows (pooling NONE: index i; else bag b's slice of feature f) and the unique keys they reach.
+    def reached(i=None, f=None, b=None):
+        if pooling == 2:
+            return {int(inverse[i])}
+        j = f * B + b
+        return {int(u) for u in inverse[off[j]:off[j + 1]]}
+    cols = [0, dims[0], dims[0] + dims[1]]  # each feature's first column (pooled)
+    bad = set()
+    if pooling == 2:
+        grad[3, 1], grad[5, 0] = float("nan"), float("inf")
+        bad |= reached(i=3) | reached(i=5)
+        counts = torch.bincount(inverse, minlength=ukeys.numel())
+        u = int(((counts > 1) & (rows >= 0)).nonzero()[0])  # a key given twice: its sum overflows
+        grad[(inverse == u).nonzero().squeeze(1), 2] = 3e38
+        bad.add(u)
+    else:
+        # Column 2 of feature 0 at 3e38 in every bag: a key given more than once there overflows.
+        grad[:, cols[0] + 2] = 3e38
+        twice = torch.bincount(inverse[:int(off[B])], minlength=ukeys.numel()) > 1
+        assert bool((twice & (rows >= 0)).any())
+        bad |= set(twice.nonzero().squeeze(1).tolist())
+        b = next(b for b in range(B) if off[b + 1] > off[b])  # a non-empty bag of feature 0
+        grad[b, cols[0] + 1] = float("nan")
+        bad |= reached(f=0, b=b)
+        b2 = next(b for b in range(B) if off[B + b + 1] > off[B + b])  # feature 1 (dim 300): the 2nd chunk
+        grad[b2, cols[1] + 290] = float("-inf")
+        bad |= reached(f=1, b=b2)
+    bad = {u for u in bad if rows[u] >= 0}
+    assert bad
+    want_w = [w.clone() for w in weights]
+    masked = rows.clone()
+    masked[sorted(bad)] = -1
+    args = (pooling, optimizer, 0.05, 1e-3, 0.9, 0.99, 0.01, 3, 0)
+    none = ops.emb_backward_update(grad, want_w, masked, utids, inverse, off, feature_table, dims, None, *args)
+    assert none.tolist() == [0, 0]  # not asked to check: nothing counted
+    want = torch.bincount(utids[sorted(bad)], minlength=2)
+    cpu_w = [w.clone() for w in weights]
+    got = ops.emb_backward_update(grad, cpu_w, rows, utids, inverse, off, feature_table, dims, None, *args,
+                                  skip_nonfinite=True)
+    assert torch.equal(got, want)
+    for a, b in zip(cpu_w, want_w):
+        same(a, b)
+    dev_w = [w.to(DEV) for w in weights]
+    got_dev = ops.emb_backward_update(grad.to(DEV), dev_w, rows.to(DEV), utids.to(DEV), inverse.to(DEV),
+                                      off.to(DEV), feature_table, dims, None, *args, skip_nonfinite=True)
+    same(got_dev, want)
+    for a, b in zip(dev_w, want_w):
+        same(a, b)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("with_weights", [False, True])
 def test_route_keys(world, with_weights):

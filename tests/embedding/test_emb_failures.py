@@ -65,7 +65,7 @@ def test_failure_counts_that_land_later_warn_naming_their_step(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert m.table_stats()["tiny"]["failed"] == 4  # table_stats waits for every count
-    assert m.failed.tolist() == [4] and m._failures_in_flight == []
+    assert m.failed.tolist() == [4] and m._counts_in_flight == []
 
 
 def test_error_mode_raises_naming_the_table(device):

@@ -148,3 +148,51 @@ def test_finite_gradients_whose_sum_overflows_are_applied():
     assert m.table_stats()["t0"]["nonfinite_grads"] == 0
     want = debug_rows([1, 2], 4) - torch.tensor(m.learning_rate, dtype=torch.float32) * grad
     torch.testing.assert_close(stored(m, 0, [1, 2])[1], want, rtol=1e-6, atol=0)
+
+
+def test_warning_skips_a_row_whose_summed_gradient_overflows():
+    # Key 1 is in both bags: its summed gradient 3e38 + 3e38 is inf, though
+    # every entry is finite. Left out and counted (WARNING); key 2, in one
+    # bag, is updated by hand's EXACT_SGD.
+    m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.WARNING)
+    out = m(*bags([[1, 2], [1]]))
+    grad = torch.zeros(out.shape)
+    grad[:, 0] = 3e38
+    with pytest.warns(RuntimeWarning, match=r"table 't0': 1 rows got a non-finite \(NaN / inf\) gradient at "
+                                            r"optimizer step 1; their updates were skipped"):
+        out.backward(grad)
+    assert m.table_stats()["t0"]["nonfinite_grads"] == 1
+    want = debug_rows([1, 2], 4)
+    want[1] -= torch.tensor(m.learning_rate, dtype=torch.float32) * grad[0]
+    torch.testing.assert_close(stored(m, 0, [1, 2])[1], want, rtol=1e-6, atol=0)
+
+
+def test_nonfinite_counts_that_land_later_warn_naming_their_step(monkeypatch):
+    """A CUDA step does not wait for its non-finite counts: they are counted
+    and warned when their copy lands (here: at table_stats), naming their
+    optimizer step. Modelled on the CPU by holding every copy back."""
+    from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+    from dynamicemb.host_copy import HostCopy
+    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_failures", lambda self, counts: True)
+    monkeypatch.setattr(HostCopy, "landed", lambda self: False)
+    m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = m(*bags([[1, 2], [3]]))
+        rows = stored(m, 0, [1, 2, 3])[1]
+        grad = torch.ones(out.shape)
+        grad[0, 1] = float("nan")  # bag 0: keys 1 and 2
+        out.backward(grad)  # optimizer step 1: no warning yet
+        out = m(*bags([[3], [3]]))
+        out.backward(torch.ones(out.shape))  # step 2: finite
+    assert m.nonfinite_grads.tolist() == [0]
+    assert [(r, s) for r, s, _ in m._counts_in_flight if r == "_count_nonfinite"] == [("_count_nonfinite", 1),
+                                                                                      ("_count_nonfinite", 2)]
+    with pytest.warns(RuntimeWarning, match=r"2 rows got a non-finite \(NaN / inf\) gradient at optimizer step 1; "
+                                            r"their updates were skipped") as w:
+        assert m.table_stats()["t0"]["nonfinite_grads"] == 2  # table_stats waits for every count
+    assert len([x for x in w if "non-finite" in str(x.message)]) == 1
+    assert m._counts_in_flight == []
+    after = stored(m, 0, [1, 2, 3])[1]
+    assert torch.equal(after[:2], rows[:2])  # keys 1 and 2 kept their rows
+    assert not torch.equal(after[2], rows[2])  # key 3 was updated twice
