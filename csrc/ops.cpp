@@ -4,6 +4,8 @@
 //
 // table_insert's `evictable` (bool [num_tables], None: all) lets a table that
 // can still grow fail a key instead of evicting, so its owner grows it first.
+// Without list_evicted its evicted_* are empty (results still say EVICTED):
+// on CUDA, listing them waits for their count.
 //
 // A table is one argument, `Tensor[] table`: its members in the order of
 // table/table_checks.h's Member (mirrored by dynamicemb/_ops.py
@@ -30,7 +32,7 @@ TORCH_LIBRARY(dynamicemb, m) {
       "table_refresh(Tensor(a!)[] table, Tensor indices, Tensor? key_scores, int strategy, int call_score) -> ()");
   m.def(
       "table_insert(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, Tensor? key_scores, int strategy, "
-      "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None) "
+      "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None, bool list_evicted=True) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
   m.def("table_erase(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");

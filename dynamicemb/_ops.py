@@ -58,8 +58,9 @@ def _refresh_fake(table, indices, key_scores, strategy, call_score):
 
 
 @torch.library.register_fake(_lib + "table_insert")
-def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable=None):
-    m = _dynamic_len()
+def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable=None,
+                 list_evicted=True):
+    m = _dynamic_len() if list_evicted else 0
     ev = [keys.new_empty(m) for _ in range(4)]
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)
 

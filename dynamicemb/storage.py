@@ -19,7 +19,7 @@ from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.positions import count_where, where_true
 from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
                                          RowBlocks)
-from dynamicemb.table import EvictedKeys, InsertOutput, ScoredHashTable, doubling_capacities
+from dynamicemb.table import InsertOutput, ScoredHashTable, doubling_capacities
 from dynamicemb.table_rows import TableRows, kernel_weights, new_parts
 from dynamicemb.types import InsertResult, strategy_code, strategy_of
 
@@ -427,7 +427,8 @@ class HashTableStorage(EmbeddingStorage):
         factor, then a table below its maximum fails a key whose bucket is
         full instead of evicting; such tables double and their failed keys are
         retried within the same call (keys placed so far stay held). Only a
-        table at its maximum evicts."""
+        table at its maximum evicts; the keys it evicts are not listed (the
+        output's evicted is empty, its results say EVICTED)."""
         ht, tables = self.groups[g]
         self._grow_for(g, keys, local_tids)
 
@@ -435,9 +436,11 @@ class HashTableStorage(EmbeddingStorage):
             return [c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables)]
 
         full = at_max()
-        out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full)
+        # The evicted keys are not listed (that would wait for the device):
+        # a call in which a table may evict counts as having evicted.
+        out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full, list_evicted=False)
         idx, res = out.indices, out.results
-        evicted = [out.evicted]  # of every attempt (slot indices as of that attempt)
+        may_have_evicted = any(full)
         while True:
             retry = []  # every table evicts: nothing to grow and retry (no count: no wait for the device)
             if not all(full):
@@ -445,10 +448,9 @@ class HashTableStorage(EmbeddingStorage):
                 per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
                 retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
             if not retry:
-                out = InsertOutput(idx, res, EvictedKeys(*(torch.cat(parts) for parts in zip(*evicted))))
-                if out.evicted.keys.numel():
+                if may_have_evicted:
                     self.version += 1  # the evicted keys' rows now hold other keys
-                return out
+                return InsertOutput(idx, res, out.evicted)
             for lt in retry:  # the retry counts its own failures
                 ht.counters[lt, rules.TableCounter.FAILED] -= per_table[lt]
             caps = ht.capacities()
@@ -469,10 +471,10 @@ class HashTableStorage(EmbeddingStorage):
             sel = failed & torch.isin(local_tids, torch.tensor(retry, device=local_tids.device))
             sub_scores = scores[sel] if isinstance(scores, torch.Tensor) else scores
             again = ht.insert(keys[sel], local_tids[sel], scores=sub_scores, evict=True if all(full) else full,
-                              same_call=True)
+                              same_call=True, list_evicted=False)
+            may_have_evicted |= any(full)
             res = res.clone()
             idx[sel], res[sel] = again.indices, again.results
-            evicted.append(again.evicted)
 
     def insert_rows(self, table_id, keys, values, optimizer_state=None, step=0):
         g, lt = self.group_of[table_id]
@@ -537,8 +539,9 @@ class HashTableStorage(EmbeddingStorage):
         lts = torch.full_like(keys, lt)
         out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
         failed = int((out.results == InsertResult.FAILED).sum())
-        if failed or out.evicted.keys.numel():
-            msg = (f"dynamicemb: table {self.names[table_id]!r}: {failed + out.evicted.keys.numel()} of the loaded "
+        displaced = int((out.results == InsertResult.EVICTED).sum())  # (insert_growing lists no evicted keys)
+        if failed or displaced:
+            msg = (f"dynamicemb: table {self.names[table_id]!r}: {failed + displaced} of the loaded "
                    f"keys do not fit (capacity {ht.capacity(lt)} of at most {self.limit_caps[table_id]} rows on this "
                    f"rank)")
             why = self.budget_reached(table_id)

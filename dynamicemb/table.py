@@ -271,14 +271,15 @@ class ScoredHashTable:
         return out, idx, found
 
     def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
-               same_call: bool = False) -> InsertOutput:
+               same_call: bool = False, list_evicted: bool = True) -> InsertOutput:
         """Finds or stores every key (see API.md §6 for the exact rules).
 
         ``evict``: False (or a per-table sequence of bools) makes a key whose
         bucket is full fail instead of evicting, for a table its owner can
         still grow. ``same_call`` continues the previous insert call: the keys
         it placed or found stay held (never evicted), also across a grow in
-        between."""
+        between. ``list_evicted=False`` leaves ``evicted`` empty (the results
+        still say EVICTED): on CUDA, listing them waits for their count."""
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         call, per_key = self._scores(scores, keys.numel())
@@ -290,7 +291,7 @@ class ScoredHashTable:
             evictable = torch.tensor(flags, dtype=torch.bool, device=self.device)
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
-                                                    self.bucket_capacity, call, epoch, evictable)
+                                                    self.bucket_capacity, call, epoch, evictable, list_evicted)
         self._sizes_seen = HostCopy(self.sizes)
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 

@@ -88,7 +88,7 @@ void commit_found(const TableRef& ref, const Scoring& scoring, const int64_t* k,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
-    int64_t epoch, const std::optional<Tensor>& evictable) {
+    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted) {
   check_strategy(strategy);
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
   const bool* may_evict_table = check_evictable(evictable, ref, cpu_device());
@@ -132,7 +132,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
         r.digest = d;
         r.may_evict = evicts && (!may_evict_table || may_evict_table[tids ? tids[i] : 0]);
       });
-  auto evicted = [](const Rec& r) { return r.res == kEvicted; };
+  auto evicted = [list_evicted](const Rec& r) { return list_evicted && r.res == kEvicted; };
   constexpr int64_t kFillAhead = 4;  // runs; within walk_runs' digest prefetch (kDigestAhead keys)
   const std::vector<int64_t> first_evicted = bb.for_each_part([&](const Runs<Rec>& part) {
     int path = kFewProbe;  // the victim lists' path (RunVictims): try the filtered pass first

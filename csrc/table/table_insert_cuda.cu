@@ -99,7 +99,7 @@ __global__ void gather_evicted_kernel(const int64_t* pos, int64_t m, const int64
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
-    int64_t epoch, const std::optional<Tensor>& evictable) {
+    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted) {
   check_strategy(strategy);
   const c10::cuda::CUDAGuard guard(table_device(table));
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
@@ -139,6 +139,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   tally_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, a.res, tids, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
+  if (!list_evicted) {
+    auto none = [&] { return new_tensor(0, at::kLong, dev); };
+    return {indices, results, none(), none(), none(), none()};
+  }
   const Tensor pos = at::nonzero(at::eq(results, static_cast<int64_t>(kEvicted))).view({-1});  // syncs
   const int64_t m = pos.numel();
   Tensor e_keys = new_tensor(m, at::kLong, dev), e_tids = new_tensor(m, at::kLong, dev);

@@ -45,6 +45,28 @@ def _table_ids(data, num_tables, n):
                                st.lists(st.integers(0, num_tables - 1), min_size=n, max_size=n)))
 
 
+@pytest.mark.parametrize("strategy", [TIMESTAMP, LFU])
+@PROPERTY
+@given(data=st.data())
+def test_inserts_that_do_not_list_their_evictions_match_model(strategy, device, data):
+    # list_evicted=False (the training step's inserts): the same slots,
+    # results, counters and table as the model; only the evicted list is empty.
+    counts = data.draw(st.lists(st.integers(1, 2), min_size=1, max_size=2), label="bucket counts")
+    p = Pair(strategy, counts, 16, device)
+    for _ in range(data.draw(st.integers(1, 12), label="inserts")):
+        n = data.draw(st.integers(1, 40), label="n")
+        keys = data.draw(st.lists(KEYS, min_size=n, max_size=n), label="keys")
+        tids = _table_ids(data, len(counts), n)
+        step = data.draw(SMALL)
+        evict = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=len(counts),
+                                                              max_size=len(counts))), label="evict")
+        res = p.insert(keys, tids, _scores(data, strategy, n), now=step, step=step, evict=evict,
+                       list_evicted=data.draw(st.booleans(), label="list_evicted")).results.tolist()
+        for r in set(res):
+            event(f"insert result {r}")
+        p.check_state()
+
+
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @PROPERTY
 @given(data=st.data())
