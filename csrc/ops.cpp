@@ -80,9 +80,11 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "emb_unique(Tensor indices, Tensor offsets, int[] feature_table, int num_tables) "
       "-> (Tensor unique_keys, Tensor unique_table_ids, Tensor inverse, Tensor counts)");
+  // skip_bad: a (table, row) pair out of range is skipped instead of raising,
+  // for rows taken from the table's own slots (on CUDA, raising waits for the device).
   m.def(
       "emb_init_rows(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, int[] dims, "
-      "Tensor init_params, int seed) -> ()");
+      "Tensor init_params, int seed, bool skip_bad=False) -> ()");
   // A training step's unique keys in the order of their rows' addresses, to
   // within blocks (embedding_cpu.cpp row_order): (order, rows, keys and table
   // ids permuted by it, inverse renumbered to match), with the new keys' rows

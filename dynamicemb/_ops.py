@@ -138,7 +138,7 @@ def _emb_unique_fake(indices, offsets, feature_table, num_tables):
 
 
 @torch.library.register_fake(_lib + "emb_init_rows")
-def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed):
+def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed, skip_bad=False):
     return None
 
 

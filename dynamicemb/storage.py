@@ -271,8 +271,9 @@ class HashTableStorage(EmbeddingStorage):
         pass; this serves other devices, and a step that fails.)"""
         rows = _slot_rows(slots, self._table_slot_begin[table_ids])
         # Row -1 where a key is not new: the kernels skip it (no positions to count on the host).
+        # The rows are the table's own slots: nothing to look for (skip_bad: no wait for the device).
         ops.emb_init_rows(self.weights(), torch.where(is_new, rows, -1), table_ids, keys, self.dims,
-                          self.init_params, self.seed)
+                          self.init_params, self.seed, skip_bad=True)
         return rows
 
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:

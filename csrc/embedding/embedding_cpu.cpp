@@ -195,9 +195,10 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
 }
 
 // The initial values and fresh optimizer state of row r[i] of table t[i] for
-// key k[i], for every i in [0, n) with r[i] >= 0 and (no mask or mask[i]).
+// key k[i], for every i in [0, n) with r[i] >= 0 and (no mask or mask[i]); a
+// pair out of range raises, or with skip_bad is skipped.
 void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_t seed, const int64_t* r,
-                     const int64_t* t, const int64_t* k, const bool* mask, int64_t n) {
+                     const int64_t* t, const int64_t* k, const bool* mask, int64_t n, bool skip_bad = false) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows", [&] {
     const int64_t T = R.num_tables();
     constexpr bool kStreamed = std::is_same_v<scalar_t, float>;
@@ -213,8 +214,9 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
             __builtin_prefetch(row + q, 1, 3);
         }
         if (!wanted(i)) continue;
-        TORCH_CHECK(0 <= t[i] && t[i] < T && r[i] < R.parts[t[i]].rows, "dynamicemb: row ", r[i],
-                    " of table ", t[i], " is out of range");
+        const bool ok = 0 <= t[i] && t[i] < T && r[i] < R.parts[t[i]].rows;
+        if (!ok && skip_bad) continue;
+        TORCH_CHECK(ok, "dynamicemb: row ", r[i], " of table ", t[i], " is out of range");
         if constexpr (kStreamed) {
           init_row(reinterpret_cast<float*>(R.row<scalar_t>(t[i], r[i])), R.dim[t[i]], R.stride[t[i]], args[t[i]],
                    seed, k[i], buf);
@@ -228,7 +230,7 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
 }
 
 void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
-                   IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+                   IntArrayRef dims, const Tensor& init_params, int64_t seed, bool skip_bad) {
   const Rows R = check_rows(weights, dims);
   check_1d(rows, at::kLong, "rows");
   check_1d(table_ids, at::kLong, "table_ids");
@@ -236,7 +238,8 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
   const int64_t n = rows.numel();
   TORCH_CHECK(table_ids.numel() == n && keys.numel() == n, "dynamicemb: rows, table_ids and keys differ in length");
   init_rows_where(R, init_args(init_params, R.num_tables()), static_cast<uint64_t>(seed),
-                  rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), nullptr, n);
+                  rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), nullptr, n,
+                  skip_bad);
 }
 
 // ---- row order ----------------------------------------------------------------------

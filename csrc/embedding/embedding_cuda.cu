@@ -230,7 +230,7 @@ __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t*
     const int64_t r = rows[i], t = tids[i];
     if (r < 0) continue;
     if (t < 0 || t >= T || r >= tabs[t].rows.rows) {
-      if (lane == 0) flag_min(err, i);
+      if (lane == 0 && err != nullptr) flag_min(err, i);
       continue;
     }
     const TableDev& tab = tabs[t];  // a reference: the init args stay in global memory
@@ -243,7 +243,7 @@ __global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t*
 }
 
 void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_ids, const Tensor& keys,
-                    IntArrayRef dims, const Tensor& init_params, int64_t seed) {
+                    IntArrayRef dims, const Tensor& init_params, int64_t seed, bool skip_bad) {
   const Rows R = check_rows(weights, dims, rows);
   const c10::cuda::CUDAGuard guard(R.device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(R.device.index());
@@ -256,14 +256,16 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
   const auto args = init_args(init_params, T, stream);
   if (n == 0) return;
   const Tensor tabs = upload(table_facts(R, args), R.device, stream);
-  ErrorSlots err(1, R.device, stream);
+  std::optional<ErrorSlots> err;  // none with skip_bad: the kernel skips bad pairs, nothing is read back
+  if (!skip_bad) err.emplace(1, R.device, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows_cuda", [&] {
     init_rows_kernel<scalar_t><<<blocks_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
         device_ptr<TableDev>(tabs), T, rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(),
-        keys.data_ptr<int64_t>(), n, static_cast<uint64_t>(seed), err.ptr());
+        keys.data_ptr<int64_t>(), n, static_cast<uint64_t>(seed), err ? err->ptr() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  const int64_t bad = err.read()[0];
+  if (!err) return;
+  const int64_t bad = err->read()[0];
   if (bad != kNoError) {
     const int64_t r = download(rows.data_ptr<int64_t>() + bad, 1, stream)[0];
     const int64_t t = download(table_ids.data_ptr<int64_t>() + bad, 1, stream)[0];

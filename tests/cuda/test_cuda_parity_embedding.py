@@ -67,6 +67,26 @@ def test_init_rows(dtype):
         same(a, b)
 
 
+def test_init_rows_skip_bad_skips_pairs_out_of_range():
+    # skip_bad: the pairs in range are written as without it, the others (a
+    # row past its table, a table id out of range) are skipped, not raised.
+    gen = torch.Generator().manual_seed(4)
+    dims = [6, 40]
+    weights = setup_rows(gen, dims, [1, 0], torch.float32)
+    rows, tids = torch.tensor([3, 64, 7, 9, 2]), torch.tensor([0, 0, 1, 2, -1])
+    keys = torch.tensor([11, 12, 13, 14, 15])
+    params = init_params([0, 2])
+    with pytest.raises(RuntimeError, match="row 64 of table 0 is out of range"):
+        ops.emb_init_rows([w.clone() for w in weights], rows, tids, keys, dims, params, 7)
+    want = [w.clone() for w in weights]
+    ops.emb_init_rows(want, rows[[0, 2]], tids[[0, 2]], keys[[0, 2]], dims, params, 7)
+    for dev in ("cpu", DEV):
+        got = [w.to(dev) for w in weights]
+        ops.emb_init_rows(got, rows.to(dev), tids.to(dev), keys.to(dev), dims, params, 7, skip_bad=True)
+        for a, b in zip(want, got):
+            same(a, b)
+
+
 def lookup_inputs(gen, feature_table, num_tables, B, dims, dtype, state=None, missing=0.2):
     idx, off = batch(gen, len(feature_table), B, 6, 200)
     ukeys, utids, inverse, counts = ops.emb_unique(idx, off, feature_table, num_tables)
