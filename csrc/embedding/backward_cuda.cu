@@ -108,7 +108,7 @@ struct WarpWalk {
       src.sum(g, d0, D, beg, end, lane);
 #pragma unroll
       for (int k = 0; k < kPerLane; ++k)
-        if (d0 + k * kWarp + lane < D && !isfinite(g[k])) ok = false;
+        if (d0 + k * kWarp + lane < D && !optim::finite(g[k])) ok = false;
     }
     held = D <= kChunk;
     return __all_sync(kFullMask, ok);

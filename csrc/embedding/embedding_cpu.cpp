@@ -412,17 +412,12 @@ struct RowWalk {
   }
 };
 
-// Whether every element of g[0, D) is finite: no exponent field all ones
-// (an integer max, which vectorizes where a float reduction may not).
+// Whether every element of g[0, D) is optim::finite (an integer AND, which
+// vectorizes where a float reduction would not).
 bool all_finite(const float* g, int64_t D) {
-  constexpr uint32_t kExponent = 0x7f800000u;
-  uint32_t top = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    uint32_t b;
-    std::memcpy(&b, g + d, sizeof b);
-    top = std::max(top, b & kExponent);
-  }
-  return top != kExponent;
+  bool ok = true;
+  for (int64_t d = 0; d < D; ++d) ok &= optim::finite(g[d]);
+  return ok;
 }
 
 Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const Tensor& rows,

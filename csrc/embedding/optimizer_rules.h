@@ -17,6 +17,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "common/hd.h"
 
@@ -59,6 +60,15 @@ template <bool kClip>
 DE_HD float clip(float g, const Params& p) {
   if constexpr (kClip) return fminf(fmaxf(g, -p.max_gradient), p.max_gradient);
   return g;
+}
+
+// emb_backward_update's skip_nonfinite: a row takes its update only if every
+// element of its reduced gradient is finite (before clipping), i.e. its
+// exponent field is not all ones: a NaN / inf reached the row, or its sum overflowed.
+DE_HD bool finite(float g) {
+  uint32_t b;
+  memcpy(&b, &g, sizeof b);
+  return (b & 0x7f800000u) != 0x7f800000u;
 }
 
 // ---- the rules ---------------------------------------------------------------------
