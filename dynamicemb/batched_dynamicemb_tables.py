@@ -252,13 +252,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def _report_counts(self, reporter: str, counts: torch.Tensor, step: int, stacklevel: int) -> None:
         """Has the method named `reporter` count `counts` of `step`: at once,
         or (CUDA, no table in ERROR mode) once their copy has landed."""
-        if self._defers_failures(counts):
+        if self._defers_counts(counts):
             self._counts_in_flight.append((reporter, step, HostCopy(counts)))
             self._drain_counts(wait=False, stacklevel=stacklevel)
             return
         getattr(self, reporter)(counts.cpu(), step, stacklevel=stacklevel)
 
-    def _defers_failures(self, counts: torch.Tensor) -> bool:
+    def _defers_counts(self, counts: torch.Tensor) -> bool:
         return counts.device.type == "cuda" and not any(
             o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
 
@@ -325,8 +325,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if not bool(counts.any()):
             return
         self.nonfinite_grads += counts
-        msgs = [f"table {self.table_names[t]!r}: {int(counts[t])} rows got a non-finite (NaN / inf) gradient at "
-                f"optimizer step {optimizer_step}" for t in counts.nonzero().squeeze(1).tolist()
+        msgs = [self._nonfinite_msg(t, counts, optimizer_step) for t in counts.nonzero().squeeze(1).tolist()
                 if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.WARNING]
         if msgs:
             warnings.warn("dynamicemb: " + "; ".join(msgs) + "; their updates were skipped", RuntimeWarning,
@@ -353,20 +352,18 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         bad_u[inverse[bad_index]] = True
         bad_u &= rows >= 0
         counts = torch.bincount(utids[bad_u], minlength=self.num_tables).cpu()
-        msgs = []
+        step = self.optimizer_step + 1
         for t in counts.nonzero().squeeze(1).tolist():
-            msg = (f"table {self.table_names[t]!r}: {int(counts[t])} rows got a non-finite (NaN / inf) gradient at "
-                   f"optimizer step {self.optimizer_step + 1}")
             if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.ERROR:
                 self.nonfinite_grads += counts
                 self.storage.batch_done()
-                raise FloatingPointError(f"dynamicemb: {msg}; no row was updated")
-            if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.WARNING:
-                msgs.append(msg)
-        self.nonfinite_grads += counts
-        if msgs:
-            warnings.warn("dynamicemb: " + "; ".join(msgs) + "; their updates were skipped", RuntimeWarning)
+                raise FloatingPointError(f"dynamicemb: {self._nonfinite_msg(t, counts, step)}; no row was updated")
+        self._count_nonfinite(counts, step, stacklevel=5)
         return torch.where(bad_u, torch.full_like(rows, -1), rows)
+
+    def _nonfinite_msg(self, t: int, counts: torch.Tensor, optimizer_step: int) -> str:
+        return (f"table {self.table_names[t]!r}: {int(counts[t])} rows got a non-finite (NaN / inf) gradient at "
+                f"optimizer step {optimizer_step}")
 
     def _per_sample_weights_grad(self, grad_output, rows, ukeys, inverse, offsets) -> torch.Tensor:
         """d loss / d per_sample_weights[i]: the row of index i (stored or

@@ -46,7 +46,7 @@ def test_failure_counts_that_land_later_warn_naming_their_step(monkeypatch):
     step they happened in. Modelled on the CPU by holding every copy back."""
     from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
     from dynamicemb.host_copy import HostCopy
-    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_failures", lambda self, failed: True)
+    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_counts", lambda self, failed: True)
     held = [True]
     monkeypatch.setattr(HostCopy, "landed", lambda self: not held[0])
     m = _tiny(DynamicEmbCheckMode.WARNING, "cpu")

@@ -173,7 +173,7 @@ def test_nonfinite_counts_that_land_later_warn_naming_their_step(monkeypatch):
     optimizer step. Modelled on the CPU by holding every copy back."""
     from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
     from dynamicemb.host_copy import HostCopy
-    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_failures", lambda self, counts: True)
+    monkeypatch.setattr(BatchedDynamicEmbeddingTables, "_defers_counts", lambda self, counts: True)
     monkeypatch.setattr(HostCopy, "landed", lambda self: False)
     m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.WARNING)
     with warnings.catch_warnings():
