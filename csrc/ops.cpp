@@ -53,9 +53,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   // The clock of the clock-scored strategies (TIMESTAMP, NO_EVICTION, the
   // pair's access time) on the device of `like`: [1] int64 ns.
   m.def("table_clock(Tensor like) -> Tensor");
-  // Asks for 2 MiB pages behind a large CPU tensor not yet touched
-  // (common/huge_pages_cpu.h); returns whether the kernel took the advice.
-  m.def("advise_huge_pages(Tensor t) -> bool");
+  // An uninitialised CPU tensor that the kernel backs with 2 MiB pages where
+  // it offers them (from 4 MiB on: a fresh aligned mapping, common/huge_pages_cpu.h).
+  m.def("empty_huge(int[] size, ScalarType dtype) -> Tensor");
   // A backing store's rows at positions its key index gave (tiers/): out[i] =
   // store[positions[i]], store[positions[i]] = rows[i] (distinct positions).
   // positions: int64 on the CPU; the store on the device of out / rows or,

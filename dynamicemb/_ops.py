@@ -107,9 +107,9 @@ def _table_clock_fake(like):
     return like.new_empty(1, dtype=torch.int64)
 
 
-@torch.library.register_fake(_lib + "advise_huge_pages")
-def _advise_huge_pages_fake(t):
-    return False
+@torch.library.register_fake(_lib + "empty_huge")
+def _empty_huge_fake(size, dtype):
+    return torch.empty(size, dtype=dtype)
 
 
 @torch.library.register_fake(_lib + "table_rehash")

@@ -21,11 +21,10 @@ def full(shape: Union[int, Sequence[int]], value, dtype: torch.dtype, device: to
     """torch.full, with a large CPU array backed by 2 MiB pages where the
     kernel offers them (csrc/common/huge_pages_cpu.h): asked for before the
     fill first touches the pages."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     if torch.device(device).type != "cpu":
-        return torch.full(shape if isinstance(shape, (tuple, list)) else (shape,), value, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype)
-    ops.advise_huge_pages(t)
-    return t.fill_(value)
+        return torch.full(shape, value, dtype=dtype, device=device)
+    return ops.empty_huge(shape, dtype).fill_(value)
 
 
 def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

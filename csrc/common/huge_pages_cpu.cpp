@@ -1,6 +1,8 @@
 #include "common/huge_pages_cpu.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -32,20 +34,34 @@ bool advise_huge_pages(void* p, size_t bytes) {
 }
 
 at::Tensor empty_huge(at::IntArrayRef sizes, at::ScalarType dtype) {
-  at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
-  advise_huge_pages(t.data_ptr(), t.nbytes());
-  return t;
+  const auto options = at::TensorOptions().dtype(dtype);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  if (bytes >= kAdviseFrom) {
+    // A fresh mapping, 2 MiB-aligned and advised before its first touch.
+    // at::empty's block may come from the heap with its pages already there
+    // (they stay small), or end in partial 2 MiB ranges: measured on served
+    // int8 tables of ~11 MiB each, their lookups took 10-25% longer.
+    const size_t span = (bytes + kHugePage - 1) & ~(kHugePage - 1);
+    void* raw = mmap(nullptr, span + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw != MAP_FAILED) {
+      const uintptr_t r = reinterpret_cast<uintptr_t>(raw), b = (r + kHugePage - 1) & ~(kHugePage - 1);
+      if (b > r) munmap(raw, b - r);
+      if (r + kHugePage > b) munmap(reinterpret_cast<void*>(b + span), r + kHugePage - b);
+      madvise(reinterpret_cast<void*>(b), span, MADV_HUGEPAGE);
+      return at::from_blob(
+          reinterpret_cast<void*>(b), sizes, [span](void* p) { munmap(p, span); }, options);
+    }
+  }
+#endif
+  return at::empty(sizes, options);  // small, or no mapping: ordinary memory
 }
 
 namespace {
-bool advise_huge_pages_op(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
-              "dynamicemb: advise_huge_pages takes a contiguous CPU tensor");
-  return advise_huge_pages(t.data_ptr(), t.nbytes());
-}
+at::Tensor empty_huge_op(at::IntArrayRef sizes, at::ScalarType dtype) { return empty_huge(sizes, dtype); }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) { m.impl("advise_huge_pages", &advise_huge_pages_op); }
+TORCH_LIBRARY_IMPL(dynamicemb, CompositeExplicitAutograd, m) { m.impl("empty_huge", &empty_huge_op); }
 
 }  // namespace cpu
 }  // namespace dynamicemb

@@ -17,7 +17,9 @@ namespace cpu {
 // small). A hint: returns whether the kernel took it.
 bool advise_huge_pages(void* p, size_t bytes);
 
-// at::empty of a CPU tensor with that advice taken (its pages untouched).
+// An uninitialised CPU tensor; from 4 MiB on, in a fresh 2 MiB-aligned
+// mapping of its own with that advice taken (its pages untouched), freed
+// with the tensor. Its storage cannot be resized.
 at::Tensor empty_huge(at::IntArrayRef sizes, at::ScalarType dtype);
 
 }  // namespace cpu

@@ -15,9 +15,40 @@ def test_zeros_are_zeros_of_the_shape_and_dtype(shape, dtype):
     assert torch.equal(t, want)
 
 
-def test_advice_is_only_taken_for_large_tensors_and_refuses_strided_ones():
-    assert ops.advise_huge_pages(torch.empty(1024)) is False  # below 4 MiB: not worth a 2 MiB page
-    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
-        ops.advise_huge_pages(torch.empty(64, 64).t())
-    # Whether the kernel takes the advice depends on its configuration; the call must not fail.
-    assert isinstance(ops.advise_huge_pages(torch.empty(1 << 22)), bool)
+def _mapping_of(ptr):
+    """The (start, end) of the /proc/self/maps entry holding address ptr, or None."""
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= ptr < hi:
+            return lo, hi
+    return None
+
+
+def test_large_arrays_get_a_2mib_aligned_mapping_of_their_own():
+    # From 4 MiB on: a fresh mapping, 2 MiB-aligned (so 2 MiB pages can back
+    # all of it), that lives as long as the tensor (or a view of it) and is
+    # unmapped with it.
+    small = ops.empty_huge([1024], torch.float32)
+    assert small.shape == (1024,) and small.dtype == torch.float32
+    big = ops.empty_huge([3, 1 << 20], torch.int16)  # 6 MiB
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.int16 and big.is_contiguous()
+    ptr = big.data_ptr()
+    assert ptr % (1 << 21) == 0
+    lo, hi = _mapping_of(ptr)
+    assert lo <= ptr and ptr + (6 << 20) <= hi
+    big.fill_(7)
+    view, copy = big[1], big.clone()
+    del big
+    assert torch.equal(view, torch.full((1 << 20,), 7, dtype=torch.int16))  # the view kept the mapping
+    del view
+    assert _mapping_of(ptr) != (lo, hi), "the array's mapping outlived it"
+    assert torch.equal(copy, torch.full((3, 1 << 20), 7, dtype=torch.int16))
+
+
+def test_large_arrays_pickle_and_copy_as_ordinary_tensors(tmp_path):
+    t = memory.full((1 << 20, 2), -1, torch.int64, torch.device("cpu"))  # 16 MiB
+    torch.save({"t": t}, tmp_path / "t.pt")
+    back = torch.load(tmp_path / "t.pt")["t"]
+    assert torch.equal(back, t) and torch.equal(t.clone(), t)
+    import copy
+    assert torch.equal(copy.deepcopy(t), t)
