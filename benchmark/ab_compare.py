@@ -28,6 +28,7 @@ SETTINGS = {
     "torchrec": ["--rows-per-table", str(1 << 18), "--batch", "1024", "--steps", "6", "--warmup", "2",
                  "--rounds", "1", "--models", "dynamic"],
     "tiers": ["--quick"],
+    "inference": ["--repeats", "20", "--no-cpp"],
 }
 
 
@@ -54,8 +55,14 @@ def _tiers(k) -> Dict[str, float]:
     return out
 
 
+def _inference(k) -> Dict[str, float]:
+    # Each case's rate against TorchRec's quantized EBC measured in the same run (the bench's own ratio).
+    return {f"{name} vs torchrec int8 (rate)": c["vs_torchrec_int8"] for name, c in k["cases"].items()
+            if "cold" not in name and "torchrec" not in name}
+
+
 HEADLINES: Dict[str, Callable[[dict], Dict[str, float]]] = {
-    "table": _table, "embedding": _embedding, "torchrec": _torchrec, "tiers": _tiers}
+    "table": _table, "embedding": _embedding, "torchrec": _torchrec, "tiers": _tiers, "inference": _inference}
 
 
 def run_once(checkout: str, name: str, python: str) -> Dict[str, float]:

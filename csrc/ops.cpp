@@ -54,8 +54,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   // pair's access time) on the device of `like`: [1] int64 ns.
   m.def("table_clock(Tensor like) -> Tensor");
   // An uninitialised CPU tensor that the kernel backs with 2 MiB pages where
-  // it offers them (from 4 MiB on: a fresh aligned mapping, common/huge_pages_cpu.h).
-  m.def("empty_huge(int[] size, ScalarType dtype) -> Tensor");
+  // it offers them, from 4 MiB on; own_mapping: in a fresh aligned mapping of
+  // its own (common/huge_pages_cpu.h: empty_huge, empty_mapped).
+  m.def("empty_huge(int[] size, ScalarType dtype, bool own_mapping=False) -> Tensor");
   // A backing store's rows at positions its key index gave (tiers/): out[i] =
   // store[positions[i]], store[positions[i]] = rows[i] (distinct positions).
   // positions: int64 on the CPU; the store on the device of out / rows or,

@@ -108,7 +108,7 @@ def _table_clock_fake(like):
 
 
 @torch.library.register_fake(_lib + "empty_huge")
-def _empty_huge_fake(size, dtype):
+def _empty_huge_fake(size, dtype, own_mapping=False):
     return torch.empty(size, dtype=dtype)
 
 

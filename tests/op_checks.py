@@ -36,6 +36,7 @@ TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "t
 # where an input requires grad, which none of our ops' inputs do.)
 NO_AOT = {
     "table_clock": "reads a clock: eager and traced runs give different values by design",
+    "empty_huge": "returns uninitialised memory (as torch.empty): its values differ from run to run by design",
 }
 # Integer arguments that pick a code path: a new value is a new kind of call.
 MODE_ARGS = {"strategy", "pooling", "optimizer", "weight_decay_mode", "rule", "rules", "output_dtype"}

@@ -5,6 +5,7 @@
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 
 #if defined(__linux__)
@@ -18,48 +19,63 @@ namespace {
 constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
 // Below this an array is cheap to reach through 4 KiB pages anyway.
 constexpr size_t kAdviseFrom = size_t{4} << 20;
-}  // namespace
 
-bool advise_huge_pages(void* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes < kAdviseFrom) return false;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
-  return e > b && madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE) == 0;
-#else
-  (void)p;
-  (void)bytes;
-  return false;
-#endif
+size_t nbytes(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
 }
 
+// The next mapped array's offset in its mapping: a different 64-byte line
+// in the first 128 KiB for each. Arrays of the same shape (the tables of a
+// model) would otherwise all start 2 MiB-aligned, so that the rows of one
+// key, often at the same row in every table, would share their L2 sets.
+size_t next_color() {
+  static std::atomic<uint64_t> count{0};
+  constexpr uint64_t kLines = (uint64_t{128} << 10) / 64;
+  return static_cast<size_t>((count.fetch_add(1, std::memory_order_relaxed) * 37) % kLines) * 64;
+}
+
+at::Tensor empty_huge_op(at::IntArrayRef sizes, at::ScalarType dtype, bool own_mapping) {
+  return own_mapping ? empty_mapped(sizes, dtype) : empty_huge(sizes, dtype);
+}
+}  // namespace
+
 at::Tensor empty_huge(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const auto options = at::TensorOptions().dtype(dtype);
+  at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * c10::elementSize(dtype);
+  const size_t bytes = t.nbytes();
   if (bytes >= kAdviseFrom) {
-    // A fresh mapping, 2 MiB-aligned and advised before its first touch.
-    // at::empty's block may come from the heap with its pages already there
-    // (they stay small), or end in partial 2 MiB ranges: measured on served
-    // int8 tables of ~11 MiB each, their lookups took 10-25% longer.
-    const size_t span = (bytes + kHugePage - 1) & ~(kHugePage - 1);
-    void* raw = mmap(nullptr, span + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t b = (p + kHugePage - 1) & ~(kHugePage - 1), e = (p + bytes) & ~(kHugePage - 1);
+    if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+  }
+#endif
+  return t;
+}
+
+at::Tensor empty_mapped(at::IntArrayRef sizes, at::ScalarType dtype) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = nbytes(sizes, dtype);
+  if (bytes >= kAdviseFrom) {
+    // 2 MiB-aligned, advised before its first touch; the array starts a few
+    // lines in (next_color). Its last partial 2 MiB page is taken whole when
+    // that adds at most an eighth to the array, else it stays on small pages.
+    const size_t color = next_color(), used = color + bytes;
+    const size_t whole = (used + kHugePage - 1) & ~(kHugePage - 1);
+    const size_t advised = whole - used <= bytes / 8 ? whole : used & ~(kHugePage - 1);
+    void* raw = mmap(nullptr, whole + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw != MAP_FAILED) {
       const uintptr_t r = reinterpret_cast<uintptr_t>(raw), b = (r + kHugePage - 1) & ~(kHugePage - 1);
       if (b > r) munmap(raw, b - r);
-      if (r + kHugePage > b) munmap(reinterpret_cast<void*>(b + span), r + kHugePage - b);
-      madvise(reinterpret_cast<void*>(b), span, MADV_HUGEPAGE);
+      if (r + kHugePage > b) munmap(reinterpret_cast<void*>(b + whole), r + kHugePage - b);
+      if (advised > 0) madvise(reinterpret_cast<void*>(b), advised, MADV_HUGEPAGE);
       return at::from_blob(
-          reinterpret_cast<void*>(b), sizes, [span](void* p) { munmap(p, span); }, options);
+          reinterpret_cast<void*>(b + color), sizes, [b, whole](void*) { munmap(reinterpret_cast<void*>(b), whole); },
+          at::TensorOptions().dtype(dtype));
     }
   }
 #endif
-  return at::empty(sizes, options);  // small, or no mapping: ordinary memory
+  return empty_huge(sizes, dtype);  // small, or no mapping
 }
-
-namespace {
-at::Tensor empty_huge_op(at::IntArrayRef sizes, at::ScalarType dtype) { return empty_huge(sizes, dtype); }
-}  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CompositeExplicitAutograd, m) { m.impl("empty_huge", &empty_huge_op); }
 

@@ -25,6 +25,7 @@ from typing import Dict, List
 
 import torch
 
+from dynamicemb import memory
 from dynamicemb.inference import hot_cache
 from dynamicemb.inference.quantize import value_dtype
 
@@ -115,15 +116,15 @@ def map_file(path: str, tensors: Dict[str, tuple], device: torch.device) -> Dict
 
 
 def read_file(path: str, tensors: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
-    """The file's tensors read into memory."""
+    """The file's tensors read into memory (each in a mapping of its own, as a built table's)."""
     out = {}
     with open(path, "rb") as f:
         for k, (dtype, shape, b, e) in tensors.items():
             f.seek(b)
-            buf = bytearray(e - b)
-            f.readinto(buf)
-            out[k] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape) if e > b \
-                else torch.zeros(shape, dtype=dtype)
+            t = memory.full(shape, 0, dtype, torch.device("cpu"), own_mapping=True)
+            if e > b:
+                f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            out[k] = t
     return out
 
 

@@ -145,8 +145,9 @@ class InferenceEmbeddingTable(nn.Module):
                 raise TypeError(f"table {t.name!r}: keys must be int64 (got {t.keys.dtype}) and values floating "
                                 f"(got {t.values.dtype})")
         ht = pack_keys(tables, bucket_capacity, load_factor, device)
-        self.register_buffer("slot_keys", ht.slot_keys)
-        self.register_buffer("slot_digests", ht.slot_digests)
+        # Read at random by every lookup, never resized: each in a mapping of its own (memory.full).
+        self.register_buffer("slot_keys", memory.in_own_mapping(ht.slot_keys))
+        self.register_buffer("slot_digests", memory.in_own_mapping(ht.slot_digests))
         self.register_buffer("table_buckets", ht.table_buckets)
         self.register_buffer("eval_init_params", torch.tensor([t.eval_init for t in tables], dtype=torch.float64))
         for i, t in enumerate(tables):
@@ -156,8 +157,9 @@ class InferenceEmbeddingTable(nn.Module):
         begin, end = ht.table_slot_range(i)
         slots, _ = ht.lookup(t.keys.to(device=device, dtype=torch.int64), torch.full_like(t.keys, i, device=device,
                                                                                           dtype=torch.int64))
-        # Rows read at random: on 2 MiB pages where the kernel offers them (memory.zeros).
-        rows = memory.zeros((end - begin, storage_width(t.dim, self.value_dtype)), self.value_dtype, device)
+        # Rows read at random: on 2 MiB pages where the kernel offers them, in a mapping of their own.
+        rows = memory.zeros((end - begin, storage_width(t.dim, self.value_dtype)), self.value_dtype, device,
+                            own_mapping=True)
         rows[slots - begin] = to_storage(t.values.to(device), self.value_dtype)
         return rows
 

@@ -15,38 +15,38 @@ def test_zeros_are_zeros_of_the_shape_and_dtype(shape, dtype):
     assert torch.equal(t, want)
 
 
-def _mapping_of(ptr):
-    """The (start, end) of the /proc/self/maps entry holding address ptr, or None."""
-    for line in open("/proc/self/maps"):
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        if lo <= ptr < hi:
-            return lo, hi
-    return None
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
 
 
 def test_large_arrays_get_a_2mib_aligned_mapping_of_their_own():
-    # From 4 MiB on: a fresh mapping, 2 MiB-aligned (so 2 MiB pages can back
-    # all of it), that lives as long as the tensor (or a view of it) and is
-    # unmapped with it.
-    small = ops.empty_huge([1024], torch.float32)
+    # From 4 MiB on: a fresh 2 MiB-aligned mapping (so 2 MiB pages can back
+    # all of it), the array a few 64-byte lines in (a different offset for
+    # each array), that lives as long as the tensor or a view of it.
+    small = ops.empty_huge([1024], torch.float32, True)
     assert small.shape == (1024,) and small.dtype == torch.float32
-    big = ops.empty_huge([3, 1 << 20], torch.int16)  # 6 MiB
-    assert big.shape == (3, 1 << 20) and big.dtype == torch.int16 and big.is_contiguous()
-    ptr = big.data_ptr()
-    assert ptr % (1 << 21) == 0
-    lo, hi = _mapping_of(ptr)
-    assert lo <= ptr and ptr + (6 << 20) <= hi
+    arrays = [ops.empty_huge([3, 1 << 20], torch.int16, True) for _ in range(3)]  # 6 MiB each
+    for a in arrays:
+        assert a.shape == (3, 1 << 20) and a.dtype == torch.int16 and a.is_contiguous()
+    offsets = [a.data_ptr() % (1 << 21) for a in arrays]
+    assert all(o % 64 == 0 and o < (128 << 10) for o in offsets) and len(set(offsets)) == 3
+    big = ops.empty_huge([8 << 20], torch.int64, True)  # 64 MiB
+    before = _rss_mib()
     big.fill_(7)
-    view, copy = big[1], big.clone()
+    assert _rss_mib() - before > 60
+    view, copy = big[1 << 20:], big[:16].clone()
     del big
-    assert torch.equal(view, torch.full((1 << 20,), 7, dtype=torch.int16))  # the view kept the mapping
+    assert bool((view == 7).all())  # the view kept the mapping
+    filled = _rss_mib()
     del view
-    assert _mapping_of(ptr) != (lo, hi), "the array's mapping outlived it"
-    assert torch.equal(copy, torch.full((3, 1 << 20), 7, dtype=torch.int16))
+    assert filled - _rss_mib() > 60  # gone with the last view
+    assert torch.equal(copy, torch.full((16,), 7, dtype=torch.int64))
 
 
-def test_large_arrays_pickle_and_copy_as_ordinary_tensors(tmp_path):
-    t = memory.full((1 << 20, 2), -1, torch.int64, torch.device("cpu"))  # 16 MiB
+@pytest.mark.parametrize("own_mapping", [False, True])
+def test_large_arrays_pickle_and_copy_as_ordinary_tensors(tmp_path, own_mapping):
+    t = memory.full((1 << 20, 2), -1, torch.int64, torch.device("cpu"), own_mapping)  # 16 MiB
     torch.save({"t": t}, tmp_path / "t.pt")
     back = torch.load(tmp_path / "t.pt")["t"]
     assert torch.equal(back, t) and torch.equal(t.clone(), t)
