@@ -412,14 +412,6 @@ struct RowWalk {
   }
 };
 
-// Whether every element of g[0, D) is optim::finite (an integer AND, which
-// vectorizes where a float reduction would not).
-bool all_finite(const float* g, int64_t D) {
-  bool ok = true;
-  for (int64_t d = 0; d < D; ++d) ok &= optim::finite(g[d]);
-  return ok;
-}
-
 Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const Tensor& rows,
                            const Tensor& unique_table_ids, const Tensor& inverse, const Tensor& offsets,
                            IntArrayRef feature_table, IntArrayRef dims,

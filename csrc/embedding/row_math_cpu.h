@@ -106,6 +106,25 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
   }
 }
 
+// Whether every element of g[0, D) is optim::finite (backward_update_cpu), in vectors: x - x is
+// exactly 0 for a finite x and NaN for an inf or a NaN, so the lanes' sums
+// of those stay 0 only if every element is finite (an element-by-element
+// test of the exponent cost the backward 40% more time).
+DE_ROW_CLONES static bool all_finite(const float* g, int64_t D) {
+  using rows_detail::f32x8;
+  f32x8 z = {};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    f32x8 v;
+    std::memcpy(&v, g + d, sizeof v);
+    z += v - v;
+  }
+  float s = 0.0f;
+  for (; d < D; ++d) s += g[d] - g[d];
+  for (int k = 0; k < 8; ++k) s += z[k];
+  return s == 0.0f;
+}
+
 // sum_rows over uint8 rows (add_scaled's dequantization: q * scale + bias,
 // then scaled by s_l and added): the sums of add_scaled from a zeroed acc,
 // bit for bit, kept in registers 64 (then 16) columns at a time.
