@@ -17,17 +17,23 @@ def table_bytes(slots: int, row_bytes: int) -> int:
     return slots * (row_bytes + TABLE_BYTES_PER_SLOT)
 
 
-def full(shape: Union[int, Sequence[int]], value, dtype: torch.dtype, device: torch.device,
-         own_mapping: bool = False) -> torch.Tensor:
-    """torch.full, with a large CPU array backed by 2 MiB pages where the
-    kernel offers them (csrc/common/huge_pages_cpu.h): asked for before the
-    fill first touches the pages. own_mapping: in a fresh 2 MiB-aligned
-    mapping of its own, which 2 MiB pages can back whole (served tables:
-    read at random, never resized)."""
+def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device,
+          own_mapping: bool = False) -> torch.Tensor:
+    """torch.empty, with a large CPU array backed by 2 MiB pages where the
+    kernel offers them (csrc/common/huge_pages_cpu.h): asked for before its
+    pages are first touched. own_mapping: in a fresh 2 MiB-aligned mapping
+    of its own, which 2 MiB pages can back whole (served tables: read at
+    random, never resized)."""
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     if torch.device(device).type != "cpu":
-        return torch.full(shape, value, dtype=dtype, device=device)
-    return ops.empty_huge(shape, dtype, own_mapping).fill_(value)
+        return torch.empty(shape, dtype=dtype, device=device)
+    return ops.empty_huge(shape, dtype, own_mapping)
+
+
+def full(shape: Union[int, Sequence[int]], value, dtype: torch.dtype, device: torch.device,
+         own_mapping: bool = False) -> torch.Tensor:
+    """empty(...) filled with value."""
+    return empty(shape, dtype, device, own_mapping).fill_(value)
 
 
 def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.device,
@@ -37,10 +43,10 @@ def zeros(shape: Union[int, Sequence[int]], dtype: torch.dtype, device: torch.de
 
 
 def in_own_mapping(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor's copy in a mapping of its own (full's own_mapping); other devices' as they are."""
+    """A CPU tensor's copy in a mapping of its own (empty's own_mapping); other devices' as they are."""
     if t.device.type != "cpu":
         return t
-    return ops.empty_huge(tuple(t.shape), t.dtype, True).copy_(t)
+    return empty(t.shape, t.dtype, t.device, own_mapping=True).copy_(t)
 
 
 # ---- memory budgets (DynamicEmbTableOptions.memory_budget) -----------------------------------

@@ -18,7 +18,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>

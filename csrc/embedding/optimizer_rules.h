@@ -17,7 +17,6 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "common/hd.h"
 
@@ -63,13 +62,10 @@ DE_HD float clip(float g, const Params& p) {
 }
 
 // emb_backward_update's skip_nonfinite: a row takes its update only if every
-// element of its reduced gradient is finite (before clipping), i.e. its
-// exponent field is not all ones: a NaN / inf reached the row, or its sum overflowed.
-DE_HD bool finite(float g) {
-  uint32_t b;
-  memcpy(&b, &g, sizeof b);
-  return (b & 0x7f800000u) != 0x7f800000u;
-}
+// element of its reduced gradient is finite (before clipping); else a NaN /
+// inf reached the row, or its sum overflowed. g - g is exactly 0 for a
+// finite g and NaN for an inf or a NaN (the CPU sums it in vectors).
+DE_HD bool finite(float g) { return g - g == 0.0f; }
 
 // ---- the rules ---------------------------------------------------------------------
 // kCode: the kernel code, which checkpoints record (never reuse one). kName,

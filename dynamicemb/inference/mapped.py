@@ -121,7 +121,7 @@ def read_file(path: str, tensors: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         for k, (dtype, shape, b, e) in tensors.items():
             f.seek(b)
-            t = memory.full(shape, 0, dtype, torch.device("cpu"), own_mapping=True)
+            t = memory.empty(shape, dtype, torch.device("cpu"), own_mapping=True)
             if e > b:
                 f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
             out[k] = t
