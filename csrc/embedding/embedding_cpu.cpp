@@ -193,6 +193,41 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
   stream_floats(row, buf.data(), stride);
 }
 
+// UNIFORM float32 rows that stream_uniform_row can write, taken two at a time
+// (init::stream_uniform_rows2: one row's rounds fill the other's latency).
+class UniformPairs {
+ public:
+  // Whether the row is taken (written now or with the next one taken).
+  bool add(float* row, int64_t dim, int64_t stride, const init::Args& a, int64_t key, uint64_t seed) {
+    const double span = a.upper - a.lower;
+    if (a.mode != init::kUniform || init::state_value(a) != 0.0f || !init::uniform_streamable(row, dim, stride, span))
+      return false;
+    const init::UniformRow r{row, a.stream, key, a.lower, span};
+    if (held_ && dim == dim_ && stride == stride_) {
+      init::stream_uniform_rows2(first_, r, dim, stride, seed);
+      held_ = false;
+      return true;
+    }
+    flush(seed);
+    first_ = r;
+    dim_ = dim;
+    stride_ = stride;
+    held_ = true;
+    return true;
+  }
+  // Writes a row still held.
+  void flush(uint64_t seed) {
+    if (held_) init::stream_uniform_row(first_.row, dim_, stride_, seed, first_.table, first_.key, first_.lower,
+                                        first_.span);
+    held_ = false;
+  }
+
+ private:
+  init::UniformRow first_{};
+  int64_t dim_ = 0, stride_ = 0;
+  bool held_ = false;
+};
+
 // The initial values and fresh optimizer state of row r[i] of table t[i] for
 // key k[i], for every i in [0, n) with r[i] >= 0 and (no mask or mask[i]); a
 // pair out of range raises, or with skip_bad is skipped.
@@ -204,6 +239,7 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
     auto wanted = [&](int64_t i) { return r[i] >= 0 && (mask == nullptr || mask[i]); };
     cpu::parallel_ranges(n, 256, [&](int64_t b, int64_t e) {
       thread_local std::vector<float> buf;
+      UniformPairs pairs;
       constexpr int64_t kAhead = 8;  // the rows are scattered: fetch them for writing ahead
       for (int64_t i = b; i < e; ++i) {
         const int64_t a = i + kAhead;
@@ -217,13 +253,18 @@ void init_rows_where(const Rows& R, const std::vector<init::Args>& args, uint64_
         if (!ok && skip_bad) continue;
         TORCH_CHECK(ok, "dynamicemb: row ", r[i], " of table ", t[i], " is out of range");
         if constexpr (kStreamed) {
-          init_row(reinterpret_cast<float*>(R.row<scalar_t>(t[i], r[i])), R.dim[t[i]], R.stride[t[i]], args[t[i]],
-                   seed, k[i], buf);
+          float* row = reinterpret_cast<float*>(R.row<scalar_t>(t[i], r[i]));
+          const init::Args& a = args[t[i]];
+          if (!pairs.add(row, R.dim[t[i]], R.stride[t[i]], a, k[i], seed))
+            init_row(row, R.dim[t[i]], R.stride[t[i]], a, seed, k[i], buf);
         } else {
           init_row(R.row<scalar_t>(t[i], r[i]), R.dim[t[i]], R.stride[t[i]], args[t[i]], seed, k[i]);
         }
       }
-      if (kStreamed) stream_fence();
+      if (kStreamed) {
+        pairs.flush(seed);
+        stream_fence();
+      }
     });
   });
 }

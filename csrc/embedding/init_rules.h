@@ -95,13 +95,27 @@ bool philox4_x16(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint
 // table, key), in order (philox_cpu.cpp: transposed in registers with AVX2).
 void outputs64(uint64_t seed, int64_t table, int64_t key, uint64_t first, uint32_t out[64]);
 
+// Host: whether stream_uniform_row writes this row: AVX2, dim % 64 == 0,
+// stride % 8 == 0, the row 32-byte aligned, and span * 2^-32 exact.
+bool uniform_streamable(const float* row, int64_t dim, int64_t stride, double span);
+
 // Host: row[0, dim) = UNIFORM's values (uniform_value, bit for bit) of the
 // stream of (seed, table, key) and row[dim, stride) = 0, by non-temporal
 // stores straight from vector registers (philox_cpu.cpp); false (nothing
-// written) without AVX2, or unless dim % 64 == 0, stride % 8 == 0 and the row
-// is 32-byte aligned.
+// written) unless uniform_streamable.
 bool stream_uniform_row(float* row, int64_t dim, int64_t stride, uint64_t seed, int64_t table, int64_t key,
                         double lower, double span);
+
+// Host: stream_uniform_row of two uniform_streamable rows of the same dim and
+// stride, (table, key, lower, span) each their own. With AVX-512 their rounds
+// run interleaved: one row's rounds wait on their multiplies' latency, two
+// rows' fill it (about 30% less time per row).
+struct UniformRow {
+  float* row;
+  int64_t table, key;
+  double lower, span;
+};
+void stream_uniform_rows2(const UniformRow& a, const UniformRow& b, int64_t dim, int64_t stride, uint64_t seed);
 #endif
 
 // fn(b, o) for the Philox blocks b in [0, blocks) of the stream of (seed,

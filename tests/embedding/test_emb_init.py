@@ -178,6 +178,35 @@ def test_initial_rows_match_a_python_philox_model(mode, dim):
     assert bool((w[:, dim:] == 0).all())  # the optimizer state starts at zero
 
 
+@pytest.mark.parametrize("dims,state", [((64, 64), 0), ((64, 128), 0), ((128, 64), 8), ((64, 64), 5)])
+def test_streamed_initial_rows_match_a_python_philox_model(dims, state):
+    """float32 UNIFORM rows in the layout the init streams out of registers
+    (dim a multiple of 64, stride of 8; two rows at a time with AVX-512),
+    the tables' rows interleaved so that pairs mix tables, bounds and dims,
+    an odd count left over; against the Python Philox, bit for bit, with the
+    optimizer state zeroed. state 5 (stride not a multiple of 8) takes the
+    buffered path."""
+    from dynamicemb._ops import ops
+
+    keys = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345, -987654321, 42, 7]
+    seed, streams, bounds = 0x0FED_CBA9_8765_4321, (3, 11), ((-0.3, 0.7), (-0.05, 0.05))
+    params = torch.tensor([DynamicEmbInitializerArgs(mode=Mode.UNIFORM, lower=lo, upper=hi).packed(1000, st)
+                           for (lo, hi), st in zip(bounds, streams)], dtype=torch.float64)
+    n = len(keys)
+    weights = [torch.full((n, d + state), 7.0) for d in dims]
+    tids = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0])
+    rows = torch.tensor([4, 0, 8, 1, 3, 7, 2, 5, 0])
+    ops.emb_init_rows(weights, rows, tids, torch.tensor(keys), list(dims), params, seed)
+    for t in range(2):
+        sel = (tids == t).nonzero().squeeze(1)
+        want = _reference_rows("UNIFORM", [keys[i] for i in sel], dims[t], seed, streams[t], *bounds[t], 0.0, 1.0)
+        assert torch.equal(weights[t][rows[sel], :dims[t]], want)
+        assert bool((weights[t][rows[sel], dims[t]:] == 0).all())
+        untouched = torch.ones(n, dtype=torch.bool)
+        untouched[rows[sel]] = False
+        assert bool((weights[t][untouched] == 7.0).all())
+
+
 @pytest.mark.parametrize("dim", [1, 3, 4, 63, 64, 65, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_stored_initial_rows_match_the_scalar_rule(dim, dtype):
