@@ -286,12 +286,16 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
 
 // Positions 0..n-1 of (table, row) pairs in the order of their rows'
 // addresses, to within blocks: the tables' rows laid end to end and cut into
-// about n / 16 blocks, input order kept within a block. Rows written at random
+// about n / 2 blocks, input order kept within a block. Rows written at random
 // over tables larger than the caches cost about half as much in this order
 // (neighbours share pages and DRAM rows; measured on the torchrec benchmark's
 // tables: new rows' init 34 -> 21 ms, the backward's updates 50 -> 30 ms).
+// Blocks of a few rows rather than n / 16 blocks: the partition costs 0.1-0.2
+// ms more a step of 113K keys in 4M rows, the step 11% less with half the keys
+// new (init and backward: rows in finer order), 6-11% less with all stored.
 // Pairs that name no row (or a bad one) come first.
 constexpr int64_t kRowOrderFrom = 4096;  // pairs; fewer: input order
+constexpr int64_t kRowOrderPairsPerBlock = 2;  // blocks: about n / this
 
 template <class RowOf>
 cpu::StablePartition row_order(const Rows& R, RowOf row_of, const int64_t* t, int64_t n) {
@@ -299,7 +303,7 @@ cpu::StablePartition row_order(const Rows& R, RowOf row_of, const int64_t* t, in
   std::vector<int64_t> base(T + 1, 0);
   for (int64_t k = 0; k < T; ++k) base[k + 1] = base[k] + R.parts[k].rows;
   int shift = 0;
-  while ((base[T] >> shift) > std::max<int64_t>(1, n / 16)) ++shift;
+  while ((base[T] >> shift) > std::max<int64_t>(1, n / kRowOrderPairsPerBlock)) ++shift;
   return cpu::StablePartition(n, n < kRowOrderFrom ? 1 : (base[T] >> shift) + 2, [&](int64_t i) -> int64_t {
     const int64_t r = row_of(i);
     return (0 <= t[i] && t[i] < T && 0 <= r && r < base[t[i] + 1] - base[t[i]]) ? ((base[t[i]] + r) >> shift) + 1

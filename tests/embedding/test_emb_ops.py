@@ -106,12 +106,13 @@ def test_row_order_sorts_by_row_within_blocks():
     r, t = rows[order], utids[order]
     # Keys without a row first, then rows in address order (tables end to
     # end) to within blocks of 2**s rows, the fewest that cut the rows into
-    # at most U / 16 blocks; input order within a block.
+    # at most U / 2 blocks (embedding_cpu.cpp kRowOrderPairsPerBlock); input
+    # order within a block.
     base = torch.tensor([0] + [w.shape[0] for w in m.storage.weights()]).cumsum(0)
     none = int((rows < 0).sum())
     assert bool((r[:none] < 0).all()) and bool((r[none:] >= 0).all())
     s = 0
-    while (int(base[-1]) >> s) > U // 16:
+    while (int(base[-1]) >> s) > U // 2:
         s += 1
     step = torch.diff((base[t[none:]] + r[none:]) >> s)
     assert bool((step >= 0).all())
