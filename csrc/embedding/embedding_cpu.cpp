@@ -171,15 +171,12 @@ void init_row(W* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t
   for (int64_t d = dim; d < stride; ++d) row[d] = s;
 }
 
-// The float32 form: the row is built in `buf` (UNIFORM: 64 values at a time
-// in vector registers) and streamed out, so that its lines are not fetched
-// before being overwritten; memory-bound, this halves the time of a batch's
-// new rows.
+// The float32 form for rows UniformPairs does not take: the row is built in
+// `buf` (UNIFORM: 64 values at a time in vector registers) and streamed out,
+// so that its lines are not fetched before being overwritten; memory-bound,
+// this halves the time of a batch's new rows.
 void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint64_t seed, int64_t key,
               std::vector<float>& buf) {
-  if (a.mode == init::kUniform && init::state_value(a) == 0.0f &&
-      init::stream_uniform_row(row, dim, stride, seed, a.stream, key, a.lower, a.upper - a.lower))
-    return;  // the common layout: no buffer
   buf.assign(stride, init::state_value(a));
   if (a.mode == init::kUniform) {  // fill_row's values
     uint32_t bits[64];
@@ -193,8 +190,9 @@ void init_row(float* row, int64_t dim, int64_t stride, const init::Args& a, uint
   stream_floats(row, buf.data(), stride);
 }
 
-// UNIFORM float32 rows that stream_uniform_row can write, taken two at a time
-// (init::stream_uniform_rows2: one row's rounds fill the other's latency).
+// UNIFORM float32 rows that stream_uniform_row can write (the common layout:
+// no buffer), taken two at a time (init::stream_uniform_rows2: one row's
+// rounds fill the other's latency).
 class UniformPairs {
  public:
   // Whether the row is taken (written now or with the next one taken).

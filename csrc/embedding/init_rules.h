@@ -58,6 +58,10 @@ DE_HD float state_value(const Args& a) { return static_cast<float>(a.state); }
 
 // ---- Philox4x32-10 -------------------------------------------------------------
 
+// Its round multipliers and key increments (philox_cpu.cpp's vector forms use them too).
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
 DE_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
   const uint64_t p = static_cast<uint64_t>(a) * b;
   *hi = static_cast<uint32_t>(p >> 32);
@@ -72,15 +76,15 @@ DE_HD void philox4(uint64_t seed, int64_t table, int64_t key, uint64_t block, ui
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int r = 0; r < 10; ++r) {
     uint32_t hi0, lo0, hi1, lo1;
-    mulhilo32(0xD2511F53u, c[0], &hi0, &lo0);
-    mulhilo32(0xCD9E8D57u, c[2], &hi1, &lo1);
+    mulhilo32(kPhiloxM0, c[0], &hi0, &lo0);
+    mulhilo32(kPhiloxM1, c[2], &hi1, &lo1);
     const uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
     c[0] = n0;
     c[1] = lo1;
     c[2] = n2;
     c[3] = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
   }
   for (int i = 0; i < 4; ++i) out[i] = c[i];
 }

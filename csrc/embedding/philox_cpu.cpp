@@ -17,6 +17,29 @@ namespace init {
 #if defined(DE_PHILOX_AVX512)
 namespace {
 
+// The 16 blocks of a call differ only in c3 (the block number): round 0
+// multiplies (key, table), the same in every lane, and round 1's first
+// product too, so those three products are scalar (exactly philox4's rounds
+// 0 and 1). Per lane, round 0 leaves c2 = block ^ c2_xor, whose product
+// round 1 takes; the rest is shared, and rounds 2 on use keys k0, k1.
+struct SharedStart {
+  uint32_t c2_xor, c0_xor, c2, c3, k0, k1;
+};
+
+inline SharedStart shared_start(uint64_t seed, int64_t table, int64_t key) {
+  const auto mul = [](uint32_t m, uint32_t c) { return static_cast<uint64_t>(m) * c; };
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const uint64_t a = mul(kPhiloxM0, static_cast<uint32_t>(key)), b = mul(kPhiloxM1, static_cast<uint32_t>(table));
+  const uint32_t r0c0 = static_cast<uint32_t>(b >> 32) ^ static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32) ^ k0;
+  const uint32_t r0c1 = static_cast<uint32_t>(b), r0c3 = static_cast<uint32_t>(a);
+  const uint32_t r0hi0 = static_cast<uint32_t>(a >> 32) ^ k1;  // round 0's c2 = this ^ c3 (per lane)
+  k0 += kPhiloxW0;
+  k1 += kPhiloxW1;
+  const uint64_t a1 = mul(kPhiloxM0, r0c0);  // round 1's c0 product
+  return SharedStart{r0hi0, r0c1 ^ k0, static_cast<uint32_t>(a1 >> 32) ^ r0c3 ^ k1, static_cast<uint32_t>(a1),
+                     k0 + kPhiloxW0, k1 + kPhiloxW1};
+}
+
 // The AVX2 form: (hi, lo) of c * m for 8 lanes.
 __attribute__((target("avx2"))) inline void mulhilo8(__m256i c, __m256i m, __m256i* hi, __m256i* lo) {
   const __m256i even = _mm256_mul_epu32(c, m), odd = _mm256_mul_epu32(_mm256_srli_epi64(c, 32), m);
@@ -30,34 +53,21 @@ __attribute__((target("avx2"))) inline void mulhilo8(__m256i c, __m256i m, __m25
 __attribute__((target("avx2"))) inline void philox16_rounds(uint64_t seed, int64_t table, int64_t key, uint64_t first,
                                                             __m256i c[4][2]) {
   const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
-  const auto mul = [](uint32_t m, uint32_t c) { return static_cast<uint64_t>(m) * c; };
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  // The 16 blocks differ only in c3 (the block number): round 0 multiplies
-  // (key, table), the same in every lane, and round 1's first product too,
-  // so those three products are scalar (exactly philox4's rounds 0 and 1).
-  const uint64_t a = mul(kM0, static_cast<uint32_t>(key)), b = mul(kM1, static_cast<uint32_t>(table));
-  const uint32_t r0c0 = static_cast<uint32_t>(b >> 32) ^ static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32) ^ k0;
-  const uint32_t r0c1 = static_cast<uint32_t>(b), r0c3 = static_cast<uint32_t>(a);
-  const uint32_t r0hi0 = static_cast<uint32_t>(a >> 32) ^ k1;  // round 0's c2 = this ^ c3 (per lane)
-  k0 += kW0;
-  k1 += kW1;
-  const uint64_t a1 = mul(kM0, r0c0);  // round 1's c0 product
+  const SharedStart st = shared_start(seed, table, key);
+  uint32_t k0 = st.k0, k1 = st.k1;
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i m0 = _mm256_set1_epi32(u(kM0)), m1 = _mm256_set1_epi32(u(kM1));
+  const __m256i m0 = _mm256_set1_epi32(u(kPhiloxM0)), m1 = _mm256_set1_epi32(u(kPhiloxM1));
   __m256i c0[2], c1[2], c2[2], c3[2];
   for (int h = 0; h < 2; ++h) {
     const __m256i r0c2 = _mm256_xor_si256(_mm256_add_epi32(lanes, _mm256_set1_epi32(u(first + 8 * h))),
-                                          _mm256_set1_epi32(u(r0hi0)));
+                                          _mm256_set1_epi32(u(st.c2_xor)));
     __m256i hi1, lo1;
     mulhilo8(r0c2, m1, &hi1, &lo1);
-    c0[h] = _mm256_xor_si256(hi1, _mm256_set1_epi32(u(r0c1 ^ k0)));
+    c0[h] = _mm256_xor_si256(hi1, _mm256_set1_epi32(u(st.c0_xor)));
     c1[h] = lo1;
-    c2[h] = _mm256_set1_epi32(u(static_cast<uint32_t>(a1 >> 32) ^ r0c3 ^ k1));
-    c3[h] = _mm256_set1_epi32(u(static_cast<uint32_t>(a1)));
+    c2[h] = _mm256_set1_epi32(u(st.c2));
+    c3[h] = _mm256_set1_epi32(u(st.c3));
   }
-  k0 += kW0;
-  k1 += kW1;
   for (int r = 2; r < 10; ++r) {  // philox4's round, lane by lane
     const __m256i key0 = _mm256_set1_epi32(u(k0)), key1 = _mm256_set1_epi32(u(k1));
     for (int h = 0; h < 2; ++h) {
@@ -69,8 +79,8 @@ __attribute__((target("avx2"))) inline void philox16_rounds(uint64_t seed, int64
       c1[h] = lo1;
       c3[h] = lo0;
     }
-    k0 += kW0;
-    k1 += kW1;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
   }
   for (int h = 0; h < 2; ++h) {
     c[0][h] = c0[h];
@@ -155,29 +165,17 @@ __attribute__((target("avx512f"))) inline void mulhilo16(__m512i c, __m512i m, _
 __attribute__((target("avx512f"))) inline void philox16_rounds512(uint64_t seed, int64_t table, int64_t key,
                                                                   uint64_t first, __m512i c[4]) {
   const auto u = [](uint64_t v) { return static_cast<int>(static_cast<uint32_t>(v)); };
-  const auto mul = [](uint32_t m, uint32_t c) { return static_cast<uint64_t>(m) * c; };
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   constexpr int kXor3 = 0x96;  // a ^ b ^ c
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  // Rounds 0 and 1's first product are the same in every lane (philox16_rounds).
-  const uint64_t a = mul(kM0, static_cast<uint32_t>(key)), b = mul(kM1, static_cast<uint32_t>(table));
-  const uint32_t r0c0 = static_cast<uint32_t>(b >> 32) ^ static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32) ^ k0;
-  const uint32_t r0c1 = static_cast<uint32_t>(b), r0c3 = static_cast<uint32_t>(a);
-  const uint32_t r0hi0 = static_cast<uint32_t>(a >> 32) ^ k1;
-  k0 += kW0;
-  k1 += kW1;
-  const uint64_t a1 = mul(kM0, r0c0);
-  const __m512i m0 = _mm512_set1_epi32(u(kM0)), m1 = _mm512_set1_epi32(u(kM1));
+  const SharedStart st = shared_start(seed, table, key);
+  uint32_t k0 = st.k0, k1 = st.k1;
+  const __m512i m0 = _mm512_set1_epi32(u(kPhiloxM0)), m1 = _mm512_set1_epi32(u(kPhiloxM1));
   const __m512i r0c2 = _mm512_xor_si512(
       _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(u(first))),
-      _mm512_set1_epi32(u(r0hi0)));
+      _mm512_set1_epi32(u(st.c2_xor)));
   __m512i hi0, lo0, hi1, lo1;
   mulhilo16(r0c2, m1, &hi1, &lo1);
-  __m512i c0 = _mm512_xor_si512(hi1, _mm512_set1_epi32(u(r0c1 ^ k0))), c1 = lo1;
-  __m512i c2 = _mm512_set1_epi32(u(static_cast<uint32_t>(a1 >> 32) ^ r0c3 ^ k1));
-  __m512i c3 = _mm512_set1_epi32(u(static_cast<uint32_t>(a1)));
-  k0 += kW0;
-  k1 += kW1;
+  __m512i c0 = _mm512_xor_si512(hi1, _mm512_set1_epi32(u(st.c0_xor))), c1 = lo1;
+  __m512i c2 = _mm512_set1_epi32(u(st.c2)), c3 = _mm512_set1_epi32(u(st.c3));
   for (int r = 2; r < 10; ++r) {  // philox4's round, lane by lane
     mulhilo16(c0, m0, &hi0, &lo0);
     mulhilo16(c2, m1, &hi1, &lo1);
@@ -185,8 +183,8 @@ __attribute__((target("avx512f"))) inline void philox16_rounds512(uint64_t seed,
     c2 = _mm512_ternarylogic_epi32(hi0, c3, _mm512_set1_epi32(u(k1)), kXor3);
     c1 = lo1;
     c3 = lo0;
-    k0 += kW0;
-    k1 += kW1;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
   }
   c[0] = c0;
   c[1] = c1;
