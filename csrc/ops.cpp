@@ -70,6 +70,10 @@ TORCH_LIBRARY(dynamicemb, m) {
   // use torch's ops (dynamicemb/positions.py).
   m.def("positions_where(Tensor mask) -> Tensor");
   m.def("positions_by_group(Tensor ids, int groups) -> (Tensor order, Tensor counts)");
+  // int64 [groups]: per id in [0, groups), how many of its positions the mask
+  // holds (common/positions_cpu.cpp, positions_cuda.cu: no host sync, where
+  // bincount of ids[mask] sizes its output on the host).
+  m.def("positions_count(Tensor ids, Tensor mask, int groups) -> Tensor");
   // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
   m.def("cpu_vector_paths() -> bool");
   // The rules the kernels follow (optimizers, score strategies, counter

@@ -102,6 +102,11 @@ def _positions_by_group_fake(ids, groups):
     return torch.empty_like(ids), ids.new_empty(groups)
 
 
+@torch.library.register_fake(_lib + "positions_count")
+def _positions_count_fake(ids, mask, groups):
+    return ids.new_empty(groups)
+
+
 @torch.library.register_fake(_lib + "table_clock")
 def _table_clock_fake(like):
     return like.new_empty(1, dtype=torch.int64)

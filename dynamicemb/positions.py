@@ -29,10 +29,10 @@ def where_true(mask: torch.Tensor) -> torch.Tensor:
 
 def count_where(ids: torch.Tensor, mask: torch.Tensor, groups: int) -> torch.Tensor:
     """int64 [groups]: per id in [0, groups), how many positions with that id
-    the mask holds. On CUDA by a scatter-add: bincount and mask indexing would
-    wait for the device (to size their outputs)."""
-    if ids.device.type == "cpu":
-        return torch.bincount(ids[mask], minlength=groups)
+    the mask holds. Our op (no host sync on CUDA, where bincount of ids[mask]
+    sizes its output on the host) on the CPU and CUDA; elsewhere torch's."""
+    if ids.device.type in ("cpu", "cuda"):
+        return ops.positions_count(ids.contiguous(), mask.contiguous(), groups)
     return torch.zeros(groups, dtype=torch.int64, device=ids.device).index_add_(0, ids, mask.to(torch.int64))
 
 

@@ -37,6 +37,7 @@
 # Usage: scripts/gpu_check.sh OUTDIR
 # GPU_CHECK_ONLY=gpu_tests,example: a rerun of only those steps (install and
 # build always run; both are quick on a warm machine, whose build/ is kept).
+# GPU_CHECK_TESTS="tests/cuda tests/table": the paths (b) runs (default tests).
 # GPU_CHECK_BUDGET_S (450), GPU_CHECK_XDIST_GPU (8), GPU_CHECK_XDIST (8):
 # the time budget and the pytest-xdist workers of (b) and (c).
 # GPU_CHECK_ALLOW_CPU=1: a dry run without a GPU: the same selections on the
@@ -266,7 +267,8 @@ else XB=${GPU_CHECK_XDIST_GPU:-8}; XC=${GPU_CHECK_XDIST:-8}; fi
 xdist() { if [ "$1" -gt 0 ]; then echo "-n $1"; fi; }
 if need_build gpu_tests; then
   # shellcheck disable=SC2046
-  step gpu_tests 200 INT "${PYTEST[@]}" $(xdist "$XB") -m gpu --junitxml="$WORK/gpu_tests.xml" tests
+  # shellcheck disable=SC2086
+  step gpu_tests 200 INT "${PYTEST[@]}" $(xdist "$XB") -m gpu --junitxml="$WORK/gpu_tests.xml" ${GPU_CHECK_TESTS:-tests}
 fi
 
 # ---- (e) benchmarks with --device --------------------------------------------------------------

@@ -376,6 +376,57 @@ def module_step_profile(dev):
 
 
 @check
+def module_churn_step_profile(dev):
+    """module_step_profile's step with keys that churn, as bench_embedding's
+    do (a skewed draw over 2^20 ids per table into 2^18 slots: new keys,
+    evictions and new rows every step), batches cycled: wall ms per step, the
+    top ops by GPU time, and the top host ops with their Python call sites."""
+    if dev.type != "cuda":
+        return "not profiled: a CUDA step's profile"
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    m, _, off, grad = _profiled_step(dev)
+    tables, batch, pooling = PROFILED_SHAPE
+    g = torch.Generator().manual_seed(1)
+    n = tables * batch * pooling
+    batches = [(torch.rand(n, generator=g) ** 3 * (1 << 20)).long().to(dev) for _ in range(6)]
+    for i in range(12):
+        m(batches[i % 6], off).backward(grad)
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 12
+    for i in range(steps):
+        m(batches[i % 6], off).backward(grad)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for i in range(3):
+            m(batches[i], off).backward(grad)
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    top_gpu = {e.key[:70]: round(getattr(e, dev_attr) / 3e3, 3)
+               for e in sorted(ev, key=lambda e: getattr(e, dev_attr), reverse=True)[:16] if getattr(e, dev_attr) > 0}
+    # Host time of the top ops by their nearest two Python frames of ours (the profiler's
+    # Python function events are their parents).
+    import collections
+    names = [e.key for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]]
+    sites = collections.Counter()
+    for e in prof.events():
+        if e.name not in names or ".py(" in e.name:
+            continue
+        frames, p = [], e.cpu_parent
+        while p is not None and len(frames) < 2:
+            if ".py(" in p.name and "dynamicemb" in p.name and "torch/" not in p.name:
+                frames.append(p.name.split("dynamicemb/")[-1][:60])
+            p = p.cpu_parent
+        sites[(e.name[:50], " < ".join(frames))] += e.self_cpu_time_total
+    stacks = [{"op": op, "site": site, "host_ms": round(us / 3e3, 3)} for (op, site), us in sites.most_common(16)]
+    return {"wall_ms_per_step": round(wall_ms, 3), "gpu_busy_ms_per_step":
+            round(sum(getattr(e, dev_attr) for e in ev) / 3e3, 3), "top_gpu_ms": top_gpu, "top_host_sites": stacks,
+            "runtime_calls_per_step": _runtime_calls(prof.events(), 3)}
+
+
+@check
 def module_step_host_breakdown(dev):
     """Where the host's time goes in module_step_profile's step: every CUDA
     runtime call by name (calls and host ms per step, e.g. allocations or

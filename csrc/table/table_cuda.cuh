@@ -5,13 +5,15 @@
 // Design. A 16-lane tile (cooperative_groups::tiled_partition<16>) works on
 // one bucket at a time: lane l reads slot g + l of each group of 16, so a
 // group's digests are one coalesced load and the scan is a ballot.
-//  - table_lookup (read-only): one tile per key, no ordering needed.
+//  - table_lookup (read-only): one tile per key, no ordering needed; its
+//    lanes read 16 digests each (4 lanes a key; 8 with a row to gather).
 //  - table_lookup_refresh, table_insert, table_erase: API.md §6 wants the
 //    result of processing the keys one at a time in input order. Each key's
 //    global bucket is computed, key positions are stably sorted by bucket,
 //    and the tile at the head of each run of equal buckets processes that
 //    bucket's keys in input order. No two tiles touch one bucket, so slots
-//    need no atomics and the result is deterministic.
+//    need no atomics and the result is deterministic. table_insert's tile
+//    holds its bucket in registers (bucket_regs_cuda.cuh) where it fits.
 //  - Sizes and counters are tallied afterwards from the per-key results.
 //  - table_export_range: a live mask over the range, compacted in slot order.
 //  - table_rehash: one thread per old bucket re-inserts its live slots in slot

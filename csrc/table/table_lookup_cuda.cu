@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <type_traits>
 
 #include "table/table_cuda.cuh"
 
@@ -30,14 +31,28 @@ __device__ __forceinline__ int64_t tile_find_slot(const Tile& tile, const TableR
   return b < 0 ? -1 : ref.find(tile, ref.at_bucket(b, d), key);
 }
 
+// A read-only lookup's tile: kLanes lanes per key. 16: the 4-byte digest
+// scan (tile_find_key); 8 or 4: 16-byte loads (find16).
+template <int kLanes>
+struct LookupTile {
+  static constexpr int kPerBlock = kThreads / kLanes;
+  template <class Tile>
+  static __device__ __forceinline__ int64_t find(const Tile& tile, const TableRef& ref, int32_t b, uint8_t d,
+                                                 int64_t key) {
+    if (b < 0) return -1;
+    if constexpr (kLanes == kGroupSize) return ref.find(tile, ref.at_bucket(b, d), key);
+    else return ref.find16<kLanes>(tile, ref.at_bucket(b, d), key);
+  }
+};
+
 // The tile's lookup of key i: the global slot (-1 where missing), written out
 // by lane 0; every lane returns it.
-template <class Tile>
+template <int kLanes, class Tile>
 __device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArgs& a, int64_t i) {
   const bool lead = tile.thread_rank() == 0;
   uint8_t d = 0;
   const int32_t b = place_key(a.place, i, &d, lead);
-  const int64_t slot = tile_find_slot(tile, a.place.ref, b, d, a.place.keys[i]);
+  const int64_t slot = LookupTile<kLanes>::find(tile, a.place.ref, b, d, a.place.keys[i]);
   if (lead) {
     a.out[i] = slot;
     a.found[i] = slot >= 0;
@@ -45,29 +60,47 @@ __device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArg
   return slot;
 }
 
+template <int kLanes>
 __global__ void lookup_kernel(LookupArgs a) {
-  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  const auto tile = cg::tiled_partition<kLanes>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * LookupTile<kLanes>::kPerBlock + tile.meta_group_rank();
   if (i >= a.n) return;
-  tile_lookup(tile, a, i);
+  tile_lookup<kLanes>(tile, a, i);
 }
 
-// One tile per key: the tile finds the key, then its 16 lanes copy the row in
+// One tile per key: the tile finds the key, then its lanes copy the row in
 // `Unit`s (zeros where the key is missing). row_units: Units per row.
-template <class Unit>
+template <int kLanes, class Unit>
 __global__ void lookup_gather_kernel(LookupArgs a, const Unit* values, Unit* out, int64_t row_units) {
-  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
+  const auto tile = cg::tiled_partition<kLanes>(cg::this_thread_block());
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * LookupTile<kLanes>::kPerBlock + tile.meta_group_rank();
   if (i >= a.n) return;
-  const int64_t slot = tile_lookup(tile, a, i);
+  const int64_t slot = tile_lookup<kLanes>(tile, a, i);
   Unit* dst = out + i * row_units;
   const int64_t lane = tile.thread_rank();
   if (slot >= 0) {
     const Unit* src = values + slot * row_units;
-    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = src[u];
+    for (int64_t u = lane; u < row_units; u += kLanes) dst[u] = src[u];
   } else {
-    for (int64_t u = lane; u < row_units; u += kGroupSize) dst[u] = Unit{};
+    for (int64_t u = lane; u < row_units; u += kLanes) dst[u] = Unit{};
   }
+}
+
+// Lanes per key (16-byte digest loads, measured on an H200 with 1M keys into
+// 16M slots of 128-slot buckets, 2^30 keys/s): the lookup takes 4 (hits at
+// LF 0.5: 16 lanes with 4-byte loads 4.4, 8 lanes 6.1, 4 lanes 7.6; LF 1.0:
+// 3.6, 5.9, 6.0), the lookup with a gather of 256-byte rows 8 (LF 1.0: 2.2,
+// 3.2, 2.9): its lanes then copy the row in two 128-byte loads. A table whose
+// digests are not 16-byte aligned keeps the 4-byte loads of 16 lanes.
+constexpr int kLookupLanes = 4;
+constexpr int kGatherLanes = 8;
+
+// Runs f(std::integral_constant<int, lanes>) with `wide` lanes, or 16 where
+// the table's digests do not allow 16-byte loads.
+template <int kWide, class F>
+void with_lanes(const TableRef& r, F f) {
+  if (r.wide_digests()) f(std::integral_constant<int, kWide>{});
+  else f(std::integral_constant<int, kGroupSize>{});
 }
 
 // The checked inputs and new outputs of a read-only lookup.
@@ -99,7 +132,11 @@ std::tuple<Tensor, Tensor> lookup(at::ArrayRef<Tensor> table, const Tensor& keys
   if (c.n == 0) return {c.indices, c.found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const ErrorSlots flags(2, c.dev, stream);
-  lookup_kernel<<<blocks_for(c.n, kTilesPerBlock), kThreads, 0, stream>>>(lookup_args(c, keys, table_ids, flags));
+  with_lanes<kLookupLanes>(c.ref, [&](auto lanes) {
+    constexpr int L = decltype(lanes)::value;
+    lookup_kernel<L><<<blocks_for(c.n, LookupTile<L>::kPerBlock), kThreads, 0, stream>>>(
+        lookup_args(c, keys, table_ids, flags));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids nothing can be out of range but the layout; skipping
   // the read-back keeps this lookup free of host syncs.
@@ -126,19 +163,22 @@ std::tuple<Tensor, Tensor> lookup_gather(at::ArrayRef<Tensor> table, const Tenso
   const LookupArgs a = lookup_args(c, keys, table_ids, flags);
   const void* src = values.const_data_ptr();
   void* dst = out.data_ptr();
-  const dim3 grid = blocks_for(c.n, kTilesPerBlock);
-  // The widest copy unit the row size and both pointers allow (rows of 2- or
-  // 4-byte elements: 2 bytes always fits).
-  if (copies_in<uint4>(row_bytes, src, dst)) {
-    lookup_gather_kernel<uint4><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint4*>(src),
-                                                               static_cast<uint4*>(dst), row_bytes / 16);
-  } else if (copies_in<uint32_t>(row_bytes, src, dst)) {
-    lookup_gather_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint32_t*>(src),
-                                                                  static_cast<uint32_t*>(dst), row_bytes / 4);
-  } else {
-    lookup_gather_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint16_t*>(src),
-                                                                  static_cast<uint16_t*>(dst), row_bytes / 2);
-  }
+  with_lanes<kGatherLanes>(c.ref, [&](auto lanes) {
+    constexpr int L = decltype(lanes)::value;
+    const dim3 grid = blocks_for(c.n, LookupTile<L>::kPerBlock);
+    // The widest copy unit the row size and both pointers allow (rows of 2- or
+    // 4-byte elements: 2 bytes always fits).
+    if (copies_in<uint4>(row_bytes, src, dst)) {
+      lookup_gather_kernel<L, uint4><<<grid, kThreads, 0, stream>>>(a, static_cast<const uint4*>(src),
+                                                                    static_cast<uint4*>(dst), row_bytes / 16);
+    } else if (copies_in<uint32_t>(row_bytes, src, dst)) {
+      lookup_gather_kernel<L, uint32_t><<<grid, kThreads, 0, stream>>>(
+          a, static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), row_bytes / 4);
+    } else {
+      lookup_gather_kernel<L, uint16_t><<<grid, kThreads, 0, stream>>>(
+          a, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), row_bytes / 2);
+    }
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (table_ids) check_flags(flags, table_ids, c.ref, table[kTableBuckets], stream);
   return {c.indices, c.found};

@@ -210,6 +210,14 @@ struct TableRef {
   __device__ __forceinline__ int64_t find(const Tile& tile, Probe p, int64_t key) const {
     return global(p, tile_find_key(tile, digests + p.base, keys + p.base, cap(), p.digest, key));
   }
+  // find for a tile of kLanes lanes with 16-byte digest loads (needs
+  // wide_digests()).
+  template <int kLanes, class Tile>
+  __device__ __forceinline__ int64_t find16(const Tile& tile, Probe p, int64_t key) const {
+    return global(p, tile_find_key16<kLanes>(tile, digests + p.base, keys + p.base, cap(), p.digest, key));
+  }
+  // Whether every bucket's digests start 16-byte aligned (find16).
+  bool wide_digests() const { return reinterpret_cast<uintptr_t>(digests) % 16 == 0 && bucket_capacity % 16 == 0; }
   template <class Tile>
   __device__ __forceinline__ int64_t find_or_free(const Tile& tile, Probe p, int64_t key, int64_t* free_slot) const {
     int f;

@@ -240,7 +240,8 @@ __device__ __forceinline__ int tile_find_in_bucket(const Tile& tile, const uint8
   return -1;
 }
 
-// The lookup-only twin of tile_find_in_bucket<false> (no free slot wanted):
+// The find-only twin of tile_find_in_bucket<false> (no free slot wanted), for
+// the 16-lane tiles of lookup_refresh and erase (table_lookup: tile_find_key16):
 // lane l reads 4 digests (one 4-byte load) of each span of 64 slots, so a
 // default bucket costs at most 2 dependent loads instead of 8. Same result:
 // the lowest slot holding the key (a match is never past a kEmpty slot, the
@@ -263,6 +264,41 @@ __device__ __forceinline__ int tile_find_key(const Tile& tile, const uint8_t* di
         const uint8_t x = static_cast<uint8_t>(w >> (8 * b));
         empty |= x == kEmpty;
         if (x == d && keys[s0 + b] == key) found = s0 + b;
+      }
+    }
+    const uint32_t hit = tile.ballot(found >= 0);
+    if (hit) return tile.shfl(found, lowest_bit(hit));
+    if (tile.ballot(empty)) return -1;
+  }
+  return -1;
+}
+
+// tile_find_key for a tile of kLanes lanes that each read 16 digests (one
+// 16-byte load) of each span of 16 * kLanes slots: with 8 lanes a 128-slot
+// bucket is one coalesced 128-byte load, and a warp looks up 4 keys at a time
+// (2 with 16 lanes), so more keys are in flight. digests + 16-byte multiples
+// must be 16-byte aligned. Same result; every lane returns it.
+template <int kLanes, class Tile>
+__device__ __forceinline__ int tile_find_key16(const Tile& tile, const uint8_t* digests, const int64_t* keys,
+                                               int capacity, uint8_t d, int64_t key) {
+  const int lane = static_cast<int>(tile.thread_rank());
+  const uint32_t want = 0x01010101u * d, none = 0x01010101u * kEmpty;
+  for (int g = 0; g < capacity; g += 16 * kLanes) {
+    const int s0 = g + 16 * lane;
+    int found = -1;
+    bool empty = false;
+    if (s0 < capacity) {  // capacity is a multiple of 16: whole 16-byte spans
+      const uint4 v = *reinterpret_cast<const uint4*>(digests + s0);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        empty |= __vcmpeq4(w[k], none) != 0;
+        uint32_t m = __vcmpeq4(w[k], want) & 0x01010101u;  // bit 8j: byte j matches
+        while (m && found < 0) {
+          const int s = s0 + 4 * k + (__ffs(m) - 1) / 8;
+          if (keys[s] == key) found = s;
+          m &= m - 1;
+        }
       }
     }
     const uint32_t hit = tile.ballot(found >= 0);
@@ -371,6 +407,22 @@ DE_HD int next_victim(const int* cand, int m, int* cursor, const Epoch* epochs,
 }
 
 #if defined(__CUDACC__)
+// The victim order's minimum over a 16-lane tile, each lane holding its own
+// candidate (best = -1: none): a butterfly reduction under better_victim.
+// (score, slot) is a total order, so every lane returns the one victim.
+template <class Tile>
+__device__ __forceinline__ int tile_best_victim(const Tile& tile, int best, int64_t best_score) {
+  for (int off = kGroupSize / 2; off > 0; off /= 2) {
+    const int other = tile.shfl_xor(best, off);
+    const int64_t other_score = tile.shfl_xor(best_score, off);
+    if (other >= 0 && better_victim(other_score, other, best_score, best)) {
+      best = other;
+      best_score = other_score;
+    }
+  }
+  return best;
+}
+
 // The victim for a 16-lane tile: each lane takes slots lane, lane + 16, ...,
 // then a butterfly reduction under better_victim. (score, slot) is a total
 // order, so the minimum is the victim. Every lane returns it.
@@ -387,15 +439,7 @@ __device__ __forceinline__ int tile_pick_victim(const Tile& tile, const int64_t*
       best_score = scores[i];
     }
   }
-  for (int off = kGroupSize / 2; off > 0; off /= 2) {
-    const int other = tile.shfl_xor(best, off);
-    const int64_t other_score = tile.shfl_xor(best_score, off);
-    if (other >= 0 && better_victim(other_score, other, best_score, best)) {
-      best = other;
-      best_score = other_score;
-    }
-  }
-  return best;
+  return tile_best_victim(tile, best, best_score);
 }
 #endif
 

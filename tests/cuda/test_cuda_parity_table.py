@@ -187,8 +187,11 @@ def _batch(gen, n, key_range, num_tables, extremes=True):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-@pytest.mark.parametrize("bucket_capacity,capacities", [(16, [64]), (16, [32, 96, 16]), (32, [64, 128, 256])],
-                         ids=["1table", "3tables-b16", "3tables-b32"])
+# b128: a tile's lanes hold the whole bucket (the CUDA insert's BucketRegs, the
+# lookup's 16-byte digest loads); b256: buckets past what the registers hold.
+@pytest.mark.parametrize("bucket_capacity,capacities",
+                         [(16, [64]), (16, [32, 96, 16]), (32, [64, 128, 256]), (128, [256, 512, 128]), (256, [512])],
+                         ids=["1table", "3tables-b16", "3tables-b32", "3tables-b128", "1table-b256"])
 def test_table_sequence(name, bucket_capacity, capacities, monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(table_mod.ScoredHashTable, "now", clock.read)

@@ -47,6 +47,7 @@ def test_op_samples():
     order, counts = ops.positions_by_group(ids, 2)
     assert torch.equal(order, torch.sort(ids, stable=True).indices)
     assert torch.equal(counts, torch.bincount(ids, minlength=2))
+    assert torch.equal(ops.positions_count(ids, mask, 3), torch.bincount(ids[mask], minlength=3))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -56,6 +57,11 @@ def test_op_samples():
     (lambda: ops.positions_by_group(torch.tensor([0, -1]), 2), r"ids\[1\] = -1 is outside \[0, 2\)"),
     (lambda: ops.positions_by_group(torch.tensor([0], dtype=torch.int32), 2), "ids must be Long"),
     (lambda: ops.positions_by_group(torch.tensor([0]), 0), "groups must be positive"),
+    (lambda: ops.positions_count(torch.tensor([0, 3]), torch.tensor([False, True]), 3),
+     r"positions_count: ids\[1\] = 3 is outside \[0, 3\)"),
+    (lambda: ops.positions_count(torch.tensor([0, 1]), torch.tensor([True]), 3), "ids has 2 entries, mask 1"),
+    (lambda: ops.positions_count(torch.tensor([0]), torch.tensor([1]), 3), "positions_count: mask must be Bool"),
+    (lambda: ops.positions_count(torch.tensor([0]), torch.tensor([True]), 0), "groups must be positive"),
 ])
 def test_bad_input_is_named(call, message):
     with pytest.raises(RuntimeError, match=message):
