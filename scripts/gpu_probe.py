@@ -500,6 +500,55 @@ RUNTIME_CALLS = {"cudaLaunchKernel": "launch", "cudaLaunchKernelExC": "launch", 
                  "cudaEventSynchronize": "sync"}
 
 
+@check
+def table_op_profile(dev):
+    """Where the table ops of bench_table spend their time (16M slots filled
+    to LF 0.5, 1M-key batches, TIMESTAMP): per op (lookup, insert of new keys,
+    insert of found keys), wall ms (synced), the GPU's busy ms, the top
+    kernels and host ops, and the CUDA runtime calls: what bounds the insert
+    at about 1.1 x2^30 keys/s where its kernel is a fraction of that."""
+    if dev.type != "cuda":
+        return "not profiled: CUDA table ops"
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    from dynamicemb import ScoredHashTable
+    t = ScoredHashTable(1 << 24, bucket_capacity=128, device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def keys(n):
+        return torch.randint(0, 1 << 62, (n,), device=dev, generator=g)
+    for _ in range(8):
+        t.insert(keys(1 << 20))
+    stored = keys(1 << 20)
+    t.insert(stored)
+    ops = {"lookup": lambda: t.lookup(stored), "insert_found": lambda: t.insert(stored),
+           "insert_new": lambda: t.insert(keys(1 << 20))}
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / 5
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        ev = prof.key_averages()
+        attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+
+        def top(a, n=10):
+            rows = sorted(ev, key=lambda e: getattr(e, a), reverse=True)[:n]
+            return {e.key[:70]: round(getattr(e, a) / 3e3, 3) for e in rows if getattr(e, a) > 0}
+        out[name] = {"wall_ms": round(wall, 3), "gpu_busy_ms": round(sum(getattr(e, attr) for e in ev) / 3e3, 3),
+                     "top_gpu_ms": top(attr), "top_host_ms": top("self_cpu_time_total"),
+                     "runtime_calls": _runtime_calls(prof.events(), 3)["total"]}
+    return out
+
+
 def _runtime_calls(events, steps):
     """Per step: the CUDA runtime calls (kernel launches, copies, memsets,
     synchronisations) in all, and per top-level op that issued them (the
