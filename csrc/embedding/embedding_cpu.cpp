@@ -67,10 +67,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
   auto for_each_chunk = [&](auto fn) {
     cpu::parallel_claim(C, [&](int64_t c) {
       auto f = fn;  // a local copy: its captures stay in registers (see the counting pass)
-      for (int64_t j = nb * c / C, je = nb * (c + 1) / C; j < je; ++j) {
-        const int64_t t = bags.table[bags.feature(j)];
+      bags.walk(nb * c / C, nb * (c + 1) / C, [&](int64_t j, int64_t ft, int64_t) {
+        const int64_t t = bags.table[ft];
         for (int64_t i = bags.off[j], ie = bags.off[j + 1]; i < ie; ++i) f(c, t, i);
-      }
+      });
     });
   };
   // Each index's part, kept from the counting pass for the later passes.
@@ -394,14 +394,14 @@ void forward_impl(const Rows& R, const Bags& bags, const int64_t* rows, const in
     src.resize(bags.off[je] - bags.off[jb]);
     acc.resize(max_d);
     constexpr int64_t kRowsAhead = 16;  // rows[] is read at random, beyond the caches for a large batch
-    for (int64_t j = jb; j < je; ++j) {
-      const int64_t t = bags.table[bags.feature(j)];
+    bags.walk(jb, je, [&](int64_t j, int64_t f, int64_t) {
+      const int64_t t = bags.table[f];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
         if (i + kRowsAhead < bags.off[je]) __builtin_prefetch(rows + inv[i + kRowsAhead]);
         const int64_t r = rows[inv[i]];
         src[i - bags.off[jb]] = r >= 0 ? R.row<const W>(t, r) : nullptr;
       }
-    }
+    });
     pool_span<W, O>(R, bags, jb, je, src.data(), [&](int64_t i) { return ukeys[inv[i]]; }, psw, pooling, args, seed,
                     doff, acc.data(), out);
   });
@@ -506,9 +506,9 @@ Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const 
   for (int64_t u = 0; u < U; ++u) begin[u + 1] += begin[u];
   std::vector<int64_t> cursor(begin.begin(), begin.end() - 1);
   for_each_part([&](int64_t lo, int64_t hi) {
-    for (int64_t j = 0; j < bags.num_bags(); ++j) {
-      const int64_t f = bags.feature(j), L = bags.length(j);
-      const float* go = grad + (j % bags.B) * total_d + doff[f];
+    bags.walk(0, bags.num_bags(), [&](int64_t j, int64_t f, int64_t b) {
+      const int64_t L = bags.length(j);
+      const float* go = grad + b * total_d + doff[f];
       for (int64_t i = bags.off[j]; i < bags.off[j + 1]; ++i) {
         if (i + kCountAhead < n) __builtin_prefetch(&cursor[inv[i + kCountAhead]], 1, 3);
         if (i + kCountAhead / 2 < n) {  // where that index's entry will go (its cursor is fetched by now)
@@ -525,7 +525,7 @@ Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const 
         occ_g[cursor[u]] = pooling == kNone ? grad + i * R.dim[bags.table[f]] : go;
         occ_s[cursor[u]++] = scale;
       }
-    }
+    });
   });
   const int64_t max_d = *std::max_element(R.dim.begin(), R.dim.end());
   const int64_t T = R.num_tables();

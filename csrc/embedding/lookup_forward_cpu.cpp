@@ -85,9 +85,9 @@ Tensor lookup_forward_cpu(TensorList slot_keys, TensorList slot_digests, TensorL
         src.resize(i1 - i0);
         tab.resize(i1 - i0);
         acc.resize(max_d);
-        for (int64_t j = jb; j < je; ++j)
-          std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0),
-                    bags.table[bags.feature(j)]);
+        bags.walk(jb, je, [&](int64_t j, int64_t f, int64_t) {
+          std::fill(tab.begin() + (bags.off[j] - i0), tab.begin() + (bags.off[j + 1] - i0), bags.table[f]);
+        });
         const ForwardKeys<W> span{H.refs.data(), H.place.data(), R.parts.data(), hot.data(), keys + i0, tab.data(),
                                   src.data()};
         table::find_pipelined<kFindBlock>(0, i1 - i0, span);

@@ -59,12 +59,14 @@ inline void prefetch_row(const W* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
 }
 
-// out[0, D) = sum over l of s_l * rows[l][0, D), added in order l = 0, 1, ...
-// from 0 (s_l = scales[l], or 1 when scales is null): the sums of add_scaled
-// from a zeroed acc, bit for bit. The sums stay in registers across rows, 64
-// columns at a time; rows[L, ahead) are rows due next, prefetched kAhead on.
+// out[0, D) = post * (sum over l of s_l * rows[l][0, D)), added in order
+// l = 0, 1, ... from 0 (s_l = scales[l], or 1 when scales is null): the sums
+// of add_scaled from a zeroed acc, bit for bit, times post (1: the sums
+// themselves, x * 1 being x). The sums stay in registers across rows, 64
+// columns at a time, and go to out once; rows[L, ahead) are rows due next,
+// prefetched kAhead on.
 DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* rows, const float* scales, int64_t L,
-                                   int64_t D, int64_t ahead) {
+                                   int64_t D, int64_t ahead, float post = 1.0f) {
   using rows_detail::f32x8;
   using rows_detail::f32x8u;
   // Rows ahead (4 lines each at dim 64). 8 measured best of 4..64 on an
@@ -87,7 +89,7 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
         a[k] += s * v;
       }
     }
-    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k];
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k] * post;
   }
   for (; d0 + 8 <= D; d0 += 8) {
     f32x8 a = {};
@@ -97,12 +99,12 @@ DE_ROW_CLONES static void sum_rows(float* __restrict out, const float* const* ro
       std::memcpy(&v, rows[l] + d0, sizeof v);
       a += (scales ? scales[l] : 1.0f) * v;
     }
-    *reinterpret_cast<f32x8u*>(out + d0) = a;
+    *reinterpret_cast<f32x8u*>(out + d0) = a * post;
   }
   for (; d0 < D; ++d0) {
     float a = 0.0f;
     for (int64_t l = 0; l < L; ++l) a += (scales ? scales[l] : 1.0f) * rows[l][d0];
-    out[d0] = a;
+    out[d0] = a * post;
   }
 }
 
@@ -126,9 +128,9 @@ DE_ROW_CLONES static bool all_finite(const float* g, int64_t D) {
 
 // sum_rows over uint8 rows (add_scaled's dequantization: q * scale + bias,
 // then scaled by s_l and added): the sums of add_scaled from a zeroed acc,
-// bit for bit, kept in registers 64 (then 16) columns at a time.
+// bit for bit, kept in registers 64 (then 16) columns at a time, times post.
 DE_ROW_CLONES static void sum_rows_int8(float* __restrict out, const uint8_t* const* rows, const float* scales,
-                                        int64_t L, int64_t D, int64_t ahead) {
+                                        int64_t L, int64_t D, int64_t ahead, float post = 1.0f) {
   using rows_detail::f32x8;
   using rows_detail::f32x8u;
   typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -169,7 +171,7 @@ DE_ROW_CLONES static void sum_rows_int8(float* __restrict out, const uint8_t* co
         a[2 * m + 1] += s * (to_f32(DE_WIDEN(8)) * scale + bias);
       }
     }
-    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k];
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<f32x8u*>(out + d0 + 8 * k) = a[k] * post;
   }
   for (; d0 + 16 <= D; d0 += 16) {
     f32x8 a0 = {}, a1 = {};
@@ -183,8 +185,8 @@ DE_ROW_CLONES static void sum_rows_int8(float* __restrict out, const uint8_t* co
       a0 += s * (to_f32(DE_WIDEN(0)) * scale + bias);
       a1 += s * (to_f32(DE_WIDEN(8)) * scale + bias);
     }
-    *reinterpret_cast<f32x8u*>(out + d0) = a0;
-    *reinterpret_cast<f32x8u*>(out + d0 + 8) = a1;
+    *reinterpret_cast<f32x8u*>(out + d0) = a0 * post;
+    *reinterpret_cast<f32x8u*>(out + d0 + 8) = a1 * post;
   }
 #undef DE_WIDEN
   for (; d0 < D; ++d0) {
@@ -194,7 +196,7 @@ DE_ROW_CLONES static void sum_rows_int8(float* __restrict out, const uint8_t* co
       params(l, &scale, &bias);
       a += (scales ? scales[l] : 1.0f) * (static_cast<float>(rows[l][d0]) * scale + bias);
     }
-    out[d0] = a;
+    out[d0] = a * post;
   }
 }
 
