@@ -349,7 +349,6 @@ def module_step_profile(dev):
     if dev.type != "cuda":
         return "not profiled: a CUDA step's profile"
     import time
-    from torch.profiler import ProfilerActivity, profile
     m, idx, off, grad = _profiled_step(dev)
     for _ in range(5):
         m(idx, off).backward(grad)
@@ -359,20 +358,10 @@ def module_step_profile(dev):
         m(idx, off).backward(grad)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            m(idx, off).backward(grad)
-        torch.cuda.synchronize()
-    ev = prof.key_averages()
-    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-
-    def top(attr, n=14):
-        rows = sorted(ev, key=lambda e: getattr(e, attr), reverse=True)[:n]
-        return {e.key[:70]: round(getattr(e, attr) / 3e3, 3) for e in rows if getattr(e, attr) > 0}
+    prof = _profile(lambda: m(idx, off).backward(grad))
     return {"wall_ms_per_step": round(wall_ms, 3), **_phase_walls(m, idx, off, grad),
-            "gpu_busy_ms_per_step": round(sum(getattr(e, dev_attr) for e in ev) / 3e3, 3),
-            "top_host_ms": top("self_cpu_time_total"), "top_gpu_ms": top(dev_attr),
-            "runtime_calls_per_step": _runtime_calls(prof.events(), 3)}
+            "gpu_busy_ms_per_step": prof["gpu_busy_ms"], "top_host_ms": prof["top_host_ms"],
+            "top_gpu_ms": prof["top_gpu_ms"], "runtime_calls_per_step": prof["runtime_calls"]}
 
 
 @check
@@ -380,11 +369,11 @@ def module_churn_step_profile(dev):
     """module_step_profile's step with keys that churn, as bench_embedding's
     do (a skewed draw over 2^20 ids per table into 2^18 slots: new keys,
     evictions and new rows every step), batches cycled: wall ms per step, the
-    top ops by GPU time, and the top host ops with their Python call sites."""
+    top ops by GPU and by host time, and the runtime calls."""
     if dev.type != "cuda":
         return "not profiled: a CUDA step's profile"
+    import itertools
     import time
-    from torch.profiler import ProfilerActivity, profile
     m, _, off, grad = _profiled_step(dev)
     tables, batch, pooling = PROFILED_SHAPE
     g = torch.Generator().manual_seed(1)
@@ -398,32 +387,11 @@ def module_churn_step_profile(dev):
         m(batches[i % 6], off).backward(grad)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for i in range(3):
-            m(batches[i], off).backward(grad)
-        torch.cuda.synchronize()
-    ev = prof.key_averages()
-    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-    top_gpu = {e.key[:70]: round(getattr(e, dev_attr) / 3e3, 3)
-               for e in sorted(ev, key=lambda e: getattr(e, dev_attr), reverse=True)[:16] if getattr(e, dev_attr) > 0}
-    # Host time of the top ops by their nearest two Python frames of ours (the profiler's
-    # Python function events are their parents).
-    import collections
-    names = [e.key for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]]
-    sites = collections.Counter()
-    for e in prof.events():
-        if e.name not in names or ".py(" in e.name:
-            continue
-        frames, p = [], e.cpu_parent
-        while p is not None and len(frames) < 2:
-            if ".py(" in p.name and "dynamicemb" in p.name and "torch/" not in p.name:
-                frames.append(p.name.split("dynamicemb/")[-1][:60])
-            p = p.cpu_parent
-        sites[(e.name[:50], " < ".join(frames))] += e.self_cpu_time_total
-    stacks = [{"op": op, "site": site, "host_ms": round(us / 3e3, 3)} for (op, site), us in sites.most_common(16)]
-    return {"wall_ms_per_step": round(wall_ms, 3), "gpu_busy_ms_per_step":
-            round(sum(getattr(e, dev_attr) for e in ev) / 3e3, 3), "top_gpu_ms": top_gpu, "top_host_sites": stacks,
-            "runtime_calls_per_step": _runtime_calls(prof.events(), 3)}
+    nth = itertools.count()
+    prof = _profile(lambda: m(batches[next(nth) % 6], off).backward(grad))
+    return {"wall_ms_per_step": round(wall_ms, 3), "gpu_busy_ms_per_step": prof["gpu_busy_ms"],
+            "top_gpu_ms": prof["top_gpu_ms"], "top_host_ms": prof["top_host_ms"],
+            "runtime_calls_per_step": prof["runtime_calls"]}
 
 
 @check
@@ -510,7 +478,6 @@ def table_op_profile(dev):
     if dev.type != "cuda":
         return "not profiled: CUDA table ops"
     import time
-    from torch.profiler import ProfilerActivity, profile
     from dynamicemb import ScoredHashTable
     t = ScoredHashTable(1 << 24, bucket_capacity=128, device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -533,20 +500,28 @@ def table_op_profile(dev):
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / 5
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-        ev = prof.key_averages()
-        attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
-
-        def top(a, n=10):
-            rows = sorted(ev, key=lambda e: getattr(e, a), reverse=True)[:n]
-            return {e.key[:70]: round(getattr(e, a) / 3e3, 3) for e in rows if getattr(e, a) > 0}
-        out[name] = {"wall_ms": round(wall, 3), "gpu_busy_ms": round(sum(getattr(e, attr) for e in ev) / 3e3, 3),
-                     "top_gpu_ms": top(attr), "top_host_ms": top("self_cpu_time_total"),
-                     "runtime_calls": _runtime_calls(prof.events(), 3)["total"]}
+        prof = _profile(fn, n_top=10)
+        out[name] = {"wall_ms": round(wall, 3), **prof}
     return out
+
+
+def _profile(fn, runs=3, n_top=14):
+    """fn run `runs` times under torch.profiler (CPU and CUDA), per run: the
+    GPU's busy ms, the top ops by host and by GPU time, the runtime calls."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def top(attr):
+        rows = sorted(ev, key=lambda e: getattr(e, attr), reverse=True)[:n_top]
+        return {e.key[:70]: round(getattr(e, attr) / (runs * 1e3), 3) for e in rows if getattr(e, attr) > 0}
+    return {"gpu_busy_ms": round(sum(getattr(e, dev_attr) for e in ev) / (runs * 1e3), 3),
+            "top_host_ms": top("self_cpu_time_total"), "top_gpu_ms": top(dev_attr),
+            "runtime_calls": _runtime_calls(prof.events(), runs)}
 
 
 def _runtime_calls(events, steps):
