@@ -226,17 +226,18 @@ void pool_span(const Rows& R, const Bags& bags, int64_t jb, int64_t je, const W*
     O* o = out + b * total_d + doff[f];
     constexpr bool kRegisterSums = std::is_same_v<W, float> || std::is_same_v<W, uint8_t>;
     if (kRegisterSums && std::none_of(rows, rows + L, [](const W* r) { return r == nullptr; })) {
-      // Every row is stored: summed in registers (the same sums as add's).
-      if constexpr (kRegisterSums && std::is_same_v<O, float>) {  // straight to out
-        if constexpr (std::is_same_v<W, float>)
-          sum_rows(o, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j], scale);
-        else
-          sum_rows_int8(o, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j], scale);
-        return;
-      } else if constexpr (std::is_same_v<W, float>) {
-        sum_rows(acc, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j]);
-      } else if constexpr (std::is_same_v<W, uint8_t>) {
-        sum_rows_int8(acc, rows, psw ? psw + bags.off[j] : nullptr, L, D, end - bags.off[j]);
+      // Every row is stored: summed in registers (the same sums as add's),
+      // stored straight to a float output with the scale, else to acc.
+      if constexpr (kRegisterSums) {
+        constexpr bool kDirect = std::is_same_v<O, float>;
+        float* dst;
+        if constexpr (kDirect) dst = o;
+        else dst = acc;
+        const float post = kDirect ? scale : 1.0f;
+        const float* s = psw ? psw + bags.off[j] : nullptr;
+        if constexpr (std::is_same_v<W, float>) sum_rows(dst, rows, s, L, D, end - bags.off[j], post);
+        else sum_rows_int8(dst, rows, s, L, D, end - bags.off[j], post);
+        if constexpr (kDirect) return;
       }
     } else {
       std::fill_n(acc, D, 0.0f);

@@ -47,9 +47,9 @@ class BucketRegs {
   __device__ __forceinline__ int find(const Tile& tile, const TableRef& ref, int64_t key, uint8_t d) const {
     int found = -1;
     if (has_) {
-      uint32_t m = byte_mask(__vcmpeq4(lo(), 0x01010101u * d)) | byte_mask(__vcmpeq4(hi(), 0x01010101u * d)) << 4;
+      uint32_t m = slots_where([d](uint32_t w) { return __vcmpeq4(w, 0x01010101u * d); });
       while (m) {
-        const int j = __ffs(m) - 1;
+        const int j = lowest_bit(m);
         if (ref.keys[base_ + first_ + j] == key) {
           found = first_ + j;
           break;
@@ -65,9 +65,8 @@ class BucketRegs {
   __device__ __forceinline__ int first_free(const Tile& tile) const {
     int f = -1;
     if (has_) {
-      const uint32_t m = byte_mask(__vcmpltu4(lo(), 0x01010101u * kFirstLiveDigest)) |
-                         byte_mask(__vcmpltu4(hi(), 0x01010101u * kFirstLiveDigest)) << 4;
-      if (m) f = first_ + __ffs(m) - 1;
+      const uint32_t m = slots_where([](uint32_t w) { return __vcmpltu4(w, 0x01010101u * kFirstLiveDigest); });
+      if (m) f = first_ + lowest_bit(m);
     }
     return lowest(tile, f);
   }
@@ -109,17 +108,18 @@ class BucketRegs {
   }
 
  private:
-  __device__ __forceinline__ uint32_t lo() const { return static_cast<uint32_t>(digests_); }
-  __device__ __forceinline__ uint32_t hi() const { return static_cast<uint32_t>(digests_ >> 32); }
-  // Bit j set where byte j of x is 0xff (a __vcmp*4 result).
-  static __device__ __forceinline__ uint32_t byte_mask(uint32_t x) {
-    return ((x >> 7) & 1u) | ((x >> 14) & 2u) | ((x >> 21) & 4u) | ((x >> 28) & 8u);
+  // Bit j set where the lane's digest j passes cmp, a per-byte __vcmp*4
+  // (0xff where it holds) of 4 digests at a time.
+  template <class Cmp>
+  __device__ __forceinline__ uint32_t slots_where(Cmp cmp) const {
+    auto bits = [](uint32_t x) { return ((x >> 7) & 1u) | ((x >> 14) & 2u) | ((x >> 21) & 4u) | ((x >> 28) & 8u); };
+    return bits(cmp(static_cast<uint32_t>(digests_))) | bits(cmp(static_cast<uint32_t>(digests_ >> 32))) << 4;
   }
   // The lowest lane's non-negative s (lanes hold ascending slots), -1: none.
   template <class Tile>
   static __device__ __forceinline__ int lowest(const Tile& tile, int s) {
     const uint32_t any = tile.ballot(s >= 0);
-    return any ? tile.shfl(s, __ffs(any) - 1) : -1;
+    return any ? tile.shfl(s, lowest_bit(any)) : -1;
   }
   __device__ __forceinline__ void load_scores(const TableRef& ref) {
     scored_ = true;

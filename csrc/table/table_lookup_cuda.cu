@@ -23,18 +23,13 @@ struct LookupArgs {
   bool* found;
 };
 
-// The global slot of `key` (digest d) in bucket b, -1 where missing or b < 0
-// (no bucket: a flagged error); every lane returns it.
-template <class Tile>
-__device__ __forceinline__ int64_t tile_find_slot(const Tile& tile, const TableRef& ref, int32_t b, uint8_t d,
-                                                  int64_t key) {
-  return b < 0 ? -1 : ref.find(tile, ref.at_bucket(b, d), key);
-}
-
-// A read-only lookup's tile: kLanes lanes per key. 16: the 4-byte digest
-// scan (tile_find_key); 8 or 4: 16-byte loads (find16).
+// A tile of kLanes lanes per key. 16 (lookup_refresh, erase, and a lookup
+// of digests that are not 16-byte aligned): the 4-byte digest scan
+// (tile_find_key); 8 or 4: 16-byte loads (find16). find: the global slot of
+// `key` (digest d) in bucket b, -1 where missing or b < 0 (no bucket: a
+// flagged error); every lane returns it.
 template <int kLanes>
-struct LookupTile {
+struct FindTile {
   static constexpr int kPerBlock = kThreads / kLanes;
   template <class Tile>
   static __device__ __forceinline__ int64_t find(const Tile& tile, const TableRef& ref, int32_t b, uint8_t d,
@@ -52,7 +47,7 @@ __device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArg
   const bool lead = tile.thread_rank() == 0;
   uint8_t d = 0;
   const int32_t b = place_key(a.place, i, &d, lead);
-  const int64_t slot = LookupTile<kLanes>::find(tile, a.place.ref, b, d, a.place.keys[i]);
+  const int64_t slot = FindTile<kLanes>::find(tile, a.place.ref, b, d, a.place.keys[i]);
   if (lead) {
     a.out[i] = slot;
     a.found[i] = slot >= 0;
@@ -63,7 +58,7 @@ __device__ __forceinline__ int64_t tile_lookup(const Tile& tile, const LookupArg
 template <int kLanes>
 __global__ void lookup_kernel(LookupArgs a) {
   const auto tile = cg::tiled_partition<kLanes>(cg::this_thread_block());
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * LookupTile<kLanes>::kPerBlock + tile.meta_group_rank();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * FindTile<kLanes>::kPerBlock + tile.meta_group_rank();
   if (i >= a.n) return;
   tile_lookup<kLanes>(tile, a, i);
 }
@@ -73,7 +68,7 @@ __global__ void lookup_kernel(LookupArgs a) {
 template <int kLanes, class Unit>
 __global__ void lookup_gather_kernel(LookupArgs a, const Unit* values, Unit* out, int64_t row_units) {
   const auto tile = cg::tiled_partition<kLanes>(cg::this_thread_block());
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * LookupTile<kLanes>::kPerBlock + tile.meta_group_rank();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * FindTile<kLanes>::kPerBlock + tile.meta_group_rank();
   if (i >= a.n) return;
   const int64_t slot = tile_lookup<kLanes>(tile, a, i);
   Unit* dst = out + i * row_units;
@@ -134,7 +129,7 @@ std::tuple<Tensor, Tensor> lookup(at::ArrayRef<Tensor> table, const Tensor& keys
   const ErrorSlots flags(2, c.dev, stream);
   with_lanes<kLookupLanes>(c.ref, [&](auto lanes) {
     constexpr int L = decltype(lanes)::value;
-    lookup_kernel<L><<<blocks_for(c.n, LookupTile<L>::kPerBlock), kThreads, 0, stream>>>(
+    lookup_kernel<L><<<blocks_for(c.n, FindTile<L>::kPerBlock), kThreads, 0, stream>>>(
         lookup_args(c, keys, table_ids, flags));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -165,7 +160,7 @@ std::tuple<Tensor, Tensor> lookup_gather(at::ArrayRef<Tensor> table, const Tenso
   void* dst = out.data_ptr();
   with_lanes<kGatherLanes>(c.ref, [&](auto lanes) {
     constexpr int L = decltype(lanes)::value;
-    const dim3 grid = blocks_for(c.n, LookupTile<L>::kPerBlock);
+    const dim3 grid = blocks_for(c.n, FindTile<L>::kPerBlock);
     // The widest copy unit the row size and both pointers allow (rows of 2- or
     // 4-byte elements: 2 bytes always fits).
     if (copies_in<uint4>(row_bytes, src, dst)) {
@@ -196,7 +191,7 @@ struct KeysIn {
 __global__ void lookup_refresh_kernel(TableRef ref, KeysIn in, Scoring scoring, int64_t* out, bool* found,
                                       Segments segs) {
   for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
-    const int64_t slot = tile_find_slot(tile, ref, b, in.digest[i], in.keys[i]);
+    const int64_t slot = FindTile<kGroupSize>::find(tile, ref, b, in.digest[i], in.keys[i]);
     if (tile.thread_rank() != 0) return;
     out[i] = slot;
     found[i] = slot >= 0;
@@ -260,7 +255,7 @@ void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optio
 
 __global__ void erase_kernel(TableRef ref, KeysIn in, bool* erased, Segments segs) {
   for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
-    const int64_t slot = tile_find_slot(tile, ref, b, in.digest[i], in.keys[i]);
+    const int64_t slot = FindTile<kGroupSize>::find(tile, ref, b, in.digest[i], in.keys[i]);
     if (tile.thread_rank() != 0) return;
     erased[i] = slot >= 0 && ref.erase(slot);
   });

@@ -295,7 +295,7 @@ __device__ __forceinline__ int tile_find_key16(const Tile& tile, const uint8_t* 
         empty |= __vcmpeq4(w[k], none) != 0;
         uint32_t m = __vcmpeq4(w[k], want) & 0x01010101u;  // bit 8j: byte j matches
         while (m && found < 0) {
-          const int s = s0 + 4 * k + (__ffs(m) - 1) / 8;
+          const int s = s0 + 4 * k + lowest_bit(m) / 8;
           if (keys[s] == key) found = s;
           m &= m - 1;
         }
