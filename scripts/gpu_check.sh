@@ -35,6 +35,8 @@
 #   probe.json, bench_table.json, bench_embedding.json
 #
 # Usage: scripts/gpu_check.sh OUTDIR
+# A carried .devbuild/libdynamicemb_ops.so (scripts/gpu_prebuild.sh) replaces the build when it
+# loads with its CUDA kernels (GPU_CHECK_PREBUILT=0: build anyway).
 # GPU_CHECK_ONLY=gpu_tests,example: a rerun of only those steps (install and
 # build always run; both are quick on a warm machine, whose build/ is kept).
 # GPU_CHECK_TESTS="tests/cuda tests/table": the paths (b) runs (default tests).
@@ -199,7 +201,19 @@ PYEOF
     note "CUDA_HOME/lib64 has no libcudart.so: the build links against $rt"
   fi
 fi
-if step build 300 TERM "$PY" setup.py -q build_ext --inplace; then
+# A library built for this torch elsewhere (scripts/gpu_prebuild.sh, carried in .devbuild/)
+# saves the build's 90-100 s; it is used only if it loads with its CUDA kernels.
+build_or_prebuilt() {
+  if [ "$MODE" = gpu ] && [ -f .devbuild/libdynamicemb_ops.so ] && [ "${GPU_CHECK_PREBUILT:-1}" = 1 ]; then
+    mkdir -p dynamicemb/lib && cp .devbuild/libdynamicemb_ops.so dynamicemb/lib/libdynamicemb_ops.so
+    if "$PY" -c "import torch, dynamicemb; assert torch._C._dispatch_has_kernel_for_dispatch_key('dynamicemb::table_insert', 'CUDA')"; then
+      echo "prebuilt library (.devbuild/libdynamicemb_ops.so) loads with its CUDA kernels: no build"; return 0
+    fi
+    echo "the prebuilt library does not load here: building"
+  fi
+  "$PY" setup.py -q build_ext --inplace
+}
+if MODE=$MODE PY=$PY step build 300 TERM bash -c "$(declare -f build_or_prebuilt); build_or_prebuilt"; then
   "$PY" - > "$WORK/cuda_ops.json" 2>>"$LOG" <<'EOF'
 import json, torch, dynamicemb  # noqa: F401  (loads the extension)
 cuda = sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA") if n.startswith("dynamicemb::"))

@@ -48,6 +48,16 @@ inline unsigned int blocks_for(int64_t items, int64_t per_block) {
   return static_cast<unsigned int>(b < 1 ? 1 : b);
 }
 
+// The current device's multiprocessors (asked once per device).
+inline int device_sms() {
+  static int per_device[64] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  int& sms = per_device[dev % 64];
+  if (sms == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 // Warp-per-item loops: the warp's first item and the stride between items.
 __device__ __forceinline__ int64_t warp_begin() {
   return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;

@@ -95,13 +95,12 @@ class BucketRegs {
   static __device__ __forceinline__ int owner(int s) { return s / kSlots; }
 
   // The owner's registers after TableRef::commit wrote slot s (digest d,
-  // epoch), which it read back for the score.
-  __device__ __forceinline__ void committed(const TableRef& ref, int s, uint8_t d, Epoch epoch) {
+  // epoch, and the score it returned).
+  __device__ __forceinline__ void committed(int s, uint8_t d, Epoch epoch, int64_t score) {
     const int k = s - first_;
     digests_ = (digests_ & ~(0xffull << (8 * k))) | static_cast<uint64_t>(d) << (8 * k);
     if (!scored_) return;
     epochs_ = (epochs_ & ~(0xffull << (8 * k))) | static_cast<uint64_t>(epoch) << (8 * k);
-    const int64_t score = ref.scores[base_ + s];
 #pragma unroll
     for (int j = 0; j < kSlots; ++j)  // constant indices keep scores_ in registers
       if (j == k) scores_[j] = score;

@@ -34,7 +34,7 @@ struct InsertArgs {
 
 __global__ void insert_kernel(InsertArgs a, Segments segs) {
   const TableRef ref = a.ref;
-  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+  for_each_key_of_run(segs, [&](const auto& tile, int64_t i, int32_t b) {
     const bool lead = tile.thread_rank() == 0;
     if (b < 0) {  // no bucket (a flagged layout error)
       if (lead) {
@@ -127,8 +127,8 @@ __device__ __forceinline__ void insert_run(const Tile& tile, const InsertArgs& a
         a.ev_key[i] = ref.keys[slot];
         a.ev_score[i] = ref.scores[slot];
       }
-      ref.commit(slot, r, key, d, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
-      bucket.committed(ref, s, d, a.epoch);
+      const int64_t score = ref.commit(slot, r, key, d, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
+      bucket.committed(s, d, a.epoch, score);
       a.out[i] = slot;
       a.res[i] = r;
     }
@@ -136,30 +136,22 @@ __device__ __forceinline__ void insert_run(const Tile& tile, const InsertArgs& a
   }
 }
 
-// The tile at the head of each bucket's run inserts it (as insert_kernel).
-// Measured on an H200 (bench_table, 1M keys into 16M slots, 2^30 keys/s,
-// against insert_kernel in the same run, two rounds each): found keys 0.50 ->
-// 0.99; new keys (1.05 -> 1.09) and evicting ones (0.58 -> 0.64) within the
-// spread, bound elsewhere in the op. A grid of resident tiles walking the
-// positions (so that a block does not wait on its one or two heads) also
-// measured within the spread, and was left out.
+// A tile inserts each run (as insert_kernel). Measured on an H200 (bench_table,
+// 1M keys into 16M slots, 2^30 keys/s): against insert_kernel, found keys 0.50
+// -> 0.99, new ones and evicting ones within the spread (1.05 -> 1.09, 0.58 ->
+// 0.64) while a tile per sorted position left most tiles idle; on the grid of
+// resident tiles over the runs (for_each_run), new keys 1.1 -> 1.7, found
+// ones 1.1 -> 1.9, evicting ones 0.65 -> 1.05.
 __global__ void __launch_bounds__(kThreads, 4) insert_regs_kernel(InsertArgs a, Segments segs) {
-  const auto tile = cg::tiled_partition<kGroupSize>(cg::this_thread_block());
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + tile.meta_group_rank();
-  if (j >= segs.n) return;
-  const int32_t b = segs.bucket[j];
-  if (j == 0 || segs.bucket[j - 1] != b) insert_run(tile, a, segs, j, b);
+  for_each_run(segs, [&](const auto& tile, int64_t j, int32_t b) { insert_run(tile, a, segs, j, b); });
 }
 
-// The sizes and counters, per table and result (TableRef::tally_insert);
-// warp-aggregated: few atomics per warp.
+// The sizes and counters, per table and result (TableRef::tally_insert).
 __global__ void tally_insert_kernel(TableRef ref, const int8_t* res, const int64_t* tids, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = i < n && res[i] != kAssigned;
-  const unsigned long long group = active ? static_cast<unsigned long long>(tids ? tids[i] : 0) * 4 + res[i] : 0;
-  cuda::warp_aggregate(active, group, [&](unsigned long long g, int count) {
-    ref.tally_insert(static_cast<int64_t>(g / 4), static_cast<int>(g % 4), count, AtomicAdd{});
-  });
+  tally(
+      n, ref.num_tables * 4,
+      [&](int64_t i) { return res[i] == kAssigned ? int64_t{-1} : (tids ? tids[i] : 0) * 4 + res[i]; },
+      [&](int64_t g, int64_t count) { ref.tally_insert(g / 4, static_cast<int>(g % 4), count, AtomicAdd{}); });
 }
 
 // The evicted entries, compacted in input order (pos: evicting key positions).
@@ -196,7 +188,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* tids = opt_ptr(table_ids);
   const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
-  const SortedKeys sorted = sort_by_bucket(P.bucket);
+  const SortedKeys sorted = sort_by_bucket(P.bucket, stream);
   Tensor ev_key = new_tensor(n, at::kLong, dev), ev_score = new_tensor(n, at::kLong, dev);
   const InsertArgs a{ref,
                      keys.data_ptr<int64_t>(),
@@ -210,15 +202,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
                      results.data_ptr<int8_t>(),
                      ev_key.data_ptr<int64_t>(),
                      ev_score.data_ptr<int64_t>()};
-  if (BucketRegs::fits(ref))
-    insert_regs_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
-  else
-    insert_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(a, sorted.segments());
+  const Segments segs = sorted.segments();
+  if (BucketRegs::fits(ref)) {
+    const unsigned int grid = runs_grid<insert_regs_kernel>(segs);
+    insert_regs_kernel<<<grid, kThreads, 0, stream>>>(a, segs);
+  } else {
+    const unsigned int grid = runs_grid<insert_kernel>(segs);
+    insert_kernel<<<grid, kThreads, 0, stream>>>(a, segs);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Without table ids every key is in table 0, so a layout error leaves every
   // key without a bucket and the slots untouched: raise it before the tally.
-  if (!table_ids) raise_flags(P.flags, table_ids, ref, stream);
-  tally_insert_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, a.res, tids, n);
+  // A layout that fits (checked once per table_buckets) flags no key: no read.
+  if (!table_ids && !layout_fits(ref, table[kTableBuckets], stream)) raise_flags(P.flags, table_ids, ref, stream);
+  tally_insert_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, a.res, tids, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   if (!list_evicted) {

@@ -190,7 +190,7 @@ struct KeysIn {
 
 __global__ void lookup_refresh_kernel(TableRef ref, KeysIn in, Scoring scoring, int64_t* out, bool* found,
                                       Segments segs) {
-  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+  for_each_key_of_run(segs, [&](const auto& tile, int64_t i, int32_t b) {
     const int64_t slot = FindTile<kGroupSize>::find(tile, ref, b, in.digest[i], in.keys[i]);
     if (tile.thread_rank() != 0) return;
     out[i] = slot;
@@ -214,10 +214,12 @@ std::tuple<Tensor, Tensor> lookup_refresh(at::ArrayRef<Tensor> table, const Tens
   if (n == 0) return {indices, found};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
-  const SortedKeys sorted = sort_by_bucket(P.bucket);
-  lookup_refresh_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
+  const SortedKeys sorted = sort_by_bucket(P.bucket, stream);
+  const Segments segs = sorted.segments();
+  const unsigned int grid = runs_grid<lookup_refresh_kernel>(segs);
+  lookup_refresh_kernel<<<grid, kThreads, 0, stream>>>(
       ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), opt_ptr(key_scores)},
-      Scoring::of(strategy, call_score), indices.data_ptr<int64_t>(), found.data_ptr<bool>(), sorted.segments());
+      Scoring::of(strategy, call_score), indices.data_ptr<int64_t>(), found.data_ptr<bool>(), segs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {indices, found};
 }
@@ -254,21 +256,18 @@ void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optio
 // ---- erase -----------------------------------------------------------------------------
 
 __global__ void erase_kernel(TableRef ref, KeysIn in, bool* erased, Segments segs) {
-  for_each_key_of_segment(segs, [&](const auto& tile, int64_t i, int32_t b) {
+  for_each_key_of_run(segs, [&](const auto& tile, int64_t i, int32_t b) {
     const int64_t slot = FindTile<kGroupSize>::find(tile, ref, b, in.digest[i], in.keys[i]);
     if (tile.thread_rank() != 0) return;
     erased[i] = slot >= 0 && ref.erase(slot);
   });
 }
 
-// The sizes less the erased keys, per table (warp-aggregated atomics).
+// The sizes less the erased keys, per table.
 __global__ void tally_erase_kernel(TableRef ref, const bool* erased, const int64_t* tids, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = i < n && erased[i];
-  const unsigned long long group = active && tids ? static_cast<unsigned long long>(tids[i]) : 0;
-  cuda::warp_aggregate(active, group, [&](unsigned long long t, int count) {
-    ref.tally_erase(static_cast<int64_t>(t), count, AtomicAdd{});
-  });
+  tally(
+      n, ref.num_tables, [&](int64_t i) { return erased[i] ? (tids ? tids[i] : 0) : int64_t{-1}; },
+      [&](int64_t t, int64_t count) { ref.tally_erase(t, count, AtomicAdd{}); });
 }
 
 Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
@@ -281,12 +280,13 @@ Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional
   if (n == 0) return erased;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
-  const SortedKeys sorted = sort_by_bucket(P.bucket);
-  erase_kernel<<<blocks_for(n, kTilesPerBlock), kThreads, 0, stream>>>(
-      ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(),
-      sorted.segments());
+  const SortedKeys sorted = sort_by_bucket(P.bucket, stream);
+  const Segments segs = sorted.segments();
+  const unsigned int grid = runs_grid<erase_kernel>(segs);
+  erase_kernel<<<grid, kThreads, 0, stream>>>(
+      ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(), segs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  tally_erase_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(),
+  tally_erase_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(),
                                                                       opt_ptr(table_ids), n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return erased;

@@ -121,17 +121,21 @@ struct TableRef {
   // stored one (kInserted, kEvicted) takes the slot. Either way the slot
   // becomes held by `epoch`, and stamped where timestamps are kept. The
   // caller reads an evicted key and score before.
-  DE_HD void commit(int64_t slot, int8_t result, int64_t key, uint8_t digest, const Scoring& s,
-                    int64_t key_score, Epoch epoch) const {
+  // Returns the slot's new score (so that a copy in registers need not read it back).
+  DE_HD int64_t commit(int64_t slot, int8_t result, int64_t key, uint8_t digest, const Scoring& s,
+                       int64_t key_score, Epoch epoch) const {
+    int64_t score;
     if (result == kAssigned) {
-      scores[slot] = score_on_access(s.strategy, scores[slot], s.call_score, key_score);
+      score = score_on_access(s.strategy, scores[slot], s.call_score, key_score);
     } else {
       keys[slot] = key;
       digests[slot] = digest;
-      scores[slot] = score_on_insert(s.strategy, s.call_score, key_score);
+      score = score_on_insert(s.strategy, s.call_score, key_score);
     }
+    scores[slot] = score;
     if (timestamps) timestamps[slot] = s.call_score;
     epochs[slot] = epoch;
+    return score;
   }
   // A lookup's access of the key at `slot` (lookup_refresh).
   DE_HD void refresh(int64_t slot, const Scoring& s, int64_t key_score) const {
