@@ -140,8 +140,11 @@ __device__ __forceinline__ void insert_run(const Tile& tile, const InsertArgs& a
 // 1M keys into 16M slots, 2^30 keys/s): against insert_kernel, found keys 0.50
 // -> 0.99, new ones and evicting ones within the spread (1.05 -> 1.09, 0.58 ->
 // 0.64) while a tile per sorted position left most tiles idle; on the grid of
-// resident tiles over the runs (for_each_run), new keys 1.1 -> 1.7, found
-// ones 1.1 -> 1.9, evicting ones 0.65 -> 1.05.
+// resident tiles over the runs (for_each_run; one process, alternating),
+// new keys 1.1 -> 1.7, found ones 1.1 -> 1.9, evicting ones 0.65 -> 1.05
+// (docs/gpu/h200-2026-11-27). Keeping a full bucket's keys in shared memory
+// as well (no load for a digest match or the evicted key) measured within
+// the spread and was left out.
 __global__ void __launch_bounds__(kThreads, 4) insert_regs_kernel(InsertArgs a, Segments segs) {
   for_each_run(segs, [&](const auto& tile, int64_t j, int32_t b) { insert_run(tile, a, segs, j, b); });
 }

@@ -286,8 +286,7 @@ Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional
   erase_kernel<<<grid, kThreads, 0, stream>>>(
       ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(), segs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  tally_erase_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(),
-                                                                      opt_ptr(table_ids), n);
+  tally_erase_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(), opt_ptr(table_ids), n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return erased;
 }
