@@ -13,6 +13,8 @@
 #
 # Usage: scripts/gpu_prebuild.sh  ->  .devbuild/libdynamicemb_ops.so
 #   (git-ignored; run gpu_check with carry [".devbuild", ".whl"])
+# GPU_PREBUILD_REV=<commit>: that commit's sources instead (a worktree in the
+#   cache), to .devbuild/lib-<commit>.so, for scripts/gpu_ab.sh.
 # GPU_PREBUILD_TORCH (2.11.0), GPU_PREBUILD_CACHE (/tmp/dynamicemb_torch_<ver>),
 # GPU_PREBUILD_ARCHS ("90"), MAX_JOBS (the cores).
 set -euo pipefail
@@ -20,7 +22,15 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VER=${GPU_PREBUILD_TORCH:-2.11.0}
 CACHE=${GPU_PREBUILD_CACHE:-/tmp/dynamicemb_torch_$VER}
 OUT=$ROOT/.devbuild
-BUILD=$CACHE/build-$(echo "$ROOT" | md5sum | cut -c1-8)  # objects: outside what the device tool carries
+SRC=$ROOT
+LIB=libdynamicemb_ops.so
+if [ -n "${GPU_PREBUILD_REV:-}" ]; then
+  REV=$(git -C "$ROOT" rev-parse --short "$GPU_PREBUILD_REV")
+  SRC=$CACHE/src-$REV
+  [ -d "$SRC/csrc" ] || { rm -rf "$SRC"; mkdir -p "$SRC"; git -C "$ROOT" archive "$REV" csrc | tar -x -C "$SRC"; }
+  LIB=lib-$REV.so
+fi
+BUILD=$CACHE/build-$(echo "$SRC" | md5sum | cut -c1-8)  # objects: outside what the device tool carries
 ARCHS=${GPU_PREBUILD_ARCHS:-90}
 CUDA=${CUDA_HOME:-/usr/local/cuda}
 TORCH=$CACHE/site/torch
@@ -36,7 +46,7 @@ EXCLUDE=$(git -C "$ROOT" rev-parse --git-path info/exclude)  # a worktree keeps 
 grep -qxF /.devbuild/ "$EXCLUDE" 2>/dev/null || echo /.devbuild/ >> "$EXCLUDE"
 
 # setup.py's flags, and those torch's cpp_extension adds to every source.
-INC="-I$ROOT/csrc -I$TORCH/include -I$TORCH/include/torch/csrc/api/include -I$CUDA/include"
+INC="-I$SRC/csrc -I$TORCH/include -I$TORCH/include/torch/csrc/api/include -I$CUDA/include"
 DEFS="-DTORCH_API_INCLUDE_EXTENSION_H -DPy_LIMITED_API=0x030A0000 -DTORCH_EXTENSION_NAME=libdynamicemb_ops \
 -D_GLIBCXX_USE_CXX11_ABI=1 -DDYNAMICEMB_WITH_CUDA"
 CXXFLAGS="-DNDEBUG -fPIC -O3 -std=c++20 -fvisibility=hidden -ffp-contract=off -g0 -fopenmp"
@@ -60,10 +70,10 @@ NVFLAGS="-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO
   while read -r src; do
     o=$BUILD/obj/${src//\//_}.o
     case $src in *.cu) r=nvcc ;; *) r=cxx ;; esac
-    echo "build $o: $r $ROOT/$src"
+    echo "build $o: $r $SRC/$src"
     objs="$objs $o"
-  done < <(cd "$ROOT" && find csrc -name '*.cpp' -o -name '*.cu' | sort)
-  echo "build $OUT/libdynamicemb_ops.so: link$objs"
+  done < <(cd "$SRC" && find csrc -name '*.cpp' -o -name '*.cu' | sort)
+  echo "build $OUT/$LIB: link$objs"
 } > "$BUILD/build.ninja"
 ninja -C "$BUILD" -j "${MAX_JOBS:-$(nproc)}"
-echo "[prebuild] $OUT/libdynamicemb_ops.so for torch $VER, sm_$ARCHS"
+echo "[prebuild] $OUT/$LIB for torch $VER, sm_$ARCHS${REV:+ (sources of $REV)}"
