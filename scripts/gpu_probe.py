@@ -285,7 +285,10 @@ def _count_syncs(fn):
 def module_step_host_syncs(dev):
     """Host synchronisations inside one training step of our module (issue
     32 wants none), forward and backward apart, for a batch of stored keys
-    and one of new keys: where each happens, for the session that removes them."""
+    and one of new keys: where each happens, for the session that removes them.
+    torch's sync debug mode sees only syncs through torch (`.item()`, copies
+    to the host); a C++ op's own cudaStreamSynchronize (emb_unique's group
+    count) shows in `runtime_syncs`: per step and per op, from the profiler."""
     if dev.type != "cuda":
         return "not counted: host synchronisation is a CUDA notion"
     from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
@@ -305,8 +308,11 @@ def module_step_host_syncs(dev):
         held = {}
         fwd = _count_syncs(lambda: held.update(out=m(*b)))
         bwd = _count_syncs(lambda: held["out"].sum().backward())
+        calls = _profile(lambda: m(*b).sum().backward())["runtime_calls"]
         out[label] = {"forward_syncs": sum(fwd.values()), "backward_syncs": sum(bwd.values()),
-                      "forward_sites": fwd, "backward_sites": bwd}
+                      "forward_sites": fwd, "backward_sites": bwd,
+                      "runtime_syncs": {op: c["sync"] for op, c in calls["by_op"].items()
+                                        if c.get("sync") and op != "(no parent)"}}  # that one: the profile's own
     return out
 
 
