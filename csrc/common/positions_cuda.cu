@@ -1,9 +1,8 @@
-// positions_count on CUDA: one thread per position, the mask's positions
-// counted by warp-aggregated atomics (a mostly false mask, such as failed
-// inserts, costs almost none), where a scatter-add of the whole mask costs
-// one contended atomic per position. An id outside [0, groups) under the
-// mask is a device-side assert, as for torch's index ops: reading it back
-// would cost a host sync.
+// positions_count on CUDA: the mask's positions counted by group
+// (cuda::tally: warp-aggregated, summed per block), where a scatter-add of the
+// whole mask costs one contended atomic per position. An id outside
+// [0, groups) under the mask is a device-side assert, as for torch's index
+// ops: reading it back would cost a host sync.
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -15,13 +14,14 @@ namespace dynamicemb {
 namespace {
 
 __global__ void count_kernel(const int64_t* ids, const bool* mask, int64_t n, int64_t groups, int64_t* counts) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = i < n && mask[i];
-  const int64_t g = active ? ids[i] : 0;
-  CUDA_KERNEL_ASSERT(g >= 0 && g < groups);
-  cuda::warp_aggregate(active, static_cast<unsigned long long>(g), [&](unsigned long long group, int count) {
-    cuda::atomic_add_i64(counts + group, count);
-  });
+  cuda::tally(
+      n, groups,
+      [&](int64_t i) {
+        if (!mask[i]) return int64_t{-1};
+        CUDA_KERNEL_ASSERT(ids[i] >= 0 && ids[i] < groups);
+        return ids[i];
+      },
+      [&](int64_t g, int64_t count) { cuda::atomic_add_i64(counts + g, count); });
 }
 
 at::Tensor count_cuda(const at::Tensor& ids, const at::Tensor& mask, int64_t groups) {
@@ -31,7 +31,7 @@ at::Tensor count_cuda(const at::Tensor& ids, const at::Tensor& mask, int64_t gro
   const int64_t n = ids.numel();
   if (n == 0) return counts;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  count_kernel<<<cuda::blocks_for(n, cuda::kThreads), cuda::kThreads, 0, stream>>>(
+  count_kernel<<<cuda::tally_grid(n), cuda::kThreads, 0, stream>>>(
       ids.data_ptr<int64_t>(), mask.data_ptr<bool>(), n, groups, counts.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return counts;

@@ -16,7 +16,7 @@
 //    and the result is deterministic. table_insert's tile holds its bucket
 //    in registers (bucket_regs_cuda.cuh) where it fits.
 //  - Sizes and counters are tallied afterwards from the per-key results,
-//    summed per block first (tally).
+//    summed per block first (cuda::tally).
 //  - table_export_range: a live mask over the range, compacted in slot order.
 //  - table_rehash: one thread per old bucket re-inserts its live slots in slot
 //    order into the new buckets it scales to (only it writes those).
@@ -298,48 +298,6 @@ __device__ __forceinline__ void for_each_key_of_run(const Segments& s, Op op) {
       tile.sync();
     }
   });
-}
-
-// ---- tallies -----------------------------------------------------------------------
-
-// Counts per-key outcomes into the table's sizes and counters: each block
-// sums its keys' groups in shared memory (warp-aggregated), then adds each
-// non-zero sum once. Warp-aggregated atomics alone sent every warp of a
-// one-table call to the same two counters (25-50 us of a 1M-key insert on an
-// H200). Over kTallyGroups groups, the warps add directly.
-// group_of(i): key i's group in [0, groups), -1 when it is not counted;
-// add(group, count) adds to the table (atomically).
-constexpr int kTallyGroups = 1024;
-
-template <class GroupOf, class Add>
-__device__ __forceinline__ void tally(int64_t n, int64_t groups, GroupOf group_of, Add add) {
-  __shared__ unsigned long long sums[kTallyGroups];
-  const bool in_block = groups <= kTallyGroups;  // uniform over the grid
-  if (in_block) {
-    for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) sums[g] = 0;
-    __syncthreads();
-  }
-  // Whole blocks take each turn, so every lane reaches warp_aggregate.
-  for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * blockDim.x; i0 < n; i0 += cuda::thread_stride()) {
-    const int64_t i = i0 + threadIdx.x;
-    const int64_t g = i < n ? group_of(i) : -1;
-    cuda::warp_aggregate(g >= 0, static_cast<unsigned long long>(g < 0 ? 0 : g),
-                         [&](unsigned long long group, int count) {
-                           if (in_block)
-                             atomicAdd(&sums[group], static_cast<unsigned long long>(count));
-                           else
-                             add(static_cast<int64_t>(group), count);
-                         });
-  }
-  if (!in_block) return;
-  __syncthreads();
-  for (int64_t g = threadIdx.x; g < groups; g += blockDim.x)
-    if (sums[g]) add(g, static_cast<int64_t>(sums[g]));
-}
-
-// The grid of a tally kernel over n keys: a few blocks per SM, each looping.
-inline unsigned int tally_grid(int64_t n) {
-  return static_cast<unsigned int>(std::min<int64_t>(blocks_for(n, kThreads), 4 * cuda::device_sms()));
 }
 
 }  // namespace

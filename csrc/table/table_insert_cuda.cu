@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 4) insert_regs_kernel(InsertArgs a, 
 
 // The sizes and counters, per table and result (TableRef::tally_insert).
 __global__ void tally_insert_kernel(TableRef ref, const int8_t* res, const int64_t* tids, int64_t n) {
-  tally(
+  cuda::tally(
       n, ref.num_tables * 4,
       [&](int64_t i) { return res[i] == kAssigned ? int64_t{-1} : (tids ? tids[i] : 0) * 4 + res[i]; },
       [&](int64_t g, int64_t count) { ref.tally_insert(g / 4, static_cast<int>(g % 4), count, AtomicAdd{}); });
@@ -218,7 +218,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   // key without a bucket and the slots untouched: raise it before the tally.
   // A layout that fits (checked once per table_buckets) flags no key: no read.
   if (!table_ids && !layout_fits(ref, table[kTableBuckets], stream)) raise_flags(P.flags, table_ids, ref, stream);
-  tally_insert_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, a.res, tids, n);
+  tally_insert_kernel<<<cuda::tally_grid(n), kThreads, 0, stream>>>(ref, a.res, tids, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   if (!list_evicted) {

@@ -265,7 +265,7 @@ __global__ void erase_kernel(TableRef ref, KeysIn in, bool* erased, Segments seg
 
 // The sizes less the erased keys, per table.
 __global__ void tally_erase_kernel(TableRef ref, const bool* erased, const int64_t* tids, int64_t n) {
-  tally(
+  cuda::tally(
       n, ref.num_tables, [&](int64_t i) { return erased[i] ? (tids ? tids[i] : 0) : int64_t{-1}; },
       [&](int64_t t, int64_t count) { ref.tally_erase(t, count, AtomicAdd{}); });
 }
@@ -286,7 +286,8 @@ Tensor erase(at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional
   erase_kernel<<<grid, kThreads, 0, stream>>>(
       ref, KeysIn{keys.data_ptr<int64_t>(), P.digest.data_ptr<uint8_t>(), nullptr}, erased.data_ptr<bool>(), segs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  tally_erase_kernel<<<tally_grid(n), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(), opt_ptr(table_ids), n);
+  tally_erase_kernel<<<cuda::tally_grid(n), kThreads, 0, stream>>>(ref, erased.data_ptr<bool>(), opt_ptr(table_ids),
+                                                                    n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return erased;
 }
