@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace dynamicemb {
@@ -72,16 +73,28 @@ class StablePartition {
     const int64_t P = parts_;
     // Each chunk keeps a counter per part: bound chunks x parts so that many
     // parts (e.g. one per unique key) cost no more than ~32 MiB of counters.
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(num_chunks(n, 8192), (int64_t{1} << 22) / P));
+    // One chunk per thread alone (more only balance the load: with one
+    // thread they cost counters and a longer prefix sum).
+    const int64_t per_thread = at::get_num_threads() > 1 ? 4 : 1;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(num_chunks(n, 8192, per_thread), (int64_t{1} << 22) / P));
     const int64_t len = (n + chunks - 1) / chunks;
     std::vector<int64_t> off(chunks * P, 0);
+    // Each position's part, kept from the counting pass when it fits 32
+    // bits: the placing pass reads it in sequence instead of asking again.
+    const bool keep = P <= (int64_t{1} << 32);
+    std::unique_ptr<uint32_t[]> part_at(keep ? new uint32_t[n] : nullptr);
     parallel_claim(chunks, [&](int64_t c) {
-      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) ++off[c * P + part(i)];
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) {
+        const int64_t p = part(i);
+        if (keep) part_at[i] = static_cast<uint32_t>(p);
+        ++off[c * P + p];
+      }
     });
     begin_ = counts_to_starts(off, chunks, P);
     order_.resize(n);
     parallel_claim(chunks, [&](int64_t c) {
-      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i) order_[off[c * P + part(i)]++] = i;
+      for (int64_t i = c * len, e = std::min(n, i + len); i < e; ++i)
+        order_[off[c * P + (keep ? int64_t{part_at[i]} : part(i))]++] = i;
     });
   }
 
