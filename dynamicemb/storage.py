@@ -242,18 +242,23 @@ class HashTableStorage(EmbeddingStorage):
         return None  # the table's clock
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
-        slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
-        is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
-        failed = torch.zeros(self.num_tables, dtype=torch.int64, device=keys.device)  # read by the module, later on CUDA
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
-        try:
-            self._find_or_insert_groups(keys, table_ids, counts, step, slots, is_new, failed, rejected)
-        except RuntimeError:
-            # A group failed (a cache too small for the step) after earlier
-            # groups placed new keys: those get their initial rows, so that
-            # every key stored holds a proper row when the step raises.
-            self.init_rows(slots, is_new, keys, table_ids)
-            raise
+        if self._whole_group():
+            # The usual step: one group holds every table, so its insert's
+            # outputs are the step's own (no masks, copies or merges).
+            slots, is_new, failed = self._find_or_insert_group(0, keys, table_ids, counts, step, rejected)
+        else:
+            slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
+            is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
+            failed = torch.zeros(self.num_tables, dtype=torch.int64, device=keys.device)  # read later on CUDA
+            try:
+                self._find_or_insert_groups(keys, table_ids, counts, step, slots, is_new, failed, rejected)
+            except RuntimeError:
+                # A group failed (a cache too small for the step) after earlier
+                # groups placed new keys: those get their initial rows, so that
+                # every key stored holds a proper row when the step raises.
+                self.init_rows(slots, is_new, keys, table_ids)
+                raise
         self.rejected += rejected
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
             given = keys.new_empty(0) if inverse is None else inverse
@@ -276,35 +281,55 @@ class HashTableStorage(EmbeddingStorage):
                           self.init_params, self.seed, skip_bad=True)
         return rows
 
+    def _whole_group(self) -> bool:
+        """Whether one group holds every table, in order, and none admits keys by counting."""
+        return (len(self.groups) == 1 and self.groups[0][1] == list(range(self.num_tables))
+                and not any(self.admission))
+
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:
         """find_or_insert's inserts, group by group: fills slots, is_new,
         failed and rejected in place."""
         for g, mask, lt in self.split(table_ids):
-            ht, tables = self.groups[g]
             k = keys if mask is None else keys[mask]
             c = counts if mask is None else counts[mask]
-            at = None if mask is None else where_true(mask)  # the inserted keys' positions; None: all
-            keep, counted = self._admit(g, k, lt, c, rejected)
-            if keep is not None:
-                k, c, lt_ins, counted = k[keep], c[keep], lt[keep], counted[keep]
-                at = where_true(keep) if at is None else at[keep]
-            else:
-                lt_ins = lt
-            out = self._store(g, k, lt_ins, self.insert_scores(g, lt_ins, c, step))
-            new = (out.results == InsertResult.INSERTED) | (out.results == InsertResult.EVICTED)
-            if keep is not None:  # admitted keys now stored (in any tier) leave the admission counters
-                gone = counted & (out.results != InsertResult.FAILED)
-                for lt, t in enumerate(tables):
-                    if self.admission[t] is not None:
-                        self.admission[t].forget(k[gone & (lt_ins == lt)])
-            n_failed = count_where(lt_ins, out.results == InsertResult.FAILED, len(tables))
-            failed.index_add_(0, self._group_table_ids(g, failed.device), n_failed)
+            at = None if mask is None else where_true(mask)  # the group's keys' positions; None: all
+            g_slots, g_new, g_failed = self._find_or_insert_group(g, k, lt, c, step, rejected)
+            failed.index_add_(0, self._group_table_ids(g, failed.device), g_failed)
             if at is None:
-                slots.copy_(out.indices)
-                is_new.copy_(new)
+                slots.copy_(g_slots)
+                is_new.copy_(g_new)
             else:
-                slots[at] = out.indices
-                is_new[at] = new
+                slots[at] = g_slots
+                is_new[at] = g_new
+
+    def _find_or_insert_group(self, g, keys, local_tids, counts, step, rejected):
+        """Group g's keys found or stored: (their slots, -1 where not stored
+        or not admitted; whether each got a new row; the failures per table
+        of the group). Adds the keys admission turned away to `rejected`."""
+        _, tables = self.groups[g]
+        keep, counted = self._admit(g, keys, local_tids, counts, rejected)
+        if keep is None:
+            out = self._store(g, keys, local_tids, self.insert_scores(g, local_tids, counts, step))
+            return out.indices, self._got_row(out.results), count_where(local_tids, out.results == InsertResult.FAILED,
+                                                                        len(tables))
+        k, c, lt, counted = keys[keep], counts[keep], local_tids[keep], counted[keep]
+        out = self._store(g, k, lt, self.insert_scores(g, lt, c, step))
+        # Admitted keys now stored (in any tier) leave the admission counters.
+        gone = counted & (out.results != InsertResult.FAILED)
+        for t_local, t in enumerate(tables):
+            if self.admission[t] is not None:
+                self.admission[t].forget(k[gone & (lt == t_local)])
+        at = where_true(keep)
+        slots = torch.full_like(keys, -1)
+        slots[at] = out.indices
+        is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)
+        is_new[at] = self._got_row(out.results)
+        return slots, is_new, count_where(lt, out.results == InsertResult.FAILED, len(tables))
+
+    @staticmethod
+    def _got_row(results: torch.Tensor) -> torch.Tensor:
+        """Whether each key got a new row (inserted, or in an evicted key's slot)."""
+        return (results == InsertResult.INSERTED) | (results == InsertResult.EVICTED)
 
     def _group_table_ids(self, g: int, device: torch.device) -> torch.Tensor:
         """Group g's table ids as a tensor on `device` (made once)."""
