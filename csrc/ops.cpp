@@ -90,6 +90,13 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "emb_init_rows(Tensor(a!)[] weights, Tensor rows, Tensor table_ids, Tensor keys, int[] dims, "
       "Tensor init_params, int seed, bool skip_bad=False) -> ()");
+  // Every key's row from its hash table slot (row_parts.h slot_row: the slot
+  // less its table's slot_begin, -1 stays -1), with the rows of the new keys
+  // (is_new) initialised as emb_init_rows with skip_bad: one op (on CUDA one
+  // launch) where a row computation and an init call took six.
+  m.def(
+      "emb_slot_rows_init(Tensor(a!)[] weights, Tensor slots, Tensor slot_begin, Tensor table_ids, Tensor keys, "
+      "Tensor is_new, int[] dims, Tensor init_params, int seed) -> Tensor");
   // A training step's unique keys in the order of their rows' addresses, to
   // within blocks (embedding_cpu.cpp row_order): (order, rows, keys and table
   // ids permuted by it, inverse renumbered to match), with the new keys' rows

@@ -147,6 +147,11 @@ def _emb_init_rows_fake(weights, rows, table_ids, keys, dims, init_params, seed,
     return None
 
 
+@torch.library.register_fake(_lib + "emb_slot_rows_init")
+def _emb_slot_rows_init_fake(weights, slots, slot_begin, table_ids, keys, is_new, dims, init_params, seed):
+    return torch.empty_like(slots)
+
+
 @torch.library.register_fake(_lib + "emb_row_order_init")
 def _emb_row_order_init_fake(weights, slots, slot_begin, table_ids, keys, is_new, inverse, dims, init_params, seed):
     return (torch.empty_like(slots), torch.empty_like(slots), torch.empty_like(keys), torch.empty_like(table_ids),

@@ -273,13 +273,11 @@ class HashTableStorage(EmbeddingStorage):
     def init_rows(self, slots, is_new, keys, table_ids) -> torch.Tensor:
         """Writes the initial rows of the new keys; returns every key's row.
         (A CPU step initialises its new rows in find_or_insert's row-order
-        pass; this serves other devices, and a step that fails.)"""
-        rows = _slot_rows(slots, self._table_slot_begin[table_ids])
-        # Row -1 where a key is not new: the kernels skip it (no positions to count on the host).
-        # The rows are the table's own slots: nothing to look for (skip_bad: no wait for the device).
-        ops.emb_init_rows(self.weights(), torch.where(is_new, rows, -1), table_ids, keys, self.dims,
-                          self.init_params, self.seed, skip_bad=True)
-        return rows
+        pass; this serves other devices, and a step that fails.) One op:
+        the rows are the table's own slots, so a bad one is skipped, and
+        nothing waits for the device."""
+        return ops.emb_slot_rows_init(self.weights(), slots, self._table_slot_begin, table_ids, keys, is_new,
+                                      self.dims, self.init_params, self.seed)
 
     def _whole_group(self) -> bool:
         """Whether one group holds every table, in order, and none admits keys by counting."""

@@ -280,6 +280,27 @@ void init_rows_cpu(TensorList weights, const Tensor& rows, const Tensor& table_i
                   skip_bad);
 }
 
+// The keys' rows from their slots (slot_row), the new keys' rows initialised
+// (init_rows_where with skip_bad: the rows are the table's own slots).
+Tensor slot_rows_init_cpu(TensorList weights, const Tensor& slots, const Tensor& slot_begin, const Tensor& table_ids,
+                          const Tensor& keys, const Tensor& is_new, IntArrayRef dims, const Tensor& init_params,
+                          int64_t seed) {
+  const Rows R = check_rows(weights, dims);
+  const int64_t T = R.num_tables();
+  check_slot_rows_args(slots, slot_begin, table_ids, keys, is_new, T, at::Device(at::kCPU));
+  const int64_t n = slots.numel();
+  Tensor rows = at::empty({n}, slots.options());
+  const int64_t *s = slots.data_ptr<int64_t>(), *sb = slot_begin.data_ptr<int64_t>(),
+                *t = table_ids.data_ptr<int64_t>();
+  int64_t* r = rows.data_ptr<int64_t>();
+  cpu::parallel_ranges(n, 16384, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) r[i] = slot_row(s[i], t[i], sb, T);
+  });
+  init_rows_where(R, init_args(init_params, T), static_cast<uint64_t>(seed), r, t, keys.data_ptr<int64_t>(),
+                  is_new.data_ptr<bool>(), n, /*skip_bad=*/true);
+  return rows;
+}
+
 // ---- row order ----------------------------------------------------------------------
 
 // Positions 0..n-1 of (table, row) pairs in the order of their rows'
@@ -321,23 +342,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> row_order_init_cpu(
     TensorList weights, const Tensor& slots, const Tensor& slot_begin, const Tensor& table_ids, const Tensor& keys,
     const Tensor& is_new, const Tensor& inverse, IntArrayRef dims, const Tensor& init_params, int64_t seed) {
   const Rows R = check_rows(weights, dims);
-  check_1d(slots, at::kLong, "slots");
-  check_1d(slot_begin, at::kLong, "slot_begin");
-  check_1d(table_ids, at::kLong, "table_ids");
-  check_1d(keys, at::kLong, "keys");
-  check_1d(is_new, at::kBool, "is_new");
-  check_1d(inverse, at::kLong, "inverse");
   const int64_t n = slots.numel(), m = inverse.numel(), T = R.num_tables();
-  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
-              "dynamicemb: slots, table_ids, keys and is_new differ in length");
-  TORCH_CHECK(slot_begin.numel() == T, "dynamicemb: slot_begin has ", slot_begin.numel(), " entries for ", T,
-              " tables");
+  check_slot_rows_args(slots, slot_begin, table_ids, keys, is_new, T, at::Device(at::kCPU));
+  check_1d(inverse, at::kLong, "inverse");
   check_inverse(inverse, n);
   const auto args = init_args(init_params, T);
   const int64_t *s = slots.data_ptr<int64_t>(), *sb = slot_begin.data_ptr<int64_t>(),
                 *t = table_ids.data_ptr<int64_t>(), *k = keys.data_ptr<int64_t>(), *inv = inverse.data_ptr<int64_t>();
   // The row of position i (a bad table id keeps its slot: row_order puts it first, init rejects it).
-  const auto row_of = [&](int64_t i) { return s[i] >= 0 && 0 <= t[i] && t[i] < T ? s[i] - sb[t[i]] : s[i]; };
+  const auto row_of = [&](int64_t i) { return slot_row(s[i], t[i], sb, T); };
   const bool* nw = is_new.data_ptr<bool>();
   Tensor order_out = at::empty({n}, slots.options()), rows_out = at::empty({n}, slots.options()),
          keys_out = at::empty({n}, keys.options()), tids_out = at::empty({n}, table_ids.options()),
@@ -582,6 +595,7 @@ Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("emb_unique", &unique_cpu);
   m.impl("emb_init_rows", &init_rows_cpu);
+  m.impl("emb_slot_rows_init", &slot_rows_init_cpu);
   m.impl("emb_row_order_init", &row_order_init_cpu);
   m.impl("emb_forward", &forward_cpu);
   m.impl("emb_backward_update", &backward_update_cpu);

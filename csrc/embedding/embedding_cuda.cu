@@ -220,14 +220,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
 
 // ---- initial rows ----------------------------------------------------------------------------
 
+// Where init_rows_kernel finds the rows: given (rows), or computed from the
+// keys' slots (slot_row), written to rows_out, and initialised where is_new.
+struct RowsOf {
+  const int64_t* rows;
+  const int64_t* slots = nullptr;
+  const int64_t* slot_begin = nullptr;
+  const bool* is_new = nullptr;
+  int64_t* rows_out = nullptr;
+};
+
 // One warp per row, lanes over its elements: the initial weights, then the
 // fresh optimizer state (init::state_value). Bad (table, row) pairs are skipped and recorded.
 template <class W>
-__global__ void init_rows_kernel(const TableDev* tabs, int64_t T, const int64_t* rows, const int64_t* tids,
+__global__ void init_rows_kernel(const TableDev* tabs, int64_t T, RowsOf of, const int64_t* tids,
                                  const int64_t* keys, int64_t n, uint64_t seed, int64_t* err) {
   const int lane = lane_id();
   for (int64_t i = warp_begin(); i < n; i += warp_stride()) {
-    const int64_t r = rows[i], t = tids[i];
+    const int64_t t = tids[i];
+    int64_t r;
+    if (of.slots != nullptr) {
+      r = slot_row(of.slots[i], t, of.slot_begin, T);
+      if (lane == 0) of.rows_out[i] = r;
+      if (!of.is_new[i]) continue;
+    } else {
+      r = of.rows[i];
+    }
     if (r < 0) continue;
     if (t < 0 || t >= T || r >= tabs[t].rows.rows) {
       if (lane == 0 && err != nullptr) flag_min(err, i);
@@ -260,7 +278,7 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
   if (!skip_bad) err.emplace(1, R.device, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_init_rows_cuda", [&] {
     init_rows_kernel<scalar_t><<<blocks_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
-        device_ptr<TableDev>(tabs), T, rows.data_ptr<int64_t>(), table_ids.data_ptr<int64_t>(),
+        device_ptr<TableDev>(tabs), T, RowsOf{rows.data_ptr<int64_t>()}, table_ids.data_ptr<int64_t>(),
         keys.data_ptr<int64_t>(), n, static_cast<uint64_t>(seed), err ? err->ptr() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -271,6 +289,32 @@ void init_rows_cuda(TensorList weights, const Tensor& rows, const Tensor& table_
     const int64_t t = download(table_ids.data_ptr<int64_t>() + bad, 1, stream)[0];
     TORCH_CHECK(false, "dynamicemb: row ", r, " of table ", t, " is out of range");
   }
+}
+
+// emb_slot_rows_init: the rows from the slots and the new rows initialised,
+// in one launch (bad pairs skipped, as emb_init_rows with skip_bad: nothing
+// is read back).
+Tensor slot_rows_init_cuda(TensorList weights, const Tensor& slots, const Tensor& slot_begin, const Tensor& table_ids,
+                           const Tensor& keys, const Tensor& is_new, IntArrayRef dims, const Tensor& init_params,
+                           int64_t seed) {
+  const Rows R = check_rows(weights, dims, slots);
+  const c10::cuda::CUDAGuard guard(R.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(R.device.index());
+  const int64_t T = R.num_tables(), n = slots.numel();
+  check_slot_rows_args(slots, slot_begin, table_ids, keys, is_new, T, R.device);
+  const auto args = init_args(init_params, T, stream);
+  Tensor rows = at::empty({n}, slots.options());
+  if (n == 0) return rows;
+  const Tensor tabs = upload(table_facts(R, args), R.device, stream);
+  const RowsOf of{nullptr, slots.data_ptr<int64_t>(), slot_begin.data_ptr<int64_t>(), is_new.data_ptr<bool>(),
+                  rows.data_ptr<int64_t>()};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_slot_rows_init_cuda", [&] {
+    init_rows_kernel<scalar_t><<<blocks_for(n, kWarpsPerBlock), kThreads, 0, stream>>>(
+        device_ptr<TableDev>(tabs), T, of, table_ids.data_ptr<int64_t>(), keys.data_ptr<int64_t>(), n,
+        static_cast<uint64_t>(seed), nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
 }
 
 // ---- forward ---------------------------------------------------------------------------------------
@@ -509,6 +553,7 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("emb_unique", &unique_cuda);
   m.impl("emb_init_rows", &init_rows_cuda);
+  m.impl("emb_slot_rows_init", &slot_rows_init_cuda);
   m.impl("emb_forward", &forward_cuda);
   m.impl("emb_lookup_forward", &lookup_forward_cuda);
 }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/checks.h"
 #include "common/hd.h"
 #include "embedding/bag_checks.h"
 
@@ -32,6 +33,30 @@ struct RowParts {
 template <class W>
 DE_HD W* row_at(const RowParts& p, int64_t r) {
   return r < p.split ? static_cast<W*>(p.head) + r * p.stride : static_cast<W*>(p.tail) + (r - p.split) * p.stride;
+}
+
+// The row of a key at hash table slot `slot` of table t: the slot less the
+// table's first slot, slot_begin[t] (-1, no slot, stays -1; a table id out of
+// [0, T) keeps the slot, which the row's range check then rejects).
+DE_HD int64_t slot_row(int64_t slot, int64_t t, const int64_t* slot_begin, int64_t T) {
+  return slot >= 0 && 0 <= t && t < T ? slot - slot_begin[t] : slot;
+}
+
+// Host side, both backends: the keys' slots, their tables' first slots
+// (slot_begin [T]), table ids, keys and new-row flags of a row computation
+// (emb_slot_rows_init, emb_row_order_init), on `device`.
+inline void check_slot_rows_args(const at::Tensor& slots, const at::Tensor& slot_begin, const at::Tensor& table_ids,
+                                 const at::Tensor& keys, const at::Tensor& is_new, int64_t T, at::Device device) {
+  check_1d(slots, at::kLong, "slots", device);
+  check_1d(slot_begin, at::kLong, "slot_begin", device);
+  check_1d(table_ids, at::kLong, "table_ids", device);
+  check_1d(keys, at::kLong, "keys", device);
+  check_1d(is_new, at::kBool, "is_new", device);
+  const int64_t n = slots.numel();
+  TORCH_CHECK(table_ids.numel() == n && keys.numel() == n && is_new.numel() == n,
+              "dynamicemb: slots, table_ids, keys and is_new differ in length");
+  TORCH_CHECK(slot_begin.numel() == T, "dynamicemb: slot_begin has ", slot_begin.numel(), " entries for ", T,
+              " tables");
 }
 
 // Host side, both backends: each table's parts from an op's weights list (T

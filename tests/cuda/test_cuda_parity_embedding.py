@@ -87,6 +87,32 @@ def test_init_rows_skip_bad_skips_pairs_out_of_range():
             same(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_rows_init(dtype):
+    # The rows from slots (a table's first slot subtracted, -1 kept, a slot
+    # past its table's rows and a table id out of range kept as the CPU
+    # computes them) and the new keys' rows written, the bad ones skipped.
+    gen = torch.Generator().manual_seed(6)
+    dims, n = [5, 40, 8], 60
+    weights = setup_rows(gen, dims, [1, 0, 2], dtype)
+    begin = torch.tensor([0, 64, 128])
+    rows = torch.randperm(64, generator=gen)[:n]
+    tids = torch.randint(0, len(dims), (n,), generator=gen)
+    slots = torch.where(torch.rand(n, generator=gen) < 0.2, torch.tensor(-1), rows + begin[tids])
+    slots[3], tids[7] = begin[int(tids[3])] + 64, 3  # a row past its table; a table id out of range
+    keys = torch.randint(-2**62, 2**62, (n,), generator=gen)
+    is_new = torch.rand(n, generator=gen) < 0.5
+    params = init_params([0, 2, 4])
+    want_w = [w.clone() for w in weights]
+    want = ops.emb_slot_rows_init(want_w, slots, begin, tids, keys, is_new, dims, params, 7)
+    got_w = [w.to(DEV) for w in weights]
+    got = ops.emb_slot_rows_init(got_w, slots.to(DEV), begin.to(DEV), tids.to(DEV), keys.to(DEV), is_new.to(DEV),
+                                 dims, params, 7)
+    same(want, got)
+    for a, b in zip(want_w, got_w):
+        same(a, b)
+
+
 def lookup_inputs(gen, feature_table, num_tables, B, dims, dtype, state=None, missing=0.2):
     idx, off = batch(gen, len(feature_table), B, 6, 200)
     ukeys, utids, inverse, counts = ops.emb_unique(idx, off, feature_table, num_tables)

@@ -152,6 +152,46 @@ def test_row_order_init_permutes_renumbers_and_initialises_new_rows(shifted):
                                m.storage.init_params, 4)
 
 
+def _slots(m, rows, utids):
+    """Slots of a hash table holding the tables one after another (from slot
+    1000 on): a key's row is its slot less its table's first slot; -1 stays -1."""
+    begin = torch.tensor([1000, 1000 + m.storage.weights()[0].shape[0]])
+    return torch.where(rows >= 0, rows + begin[utids], rows), begin
+
+
+@opcheck_every_call
+def test_emb_slot_rows_init_sample():
+    m, ukeys, utids, _, rows = _many_uniques()
+    slots, begin = _slots(m, rows, utids)
+    is_new = torch.arange(ukeys.numel()) % 3 == 0
+    weights = [w.clone() for w in m.storage.weights()]
+    ops.emb_slot_rows_init(weights, slots, begin, utids, ukeys, is_new, m.dims, m.storage.init_params, 0)
+
+
+def test_slot_rows_init_gives_the_rows_and_initialises_the_new_ones():
+    m, ukeys, utids, _, rows = _many_uniques()
+    U = ukeys.numel()
+    slots, begin = _slots(m, rows, utids)
+    is_new = torch.arange(U) % 3 == 0
+    # A new key whose slot lies past its table's rows: skipped (emb_init_rows' skip_bad), its row as computed.
+    slots[5], is_new[5] = begin[int(utids[5])] + m.storage.weights()[int(utids[5])].shape[0], True
+    weights = [w.clone() for w in m.storage.weights()]
+    got = ops.emb_slot_rows_init(weights, slots, begin, utids, ukeys, is_new, m.dims, m.storage.init_params, 4)
+    want_rows = torch.where(slots >= 0, slots - begin[utids], slots)
+    assert torch.equal(got, want_rows) and int((got < 0).sum()) > 50
+    # The new keys with a row in range: their initial values and zero state
+    # (emb_init_rows' rule); every other row untouched.
+    want = [w.clone() for w in m.storage.weights()]
+    sel = (is_new & (rows >= 0)).nonzero().squeeze(1)
+    sel = sel[sel != 5]
+    ops.emb_init_rows(want, rows[sel], utids[sel], ukeys[sel], m.dims, m.storage.init_params, 4)
+    assert sel.numel() > 1000 and all(torch.equal(a, b) for a, b in zip(weights, want))
+    with pytest.raises(RuntimeError, match="slot_begin has 1 entries for 2 tables"):
+        ops.emb_slot_rows_init(weights, slots, begin[:1], utids, ukeys, is_new, m.dims, m.storage.init_params, 4)
+    with pytest.raises(RuntimeError, match="slots, table_ids, keys and is_new differ in length"):
+        ops.emb_slot_rows_init(weights, slots, begin, utids, ukeys, is_new[:-1], m.dims, m.storage.init_params, 4)
+
+
 @pytest.mark.parametrize("bad", [-1, "U"])
 def test_forward_and_backward_reject_an_inverse_that_names_no_key(bad):
     m, _, offsets, ukeys, utids, inverse, rows = _inputs()
