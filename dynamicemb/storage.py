@@ -462,7 +462,9 @@ class HashTableStorage(EmbeddingStorage):
         full = at_max()
         # The evicted keys are not listed (that would wait for the device):
         # a call in which a table may evict counts as having evicted.
-        out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full, list_evicted=False)
+        # A group whose tables are all at their maximum never grows: nothing reads its sizes before an insert.
+        out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full, list_evicted=False,
+                        track_sizes=not all(full))
         idx, res = out.indices, out.results
         may_have_evicted = any(full)
         while True:
