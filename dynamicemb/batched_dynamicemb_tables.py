@@ -17,6 +17,7 @@ from torch import nn
 
 from dynamicemb._ops import ops
 from dynamicemb.aliases import renamed
+from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.memory import DynamicEmbBudgetError
 from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, optimizer_code, state_start,
@@ -201,13 +202,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                 f"tables {self.table_names})")
             if t.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        indices = indices.to(torch.int64).contiguous()
-        offsets = offsets.to(torch.int64).contiguous()
+        indices = contiguous_as(indices, torch.int64)
+        offsets = contiguous_as(offsets, torch.int64)
         if per_sample_weights is not None:
             if per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices.numel():
                 raise ValueError(f"per_sample_weights must be 1-D with one weight per index ({indices.numel()}), "
                                  f"got shape {tuple(per_sample_weights.shape)}")
-            per_sample_weights = per_sample_weights.to(torch.float32).contiguous()
+            per_sample_weights = contiguous_as(per_sample_weights, torch.float32)
             check_finite_weights(per_sample_weights, offsets, self.feature_labels, "dynamicemb")  # names on error only
         return indices, offsets, per_sample_weights
 
@@ -297,7 +298,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def _apply_gradients(self, grad_output, rows, utids, inverse, offsets, psw) -> None:
         if not all(o.training for o in self.table_options):
             raise RuntimeError("dynamicemb: a table built with training=False has no optimizer state to update")
-        grad_output = grad_output.to(torch.float32).contiguous()
+        grad_output = contiguous_as(grad_output, torch.float32)
         # A table in ERROR mode raises before any row is written: the step
         # looks at the gradient first (a host synchronisation on CUDA). A NaN /
         # inf anywhere makes the sum non-finite: one reduction, no mask (~30x

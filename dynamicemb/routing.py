@@ -10,6 +10,7 @@ Keys reach their owner unchanged (no rewriting to local offsets).
 import torch
 
 from dynamicemb._ops import ops
+from dynamicemb.contiguous import contiguous_as
 
 __all__ = ["owners"]
 
@@ -37,5 +38,5 @@ def route_param(dist_type: str, num_embeddings) -> int:
 
 def owners(keys: torch.Tensor, dist_type: str, world_size: int, num_embeddings=None) -> torch.Tensor:
     """The owning rank of each key."""
-    return ops.route_owners(keys.to(torch.int64).contiguous(), route_rule(dist_type),
+    return ops.route_owners(contiguous_as(keys, torch.int64), route_rule(dist_type),
                             route_param(dist_type, num_embeddings), world_size)

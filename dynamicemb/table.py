@@ -11,6 +11,7 @@ import torch
 
 from dynamicemb import memory, rules
 from dynamicemb._ops import ops, table_arg
+from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.positions import where_true
 from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, strategy_code
@@ -165,7 +166,7 @@ class ScoredHashTable:
             raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
         if keys.device != self.device:
             raise ValueError(f"keys are on {keys.device}, the table is on {self.device}")
-        return keys.to(torch.int64).contiguous()
+        return contiguous_as(keys, torch.int64)
 
     def _per_key(self, value, n: int, what: str) -> Optional[torch.Tensor]:
         """None, or an int64 tensor of n entries, from an int or a tensor."""
@@ -178,7 +179,7 @@ class ScoredHashTable:
             raise TypeError(f"{what} must be an int or an integer tensor, got {value!r:.80}")
         if value.dim() != 1 or value.numel() != n:
             raise ValueError(f"{what} must be 1-D with one entry per key ({n}), got shape {tuple(value.shape)}")
-        return value.to(device=self.device, dtype=torch.int64).contiguous()
+        return contiguous_as(value, torch.int64, self.device)
 
     def _table_ids(self, table_ids, n: int) -> Optional[torch.Tensor]:
         if table_ids is None:

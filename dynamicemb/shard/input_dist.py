@@ -11,6 +11,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb._ops import ops
+from dynamicemb.contiguous import contiguous_as
 from dynamicemb.types import check_finite_weights, check_ids
 
 
@@ -39,9 +40,9 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         if w is not None and torch.is_floating_point(w):
             check_finite_weights(w, sparse_features.offsets(), keys, "dynamicemb (input dist)")
         lengths, values, weights, permute = ops.route_keys(
-            sparse_features.lengths().to(torch.int64).contiguous(),
-            sparse_features.values().to(torch.int64).contiguous(),
-            None if w is None else w.to(torch.float32).contiguous(),
+            contiguous_as(sparse_features.lengths(), torch.int64),
+            contiguous_as(sparse_features.values(), torch.int64),
+            None if w is None else contiguous_as(w, torch.float32),
             self._rules, self._params, self._world_size)
         if self._is_sequence:
             self.unbucketize_permute_tensor = permute
