@@ -264,7 +264,7 @@ class HashTableStorage(EmbeddingStorage):
                 # every key stored holds a proper row when the step raises.
                 self.init_rows(slots, is_new, keys, table_ids)
                 raise
-        self.rejected += rejected
+            self.rejected += rejected  # (the whole group has no admission: nothing to add)
         if keys.device.type == "cpu":  # new keys' initial rows written, and the keys returned, in row order
             given = keys.new_empty(0) if inverse is None else inverse
             _, rows, keys, table_ids, renumbered = ops.emb_row_order_init(
