@@ -10,4 +10,4 @@ import torch
 def contiguous_as(t: torch.Tensor, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
     if t.dtype == dtype and (device is None or t.device == device) and t.is_contiguous():
         return t
-    return t.to(device=device, dtype=dtype).contiguous() if device is not None else t.to(dtype).contiguous()
+    return t.to(device=device, dtype=dtype).contiguous()

@@ -31,7 +31,8 @@ _INSERTED, _EVICTED, _FAILED = int(InsertResult.INSERTED), int(InsertResult.EVIC
 
 
 def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
-    """A key's row: its hash table slot less its table's first slot (begin); -1 stays -1."""
+    """A key's row: its hash table slot less its table's first slot (begin); -1 stays -1
+    (row_parts.h slot_row's rule, for find's rows; a step's come from emb_slot_rows_init)."""
     return torch.where(slots >= 0, slots - begin, slots)
 
 
@@ -117,6 +118,8 @@ class HashTableStorage(EmbeddingStorage):
         # Each table's head (its rows when whole) and tail (None: none). A
         # tiered storage's cache holds _weights by reference and grows a table
         # by replacing its entry.
+        # One group holding every table in order: a step's keys need no split by group.
+        self._one_group = len(self.groups) == 1 and self.groups[0][1] == list(range(self.num_tables))
         self._weights = [r.head for r in parts]
         self._tails = [r.tail for r in parts]
         self._slot_begin = [self._group_slot_begin(g) for g in range(len(self.groups))]
@@ -196,11 +199,9 @@ class HashTableStorage(EmbeddingStorage):
 
     def split(self, table_ids: torch.Tensor):
         """Per group: (mask of its keys or None when it has them all, local table ids)."""
-        if len(self.groups) == 1:
-            tables = self.groups[0][1]
-            if tables == list(range(self.num_tables)):
-                yield 0, None, table_ids
-                return
+        if self._one_group:
+            yield 0, None, table_ids
+            return
         local = torch.tensor([self.group_of[t][1] for t in range(self.num_tables)], device=self.device)
         group = torch.tensor([self.group_of[t][0] for t in range(self.num_tables)], device=self.device)
         gid = group[table_ids]
@@ -248,9 +249,10 @@ class HashTableStorage(EmbeddingStorage):
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
-        if self._whole_group():
-            # The usual step: one group holds every table, so its insert's
-            # outputs are the step's own (no masks, copies or merges).
+        if self._one_group and not any(self.admission):
+            # The usual step: one group holds every table and none admits keys
+            # by counting, so its insert's outputs are the step's own (no
+            # masks, copies or merges).
             slots, is_new, failed = self._find_or_insert_group(0, keys, table_ids, counts, step, rejected)
         else:
             slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
@@ -283,11 +285,6 @@ class HashTableStorage(EmbeddingStorage):
         nothing waits for the device."""
         return ops.emb_slot_rows_init(self.weights(), slots, self._table_slot_begin, table_ids, keys, is_new,
                                       self.dims, self.init_params, self.seed)
-
-    def _whole_group(self) -> bool:
-        """Whether one group holds every table, in order, and none admits keys by counting."""
-        return (len(self.groups) == 1 and self.groups[0][1] == list(range(self.num_tables))
-                and not any(self.admission))
 
     def _find_or_insert_groups(self, keys, table_ids, counts, step, slots, is_new, failed, rejected) -> None:
         """find_or_insert's inserts, group by group: fills slots, is_new,

@@ -129,10 +129,7 @@ def test_row_order_init_permutes_renumbers_and_initialises_new_rows(shifted):
     U = ukeys.numel()
     is_new = torch.arange(U) % 3 == 0
     weights = [w.clone() for w in m.storage.weights()]
-    # Slots of a hash table holding the tables one after another: a key's row
-    # is its slot less its table's first slot; -1 (no row) stays -1.
-    begin = torch.tensor([1000, 1000 + m.storage.weights()[0].shape[0]]) if shifted else _no_shift(m)
-    slots = torch.where(rows >= 0, rows + begin[utids], rows)
+    slots, begin = _slots(m, rows, utids) if shifted else (rows, _no_shift(m))
     order, r, k, t, inv = ops.emb_row_order_init(weights, slots, begin, utids, ukeys, is_new, inverse, m.dims,
                                                  m.storage.init_params, 4)
     assert torch.equal(order, _row_order(m, rows, utids))
