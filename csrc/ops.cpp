@@ -5,7 +5,10 @@
 // table_insert's `evictable` (bool [num_tables], None: all) lets a table that
 // can still grow fail a key instead of evicting, so its owner grows it first.
 // Without list_evicted its evicted_* are empty (results still say EVICTED):
-// on CUDA, listing them waits for their count.
+// on CUDA, listing them waits for their count. `key_count` (int64 [1] on the
+// keys' device, None: all) makes the keys from that position on padding
+// (emb_unique_padded's): index -1, result ASSIGNED, and nothing found,
+// stored, held or counted for them (table_rules.h kPaddingResult).
 //
 // A table is one argument, `Tensor[] table`: its members in the order of
 // table/table_checks.h's Member (mirrored by dynamicemb/_ops.py
@@ -32,7 +35,8 @@ TORCH_LIBRARY(dynamicemb, m) {
       "table_refresh(Tensor(a!)[] table, Tensor indices, Tensor? key_scores, int strategy, int call_score) -> ()");
   m.def(
       "table_insert(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, Tensor? key_scores, int strategy, "
-      "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None, bool list_evicted=True) "
+      "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None, bool list_evicted=True, "
+      "Tensor? key_count=None) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
   m.def("table_erase(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
@@ -85,6 +89,20 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "emb_unique(Tensor indices, Tensor offsets, int[] feature_table, int num_tables) "
       "-> (Tensor unique_keys, Tensor unique_table_ids, Tensor inverse, Tensor counts)");
+  // emb_unique padded to the indices' length n, for a step that does not
+  // wait for the device: the first num_unique[0] (int64 [1], on the device)
+  // entries are emb_unique's, the rest padding (unique_rules.h) that
+  // table_insert's key_count leaves out; the inverse names only the former.
+  // The offsets' check is not read either: its record (bag_checks.h,
+  // int64 [kOffsetsRecordLen]) goes to emb_offsets_verdict once it has
+  // reached the host, and until then the kernels clamp the offsets (no read
+  // out of bounds). The CPU checks at once and hands back a record of no error.
+  m.def(
+      "emb_unique_padded(Tensor indices, Tensor offsets, int[] feature_table, int num_tables) "
+      "-> (Tensor unique_keys, Tensor unique_table_ids, Tensor inverse, Tensor counts, Tensor num_unique, "
+      "Tensor offsets_record)");
+  // Raises emb_unique's error for the offsets whose check left this record (on the CPU).
+  m.def("emb_offsets_verdict(Tensor offsets_record) -> ()");
   // skip_bad: a (table, row) pair out of range is skipped instead of raising,
   // for rows taken from the table's own slots (on CUDA, raising waits for the device).
   m.def(

@@ -9,6 +9,7 @@
 //   tier_counters      tiers/tier_counters.h
 //   init_args, init_modes  embedding/init_rules.h
 //   int8_row_tail      embedding/bag_checks.h (FBGEMM's fused 8-bit rows)
+//   offsets_record_len embedding/bag_checks.h (emb_unique_padded's offsets record)
 #include <torch/library.h>
 
 #include <sstream>
@@ -128,6 +129,7 @@ std::string rules() {
   j.names("init_args", init::kArgNames);
   j.names("init_modes", init::kModeNames);
   j.field("int8_row_tail", embedding::kInt8RowTail);
+  j.field("offsets_record_len", embedding::kOffsetsRecordLen);
   j.end('}');
   return j.text();
 }

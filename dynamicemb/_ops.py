@@ -59,7 +59,7 @@ def _refresh_fake(table, indices, key_scores, strategy, call_score):
 
 @torch.library.register_fake(_lib + "table_insert")
 def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable=None,
-                 list_evicted=True):
+                 list_evicted=True, key_count=None):
     m = _dynamic_len() if list_evicted else 0
     ev = [keys.new_empty(m) for _ in range(4)]
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)
@@ -140,6 +140,19 @@ def _rehash_fake(table, new_table_buckets, bucket_capacity):
 def _emb_unique_fake(indices, offsets, feature_table, num_tables):
     u = _dynamic_len()  # the number of distinct (table, key) pairs
     return indices.new_empty(u), indices.new_empty(u), torch.empty_like(indices), indices.new_empty(u)
+
+
+@torch.library.register_fake(_lib + "emb_unique_padded")
+def _emb_unique_padded_fake(indices, offsets, feature_table, num_tables):
+    from dynamicemb.rules import OFFSETS_RECORD_LEN  # (rules.py reads the library this module loads)
+    n = indices.numel()
+    return (indices.new_empty(n), indices.new_empty(n), torch.empty_like(indices), indices.new_empty(n),
+            indices.new_empty(1), indices.new_empty(OFFSETS_RECORD_LEN))
+
+
+@torch.library.register_fake(_lib + "emb_offsets_verdict")
+def _emb_offsets_verdict_fake(offsets_record):
+    return None
 
 
 @torch.library.register_fake(_lib + "emb_init_rows")

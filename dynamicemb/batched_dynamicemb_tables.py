@@ -220,18 +220,44 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                               self.output_dtype)
             if out is not None:
                 return out
-        ukeys, utids, inverse, counts = self._unique(indices, offsets)
         if not self.training:
+            ukeys, utids, inverse, _ = self._unique(indices, offsets)
             rows = self.storage.find(ukeys, utids)
             return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
         self.step += 1
+        padded = {}
+        if self._pads_unique(indices):
+            ukeys, utids, inverse, counts, padded["key_count"], record = ops.emb_unique_padded(
+                indices, offsets, self.feature_table_map, self.num_tables)
+            self._report_counts("_check_offsets", record, self.step, stacklevel=6)
+        else:
+            ukeys, utids, inverse, counts = self._unique(indices, offsets)
         # The keys come back in the order of their rows on the CPU: the backward then updates rows in that order.
-        res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse)
+        res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse, **padded)
         if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come
             self.storage.batch_done(newest=True)
         self._report_failures(res.failed, self.step)
         rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
+
+    def _pads_unique(self, indices: torch.Tensor) -> bool:
+        """Whether a training step deduplicates into outputs padded to the
+        indices' length (emb_unique_padded), so that nothing in it waits for
+        the device: on CUDA, where the exact unique count is a host sync,
+        when the storage takes padded keys and no table raises within its
+        step (ERROR mode waits for every count anyway)."""
+        return (indices.device.type == "cuda" and self.storage.takes_padded_keys()
+                and not any(o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options))
+
+    def _check_offsets(self, record: torch.Tensor, step: int, stacklevel: int) -> None:
+        """emb_unique_padded's offsets check, read once its record reached the
+        host: bad offsets raise emb_unique's error, naming their step (whose
+        kernels read them clamped to the indices)."""
+        try:
+            ops.emb_offsets_verdict(record)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (features {self.feature_labels()}, training step {step}, which read the "
+                               f"offsets clamped to its indices)") from None
 
     def _gather(self, rows, ukeys, inverse, offsets, psw, training: bool) -> torch.Tensor:
         init = self._unstored_init() if training else self.storage.eval_init_params

@@ -17,7 +17,9 @@ instead of restating them:
 - the packed initializer (csrc/embedding/init_rules.h): ``INIT_ARGS``, the
   names of its columns in order, and ``INIT_MODES``;
 - ``INT8_ROW_TAIL``: the bytes after a uint8 row's codes (float32 scale and
-  bias, FBGEMM's fused 8-bit rows; csrc/embedding/bag_checks.h).
+  bias, FBGEMM's fused 8-bit rows; csrc/embedding/bag_checks.h);
+- ``OFFSETS_RECORD_LEN``: the entries of emb_unique_padded's offsets record
+  (csrc/embedding/bag_checks.h).
 """
 import enum
 import json
@@ -134,3 +136,4 @@ TierCounter = enum.IntEnum("TierCounter", {n.upper(): i for i, n in enumerate(TI
 INIT_ARGS: Tuple[str, ...] = tuple(_RULES["init_args"])
 INIT_MODES: Tuple[str, ...] = tuple(_RULES["init_modes"])
 INT8_ROW_TAIL: int = _RULES["int8_row_tail"]
+OFFSETS_RECORD_LEN: int = _RULES["offsets_record_len"]

@@ -247,13 +247,26 @@ class HashTableStorage(EmbeddingStorage):
             return counts
         return None  # the table's clock
 
-    def find_or_insert(self, keys, table_ids, counts, step, inverse=None) -> FindOrInsertResult:
+    def takes_padded_keys(self) -> bool:
+        """One group of every table, no admission, no tiers, and every table
+        at its maximum: the insert then reads no count on the host (no
+        growth to decide), and table_insert's key_count leaves the padding out."""
+        if not self._one_group or any(self.admission) or self.placement is not None:
+            return False
+        ht, tables = self.groups[0]
+        return all(c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables))
+
+    def find_or_insert(self, keys, table_ids, counts, step, inverse=None, key_count=None) -> FindOrInsertResult:
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
+        if key_count is not None and not self.takes_padded_keys():
+            raise ValueError(f"dynamicemb: tables {self.names}: find_or_insert got padded keys (key_count), "
+                             f"which only one group of tables at their maximum capacity, without admission or "
+                             f"tiers, takes (takes_padded_keys)")
         if self._one_group and not any(self.admission):
             # The usual step: one group holds every table and none admits keys
             # by counting, so its insert's outputs are the step's own (no
             # masks, copies or merges).
-            slots, is_new, failed = self._find_or_insert_group(0, keys, table_ids, counts, step, rejected)
+            slots, is_new, failed = self._find_or_insert_group(0, keys, table_ids, counts, step, rejected, key_count)
         else:
             slots = torch.full_like(keys, -1)  # in the key's group; its row is the slot less its table's first slot
             is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)  # the key got a new row
@@ -302,14 +315,15 @@ class HashTableStorage(EmbeddingStorage):
                 slots[at] = g_slots
                 is_new[at] = g_new
 
-    def _find_or_insert_group(self, g, keys, local_tids, counts, step, rejected):
+    def _find_or_insert_group(self, g, keys, local_tids, counts, step, rejected, key_count=None):
         """Group g's keys found or stored: (their slots, -1 where not stored
         or not admitted; whether each got a new row; the failures per table
-        of the group). Adds the keys admission turned away to `rejected`."""
+        of the group). Adds the keys admission turned away to `rejected`.
+        key_count: the keys from key_count[0] on are padding (takes_padded_keys)."""
         _, tables = self.groups[g]
         keep, counted = self._admit(g, keys, local_tids, counts, rejected)
         if keep is None:
-            out = self._store(g, keys, local_tids, self.insert_scores(g, local_tids, counts, step))
+            out = self._store(g, keys, local_tids, self.insert_scores(g, local_tids, counts, step), key_count)
             return out.indices, self._got_row(out.results), count_where(local_tids, out.results == _FAILED, len(tables))
         k, c, lt, counted = keys[keep], counts[keep], local_tids[keep], counted[keep]
         out = self._store(g, k, lt, self.insert_scores(g, lt, c, step))
@@ -442,12 +456,13 @@ class HashTableStorage(EmbeddingStorage):
         self.version += 1
         return old_idx, new_idx
 
-    def _store(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+    def _store(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, key_count=None) -> InsertOutput:
         if self.placement is not None:
             return self.placement.insert(g, keys, local_tids, scores)
-        return self.insert_growing(g, keys, local_tids, scores)
+        return self.insert_growing(g, keys, local_tids, scores, key_count)
 
-    def insert_growing(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores) -> InsertOutput:
+    def insert_growing(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores,
+                       key_count=None) -> InsertOutput:
         """Inserts into group g, growing rather than evicting: first by load
         factor, then a table below its maximum fails a key whose bucket is
         full instead of evicting; such tables double and their failed keys are
@@ -465,7 +480,7 @@ class HashTableStorage(EmbeddingStorage):
         # a call in which a table may evict counts as having evicted.
         # A group whose tables are all at their maximum never grows: nothing reads its sizes before an insert.
         out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full, list_evicted=False,
-                        track_sizes=not all(full))
+                        track_sizes=not all(full), key_count=key_count)
         idx, res = out.indices, out.results
         may_have_evicted = any(full)
         while True:

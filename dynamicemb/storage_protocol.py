@@ -118,6 +118,14 @@ class EmbeddingStorage(abc.ABC):
         `inverse`: key positions (of a batch's indices) to renumber along
         with the keys."""
 
+    def takes_padded_keys(self) -> bool:
+        """Whether find_or_insert takes ``key_count`` (int64 [1] on the keys'
+        device): the keys from position key_count[0] on are padding
+        (emb_unique_padded's), found, stored and counted nowhere, with row
+        -1. A step whose count stays on the device then never waits for it.
+        False by default."""
+        return False
+
     @abc.abstractmethod
     def export(self, table_id: int, batch_size: int = 1 << 16, threshold: Optional[int] = None
                ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

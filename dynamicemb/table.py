@@ -272,7 +272,8 @@ class ScoredHashTable:
         return out, idx, found
 
     def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
-               same_call: bool = False, list_evicted: bool = True, track_sizes: bool = True) -> InsertOutput:
+               same_call: bool = False, list_evicted: bool = True, track_sizes: bool = True,
+               key_count: Optional[torch.Tensor] = None) -> InsertOutput:
         """Finds or stores every key (see API.md §6 for the exact rules).
 
         ``evict``: False (or a per-table sequence of bools) makes a key whose
@@ -283,7 +284,10 @@ class ScoredHashTable:
         still say EVICTED): on CUDA, listing them waits for their count.
         ``track_sizes=False`` skips the copy of the sizes that
         sizes_at_most reads (it then says None), for a caller that will not
-        ask: one device-to-host copy less per call on CUDA."""
+        ask: one device-to-host copy less per call on CUDA. ``key_count``
+        (int64 [1] on the table's device) makes the keys from that position
+        on padding: index -1, result ASSIGNED, nothing found, stored, held or
+        counted (emb_unique_padded's padding; the count never leaves the device)."""
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         call, per_key = self._scores(scores, keys.numel())
@@ -295,7 +299,8 @@ class ScoredHashTable:
             evictable = torch.tensor(flags, dtype=torch.bool, device=self.device)
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
-                                                    self.bucket_capacity, call, epoch, evictable, list_evicted)
+                                                    self.bucket_capacity, call, epoch, evictable, list_evicted,
+                                                    key_count)
         self._sizes_seen = HostCopy(self.sizes) if track_sizes else None
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 

@@ -93,10 +93,15 @@ __device__ __forceinline__ int64_t lower_bound(const int64_t* a, int64_t n, int6
   }
   return lo;
 }
+__device__ __forceinline__ int64_t clamp_index(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : v > hi ? hi : v;
+}
 // The bag of position i, from offsets off[0 .. nb] (non-decreasing, i < off[nb]):
-// the last j with off[j] <= i, which skips empty bags.
+// the last j with off[j] <= i, which skips empty bags. Clamped to [0, nb):
+// offsets whose check is read later (emb_unique_padded) give some bag, never
+// one out of bounds (nb >= 1: without bags the check is read at once).
 __device__ __forceinline__ int64_t bag_of(const int64_t* off, int64_t nb, int64_t i) {
-  return upper_bound(off, nb + 1, i) - 1;
+  return clamp_index(upper_bound(off, nb + 1, i) - 1, 0, nb - 1);
 }
 
 // ---- host <-> device copies ---------------------------------------------------------
@@ -163,6 +168,7 @@ class ErrorSlots {
         stream_(stream),
         buf_(at::full({count}, kNoError, at::TensorOptions().dtype(at::kLong).device(dev))) {}
   int64_t* ptr() const { return buf_.data_ptr<int64_t>(); }
+  const at::Tensor& tensor() const { return buf_; }  // for a caller that reads the slots later
   std::vector<int64_t> read() const { return download(ptr(), count_, stream_); }
 
  private:

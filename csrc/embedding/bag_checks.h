@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,18 @@ void check_offset_values(int64_t first, int64_t last, int64_t n, int64_t bad, Pa
   const std::pair<int64_t, int64_t> v = pair_at(bad);
   TORCH_CHECK(false, "dynamicemb: offsets must be non-decreasing (offsets[", bad + 1, "] = ", v.second,
               " < offsets[", bad, "])");
+}
+
+// The offsets' check as a record read later (emb_unique_padded): the first
+// j with offsets[j + 1] < offsets[j] (kNoBadOffset: none) and those two
+// values, offsets[0], offsets[F * B] and the indices' count n.
+enum OffsetsRecord : int { kRecBad = 0, kRecFirst, kRecLast, kRecBadLo, kRecBadHi, kRecCount, kOffsetsRecordLen };
+constexpr int64_t kNoBadOffset = std::numeric_limits<int64_t>::max();
+
+// check_offset_values' verdict on a record (host memory).
+inline void check_offsets_record(const int64_t* r) {
+  check_offset_values(r[kRecFirst], r[kRecLast], r[kRecCount], r[kRecBad] == kNoBadOffset ? -1 : r[kRecBad],
+                      [&](int64_t) { return std::make_pair(r[kRecBadLo], r[kRecBadHi]); });
 }
 
 // uint8 rows are FBGEMM's fused 8-bit rowwise layout: dim codes q, then a

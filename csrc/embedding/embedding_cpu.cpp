@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -158,6 +159,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cpu(const Tensor& indices, con
     inv[i] = base[p] + lid[j];
   });
   return {ukeys, utids, inverse, ucounts};
+}
+
+// emb_unique padded to the indices' length (unique_rules.h's padding). The
+// CPU checks the offsets at once: its record says they passed.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> unique_padded_cpu(const Tensor& indices,
+                                                                             const Tensor& offsets,
+                                                                             IntArrayRef feature_table,
+                                                                             int64_t num_tables) {
+  const auto [keys, tids, inverse, counts] = unique_cpu(indices, offsets, feature_table, num_tables);
+  const int64_t n = indices.numel(), G = keys.numel();
+  auto padded = [&](const Tensor& t, int64_t pad) {
+    Tensor out = at::empty({n}, t.options());
+    out.narrow(0, 0, G).copy_(t);
+    out.narrow(0, G, n - G).fill_(pad);
+    return out;
+  };
+  Tensor record = at::zeros({kOffsetsRecordLen}, indices.options());
+  int64_t* r = record.data_ptr<int64_t>();
+  r[kRecBad] = kNoBadOffset;
+  r[kRecLast] = r[kRecCount] = n;
+  return {padded(keys, unique::kPadKey), padded(tids, unique::kPadTable), inverse, padded(counts, unique::kPadCount),
+          at::full({1}, G, indices.options()), record};
+}
+
+void offsets_verdict_cpu(const Tensor& record) {
+  TORCH_CHECK(record.device().is_cpu() && record.scalar_type() == at::kLong && record.is_contiguous() &&
+                  record.numel() == kOffsetsRecordLen,
+              "dynamicemb: offsets_record must be a contiguous int64 CPU tensor of ", kOffsetsRecordLen, " entries");
+  check_offsets_record(record.data_ptr<int64_t>());
 }
 
 // ---- initial rows ----------------------------------------------------------------------
@@ -594,6 +624,8 @@ Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const 
 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("emb_unique", &unique_cpu);
+  m.impl("emb_unique_padded", &unique_padded_cpu);
+  m.impl("emb_offsets_verdict", &offsets_verdict_cpu);
   m.impl("emb_init_rows", &init_rows_cpu);
   m.impl("emb_slot_rows_init", &slot_rows_init_cpu);
   m.impl("emb_row_order_init", &row_order_init_cpu);

@@ -78,6 +78,7 @@ __global__ void index_tables_kernel(const int64_t* off, int64_t nb, int64_t B, c
 // scheduling; the output does not: groups are ordered by (hash part, first
 // occurrence), both pure functions of the input.
 constexpr int64_t kEmptySlot = std::numeric_limits<int64_t>::max();
+static_assert(kNoBadOffset == kNoError, "the offsets record's 'none' is an error slot's");
 
 __global__ void group_insert_kernel(const int64_t* key, const int64_t* tid, int64_t n, uint64_t mask, int64_t* first,
                                     int64_t* count, int64_t* slot_of) {
@@ -124,11 +125,20 @@ __global__ void group_order_kernel(const int64_t* first, const int64_t* count, c
   }
 }
 
-// Unique u = the u-th group in order: its key, table, count; rank of its slot = u.
-__global__ void emit_unique_kernel(const int64_t* order, int64_t G, const int64_t* g_first, const int64_t* g_count,
-                                   const int64_t* g_slot, const int64_t* key, const int64_t* tid, int64_t* ukeys,
-                                   int64_t* utids, int64_t* ucounts, int64_t* slot_rank) {
-  for (int64_t u = thread_begin(); u < G; u += thread_stride()) {
+// Unique u = the u-th group in order: its key, table, count; rank of its slot
+// = u. Of `len` entries, those from *groups on are padding (the padded form).
+__global__ void emit_unique_kernel(const int64_t* order, int64_t len, const int64_t* groups, const int64_t* g_first,
+                                   const int64_t* g_count, const int64_t* g_slot, const int64_t* key,
+                                   const int64_t* tid, int64_t* ukeys, int64_t* utids, int64_t* ucounts,
+                                   int64_t* slot_rank) {
+  const int64_t G = *groups;
+  for (int64_t u = thread_begin(); u < len; u += thread_stride()) {
+    if (u >= G) {
+      ukeys[u] = unique::kPadKey;
+      utids[u] = unique::kPadTable;
+      ucounts[u] = unique::kPadCount;
+      continue;
+    }
     const int64_t g = order[u], f = g_first[g];
     ukeys[u] = key[f];
     utids[u] = tid[f];
@@ -141,8 +151,25 @@ __global__ void emit_inverse_kernel(const int64_t* slot_of, const int64_t* slot_
   for (int64_t i = thread_begin(); i < n; i += thread_stride()) inverse[i] = slot_rank[slot_of[i]];
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, const Tensor& offsets,
-                                                       IntArrayRef feature_table, int64_t num_tables) {
+// The rest of the padded form's offsets record (bag_checks.h): the values at
+// the first decreasing position, and the indices' count.
+__global__ void offsets_record_kernel(const int64_t* off, int64_t n, int64_t* rec) {
+  const int64_t bad = rec[kRecBad];
+  const bool some = bad != kNoBadOffset;
+  rec[kRecBadLo] = some ? off[bad] : 0;  // 0 without one, as the CPU's record
+  rec[kRecBadHi] = some ? off[bad + 1] : 0;
+  rec[kRecCount] = n;
+}
+
+struct Unique {
+  Tensor keys, tids, inverse, counts, num_unique, offsets_record;
+};
+
+// emb_unique, exact (its outputs sized by the group count, which one
+// synchronising copy brings back with the offsets' check) or padded (sized
+// n, the count and the check's record left on the device: no wait).
+Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRef feature_table, int64_t num_tables,
+                        bool padded) {
   TORCH_CHECK(indices.device().is_cuda(), "dynamicemb: indices must be on a CUDA device, got ", indices.device());
   const at::Device dev = indices.device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -150,17 +177,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
   check_1d(indices, at::kLong, "indices", dev);
   const int64_t n = indices.numel();
   const Bags bags = bag_shape(n, offsets, feature_table, num_tables, dev);
-  TORCH_CHECK(n < (int64_t{1} << 57), "dynamicemb: too many indices (", n, ")");  // order key: 6 + 57 bits
-  // Slots 0-2: the offsets' check (unless these offsets passed it already);
-  // slot 3: the number of groups. One copy brings both back.
-  const bool checked = CheckedOnce::holds(offsets, Checked::kOffsets, n);
-  ErrorSlots err(4, dev, stream);
-  if (!checked) launch_offsets_check(bags, err.ptr(), stream);
+  // Order key: 6 part bits + 56 bits of first occurrence + the padding bit.
+  TORCH_CHECK(n < (int64_t{1} << 56), "dynamicemb: too many indices (", n, ")");
   const auto L = indices.options();
+  // Exact: slots 0-2 the offsets' check (unless these offsets passed it
+  // already), slot 3 the number of groups; one copy brings both back.
+  // Padded: the offsets' record (always made: it is never read here).
+  const bool check = padded || !CheckedOnce::holds(offsets, Checked::kOffsets, n);
+  ErrorSlots err(padded ? kOffsetsRecordLen : 4, dev, stream);
+  if (check) launch_offsets_check(bags, err.ptr(), stream);
+  if (padded && bags.num_bags() > 0) {
+    offsets_record_kernel<<<1, 1, 0, stream>>>(bags.off, n, err.ptr());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   Tensor inverse = at::empty({n}, L);
   if (n == 0 || bags.num_bags() == 0) {  // no index to group: the check raises for offsets that end past 0
-    if (!checked) raise_offsets_errors(bags, offsets, err.read(), stream);
-    return {at::empty({0}, L), at::empty({0}, L), inverse, at::empty({0}, L)};
+    if (check) raise_offsets_errors(bags, offsets, err.read(), stream);
+    const int64_t len = padded ? n : 0;
+    return {at::zeros({len}, L), at::zeros({len}, L), inverse, at::zeros({len}, L), at::zeros({1}, L),
+            padded ? err.tensor() : Tensor()};
   }
 
   const Tensor ftab = upload(bags.table, dev, stream);
@@ -182,40 +217,62 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, co
                                                                         used.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const Tensor seg = at::cumsum(used, 0);  // group id + 1 of every used slot
-  C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, seg.data_ptr<int64_t>() + cap - 1, sizeof(int64_t),
-                                 cudaMemcpyDeviceToDevice, stream));
-  const std::vector<int64_t> e = err.read();
-  if (!checked) raise_offsets_errors(bags, offsets, e, stream);
-  const int64_t G = e[3];
+  const Tensor num_unique = seg.narrow(0, cap - 1, 1);  // G, on the device
+  int64_t len = n;  // the outputs' length: G, or n padded
+  if (!padded) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, num_unique.data_ptr<int64_t>(), sizeof(int64_t),
+                                   cudaMemcpyDeviceToDevice, stream));
+    const std::vector<int64_t> e = err.read();
+    if (check) raise_offsets_errors(bags, offsets, e, stream);
+    len = e[3];
+  }
 
-  Tensor g_first = at::empty({G}, L), g_count = at::empty({G}, L), g_slot = at::empty({G}, L),
-         order_key = at::empty({G}, L);
+  Tensor g_first = at::empty({len}, L), g_count = at::empty({len}, L), g_slot = at::empty({len}, L);
   const bool partitioned = n >= unique::kPartsFrom;
-  const int first_bits = bits_for(n - 1);
+  const int first_bits = bits_for(n - 1), key_bits = first_bits + (partitioned ? unique::kPartBits : 0);
+  // Padded: the entries past G keep a key above every group's, so sort last.
+  Tensor order_key = padded ? at::full({len}, int64_t{1} << key_bits, L) : at::empty({len}, L);
   group_order_kernel<<<blocks_for(cap, kThreads), kThreads, 0, stream>>>(
       first.data_ptr<int64_t>(), count.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), cap,
       indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), partitioned, first_bits, g_first.data_ptr<int64_t>(),
       g_count.data_ptr<int64_t>(), g_slot.data_ptr<int64_t>(), order_key.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Distinct keys below 2^(part bits + first_bits).
-  const Tensor order =
-      std::get<1>(stable_sort_low_bits(order_key, first_bits + (partitioned ? unique::kPartBits : 0), stream));
+  // Distinct keys below 2^key_bits (padding: 2^key_bits).
+  const Tensor order = std::get<1>(stable_sort_low_bits(order_key, key_bits + (padded ? 1 : 0), stream));
 
-  Tensor ukeys = at::empty({G}, L), utids = at::empty({G}, L), ucounts = at::empty({G}, L),
+  Tensor ukeys = at::empty({len}, L), utids = at::empty({len}, L), ucounts = at::empty({len}, L),
          slot_rank = at::empty({cap}, L);
-  emit_unique_kernel<<<blocks_for(G, kThreads), kThreads, 0, stream>>>(
-      order.data_ptr<int64_t>(), G, g_first.data_ptr<int64_t>(), g_count.data_ptr<int64_t>(),
-      g_slot.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(),
-      utids.data_ptr<int64_t>(), ucounts.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>());
+  emit_unique_kernel<<<blocks_for(len, kThreads), kThreads, 0, stream>>>(
+      order.data_ptr<int64_t>(), len, num_unique.data_ptr<int64_t>(), g_first.data_ptr<int64_t>(),
+      g_count.data_ptr<int64_t>(), g_slot.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
+      tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(), utids.data_ptr<int64_t>(), ucounts.data_ptr<int64_t>(),
+      slot_rank.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       slot_of.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // The table ids come from feature_table, checked against num_tables, and the
-  // inverse names the G groups: the later ops skip their checks (checked_once.h).
+  // The table ids come from feature_table, checked against num_tables (the
+  // padding's too), and the inverse names the first G <= len entries: the
+  // later ops skip their checks (checked_once.h). Padded, the offsets count
+  // as checked before the verdict is read: the kernels clamp them meanwhile.
   CheckedOnce::record(utids, Checked::kTableIds, num_tables);
-  CheckedOnce::record(inverse, Checked::kInverse, G);
-  return {ukeys, utids, inverse, ucounts};
+  CheckedOnce::record(inverse, Checked::kInverse, len);
+  if (padded) CheckedOnce::record(offsets, Checked::kOffsets, n);
+  return {ukeys, utids, inverse, ucounts, num_unique, padded ? err.tensor() : Tensor()};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> unique_cuda(const Tensor& indices, const Tensor& offsets,
+                                                       IntArrayRef feature_table, int64_t num_tables) {
+  const Unique u = unique_cuda_impl(indices, offsets, feature_table, num_tables, false);
+  return {u.keys, u.tids, u.inverse, u.counts};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> unique_padded_cuda(const Tensor& indices,
+                                                                              const Tensor& offsets,
+                                                                              IntArrayRef feature_table,
+                                                                              int64_t num_tables) {
+  const Unique u = unique_cuda_impl(indices, offsets, feature_table, num_tables, true);
+  return {u.keys, u.tids, u.inverse, u.counts, u.num_unique, u.offsets_record};
 }
 
 // ---- initial rows ----------------------------------------------------------------------------
@@ -343,13 +400,15 @@ constexpr int kForwardBlocksPerSM = 4;
 template <class W, class O>
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
     forward_pooled_kernel(const TableDev* tabs, const FeatureDev* feats, const int64_t* off, int64_t nb, int64_t B,
-                          const int64_t* rows, const int64_t* ukeys, const int64_t* inv, const float* psw, bool mean,
-                          uint64_t seed, int64_t total_d, O* out) {
+                          int64_t n, const int64_t* rows, const int64_t* ukeys, const int64_t* inv, const float* psw,
+                          bool mean, uint64_t seed, int64_t total_d, O* out) {
   const int lane = lane_id();
   for (int64_t j = warp_begin(); j < nb; j += warp_stride()) {
     const FeatureDev feat = feats[j / B];
     const TableDev& tab = tabs[feat.table];
-    const int64_t D = tab.dim, beg = off[j], end = off[j + 1], L = end - beg;
+    // Clamped to [0, n]: offsets whose check is read later (emb_unique_padded) read nothing out of bounds.
+    const int64_t beg = clamp_index(off[j], 0, n), end = clamp_index(off[j + 1], beg, n);
+    const int64_t D = tab.dim, L = end - beg;
     const float scale = (mean && L > 0) ? __fdiv_rn(1.0f, static_cast<float>(L)) : 1.0f;
     O* o = out + (j % B) * total_d + feat.col;
     for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
@@ -474,7 +533,7 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
             static_cast<uint64_t>(seed), out.data_ptr<scalar_t>());
       } else {
         forward_pooled_kernel<W, scalar_t><<<grid, kThreads, 0, stream>>>(
-            device_ptr<TableDev>(tabs), device_ptr<FeatureDev>(feats), bags.off, bags.num_bags(), bags.B,
+            device_ptr<TableDev>(tabs), device_ptr<FeatureDev>(feats), bags.off, bags.num_bags(), bags.B, n,
             rows.data_ptr<int64_t>(), unique_keys.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(), psw,
             pooling == kMean, static_cast<uint64_t>(seed), doff[bags.F], out.data_ptr<scalar_t>());
       }
@@ -552,6 +611,7 @@ Tensor lookup_forward_cuda(TensorList slot_keys, TensorList slot_digests, Tensor
 
 TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
   m.impl("emb_unique", &unique_cuda);
+  m.impl("emb_unique_padded", &unique_padded_cuda);
   m.impl("emb_init_rows", &init_rows_cuda);
   m.impl("emb_slot_rows_init", &slot_rows_init_cuda);
   m.impl("emb_forward", &forward_cuda);

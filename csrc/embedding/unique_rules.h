@@ -24,5 +24,9 @@ DE_HD int64_t part(uint64_t hash, bool partitioned) {
   return partitioned ? static_cast<int64_t>(hash >> (64 - kPartBits)) : 0;
 }
 
+// emb_unique_padded's entries past the unique count: key 0 of table 0 (in
+// range, so its table ids pass the table ops' checks) seen 0 times.
+constexpr int64_t kPadKey = 0, kPadTable = 0, kPadCount = 0;
+
 }  // namespace unique
 }  // namespace dynamicemb

@@ -50,6 +50,15 @@ inline int64_t check_keys(const at::Tensor& keys, const std::optional<at::Tensor
   return n;
 }
 
+// table_insert's key_count: int64 [1] on the keys' device (null: every key).
+inline const int64_t* check_key_count(const std::optional<at::Tensor>& key_count, const at::Device& dev) {
+  if (!key_count) return nullptr;
+  check_tensor(*key_count, at::kLong, "key_count", dev);
+  TORCH_CHECK(key_count->numel() == 1, "dynamicemb: key_count must hold one count, got shape ",
+              key_count->sizes());
+  return key_count->data_ptr<int64_t>();
+}
+
 // table_lookup_gather: values [num_slots, dim] and out [n, dim], one floating
 // dtype, contiguous rows. Returns the bytes of one row.
 inline int64_t check_gather(const at::Tensor& values, const at::Tensor& out, int64_t n,

@@ -110,11 +110,20 @@ struct AtomicAdd {
 
 // flags[0]: lowest key position with a table id out of range; flags[1]: lowest
 // position whose table's bucket range does not fit the slot arrays.
+// table_insert's padding (key_count): the keys at or past *count get
+// bucket kPaddingBucket and their outcome (index -1, kPaddingResult) here.
+struct Padding {
+  const int64_t* count = nullptr;  // null: no padding
+  int64_t* out = nullptr;
+  int8_t* res = nullptr;
+};
+
 struct PlaceArgs {
   TableRef ref;
   const int64_t* keys;
   const int64_t* tids;  // null: every key in table 0
   int64_t* flags;
+  Padding pad;
 };
 
 // Global bucket of key i (-1 when it has none; then `report` flags why).
@@ -136,6 +145,13 @@ __device__ __forceinline__ int32_t place_key(const PlaceArgs& a, int64_t i, uint
 __global__ void place_kernel(PlaceArgs a, int64_t n, int32_t* bucket, uint8_t* digest) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
+  if (a.pad.count && i >= *a.pad.count) {
+    bucket[i] = kPaddingBucket;
+    digest[i] = 0;
+    a.pad.out[i] = -1;
+    a.pad.res[i] = kPaddingResult;
+    return;
+  }
   uint8_t d = 0;
   bucket[i] = place_key(a, i, &d, true);
   digest[i] = d;
@@ -190,12 +206,12 @@ struct Placed {
 };
 
 Placed place_keys(const TableRef& r, const Tensor& keys, const std::optional<Tensor>& table_ids,
-                  const Tensor& table_buckets, cudaStream_t stream) {
+                  const Tensor& table_buckets, cudaStream_t stream, Padding pad = {}) {
   const int64_t n = keys.numel();
   const at::Device dev = keys.device();
   Placed p{new_tensor(n, at::kInt, dev), new_tensor(n, at::kByte, dev), ErrorSlots(2, dev, stream)};
   place_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-      PlaceArgs{r, keys.data_ptr<int64_t>(), opt_ptr(table_ids), p.flags.ptr()}, n, p.bucket.data_ptr<int32_t>(),
+      PlaceArgs{r, keys.data_ptr<int64_t>(), opt_ptr(table_ids), p.flags.ptr(), pad}, n, p.bucket.data_ptr<int32_t>(),
       p.digest.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Only table ids can be out of range before the slots change; without them
@@ -236,7 +252,8 @@ __global__ void run_starts_kernel(const int32_t* bucket, int64_t n, int64_t* sta
   __shared__ unsigned warp_base[cuda::kWarpsPerBlock];
   __shared__ unsigned long long block_base;
   const int64_t j = cuda::thread_begin();
-  const bool head = j < n && (j == 0 || bucket[j - 1] != bucket[j]);
+  // Padding (kPaddingBucket, sorted last) forms no run: no tile takes it.
+  const bool head = j < n && bucket[j] != kPaddingBucket && (j == 0 || bucket[j - 1] != bucket[j]);
   const unsigned lanes = __ballot_sync(cuda::kFullMask, head);
   const int warp = static_cast<int>(threadIdx.x) / cuda::kWarp, lane = cuda::lane_id();
   if (lane == 0) warp_base[warp] = __popc(lanes);

@@ -6,6 +6,7 @@
 // keys are found by the lookup's pipeline and committed as accessed.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <tuple>
 #include <vector>
@@ -88,16 +89,22 @@ void commit_found(const TableRef& ref, const Scoring& scoring, const int64_t* k,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
-    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted) {
+    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted,
+    const std::optional<Tensor>& key_count) {
   check_strategy(strategy);
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
   const bool* may_evict_table = check_evictable(evictable, ref, cpu_device());
   check_epoch(epoch);
-  const int64_t n = check_keys(keys, table_ids, key_scores, cpu_device());
+  const int64_t all = check_keys(keys, table_ids, key_scores, cpu_device());
+  const int64_t* count = check_key_count(key_count, cpu_device());
+  // The keys past key_count are padding: only the first n are processed.
+  const int64_t n = count ? std::clamp<int64_t>(*count, 0, all) : all;
   const bool avx2 = cpu::has_avx2();
 
-  Tensor indices = new_tensor(n, at::kLong);
-  Tensor results = new_tensor(n, at::kChar);
+  Tensor indices = new_tensor(all, at::kLong);
+  Tensor results = new_tensor(all, at::kChar);
+  indices.narrow(0, n, all - n).fill_(-1);
+  results.narrow(0, n, all - n).fill_(static_cast<int64_t>(kPaddingResult));
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* tids = opt_ptr(table_ids);
   const int64_t* ks = opt_ptr(key_scores);
@@ -110,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
 
   if (n > 0 && find_all(ref, k, tids, n, out)) {
     commit_found(ref, scoring, k, ks, out, n, ecall);
-    results.fill_(static_cast<int64_t>(kAssigned));
+    results.narrow(0, 0, n).fill_(static_cast<int64_t>(kAssigned));
     return {indices, results, new_tensor(0, at::kLong), new_tensor(0, at::kLong), new_tensor(0, at::kLong),
             new_tensor(0, at::kLong)};
   }

@@ -173,7 +173,8 @@ __global__ void gather_evicted_kernel(const int64_t* pos, int64_t m, const int64
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
-    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted) {
+    int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted,
+    const std::optional<Tensor>& key_count) {
   check_strategy(strategy);
   const c10::cuda::CUDAGuard guard(table_device(table));
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
@@ -181,6 +182,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   const bool* may_evict_table = check_evictable(evictable, ref, dev);
   check_epoch(epoch);
   const int64_t n = check_keys(keys, table_ids, key_scores, dev);
+  const int64_t* count = check_key_count(key_count, dev);  // read on the device only
 
   Tensor indices = new_tensor(n, at::kLong, dev);
   Tensor results = new_tensor(n, at::kChar, dev);
@@ -190,7 +192,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* tids = opt_ptr(table_ids);
-  const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream);
+  const Placed P = place_keys(ref, keys, table_ids, table[kTableBuckets], stream,
+                              Padding{count, indices.data_ptr<int64_t>(), results.data_ptr<int8_t>()});
   const SortedKeys sorted = sort_by_bucket(P.bucket, stream);
   Tensor ev_key = new_tensor(n, at::kLong, dev), ev_score = new_tensor(n, at::kLong, dev);
   const InsertArgs a{ref,

@@ -55,6 +55,12 @@ enum InsertResult : int8_t {
   kEvicted = 2,   // stored by evicting the bucket's lowest-scored slot
   kFailed = 3,    // not stored: bucket full of held slots, or NO_EVICTION
 };
+// A padding key of table_insert (at or past key_count): index -1 and this
+// result, which no tally counts and no caller takes for a stored key.
+constexpr int8_t kPaddingResult = kAssigned;
+// The bucket of a padding key: past every real one (the CUDA kernels sort
+// keys by bucket, so padding comes last and forms no run they process).
+constexpr int32_t kPaddingBucket = 0x7fffffff;
 
 // ---- hashing -------------------------------------------------------------
 

@@ -41,6 +41,17 @@ def test_unique(n_scale, feature_table, num_tables):
         same(a, b)
 
 
+@pytest.mark.parametrize("n_scale", [0, 1, 40])  # no index / one hash part / 64 parts
+def test_unique_padded(n_scale):
+    # Also the offsets' record, which the CUDA op leaves on the device unread.
+    gen = torch.Generator().manual_seed(n_scale + 7)
+    idx, off = batch(gen, 3, 30 * n_scale, 8, 300)
+    ref = ops.emb_unique_padded(idx, off, [0, 1, 0], 2)
+    got = ops.emb_unique_padded(idx.to(DEV), off.to(DEV), [0, 1, 0], 2)
+    for a, b in zip(ref, got):
+        same(a, b)
+
+
 def setup_rows(gen, dims, state, dtype, caps=64):
     return [torch.randn(caps, d + s, generator=gen).to(dtype) for d, s in zip(dims, state)]
 
