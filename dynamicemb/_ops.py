@@ -1,5 +1,6 @@
 """Loads the ops library (which registers the dynamicemb:: ops) and registers
 the fake kernels that let torch.compile / torch.export trace them."""
+import json
 import os
 
 import torch
@@ -14,6 +15,8 @@ torch.ops.load_library(LIBRARY)
 
 ops = torch.ops.dynamicemb
 _lib = "dynamicemb::"
+# The kernels' rules as JSON (csrc/rules.cpp), which dynamicemb/rules.py presents.
+RULES = json.loads(ops.rules())
 
 
 def _dynamic_len():
@@ -144,10 +147,9 @@ def _emb_unique_fake(indices, offsets, feature_table, num_tables):
 
 @torch.library.register_fake(_lib + "emb_unique_padded")
 def _emb_unique_padded_fake(indices, offsets, feature_table, num_tables):
-    from dynamicemb.rules import OFFSETS_RECORD_LEN  # (rules.py reads the library this module loads)
     n = indices.numel()
     return (indices.new_empty(n), indices.new_empty(n), torch.empty_like(indices), indices.new_empty(n),
-            indices.new_empty(1), indices.new_empty(OFFSETS_RECORD_LEN))
+            indices.new_empty(1), indices.new_empty(RULES["offsets_record_len"]))
 
 
 @torch.library.register_fake(_lib + "emb_offsets_verdict")

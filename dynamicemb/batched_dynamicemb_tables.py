@@ -224,14 +224,15 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             ukeys, utids, inverse, _ = self._unique(indices, offsets)
             rows = self.storage.find(ukeys, utids)
             return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
-        self.step += 1
         padded = {}
         if self._pads_unique(indices):
             ukeys, utids, inverse, counts, padded["key_count"], record = ops.emb_unique_padded(
                 indices, offsets, self.feature_table_map, self.num_tables)
-            self._report_counts("_check_offsets", record, self.step, stacklevel=6)
         else:
             ukeys, utids, inverse, counts = self._unique(indices, offsets)
+        self.step += 1  # (a batch refused above is no step)
+        if padded:
+            self._report_counts("_check_offsets", record, self.step, stacklevel=6)
         # The keys come back in the order of their rows on the CPU: the backward then updates rows in that order.
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse, **padded)
         if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come

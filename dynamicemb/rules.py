@@ -22,12 +22,11 @@ instead of restating them:
   (csrc/embedding/bag_checks.h).
 """
 import enum
-import json
 from typing import Dict, NamedTuple, Tuple
 
-from dynamicemb._ops import ops
+from dynamicemb._ops import RULES
 
-_RULES = json.loads(ops.rules())
+_RULES = RULES
 
 
 # ---- optimizers -----------------------------------------------------------------------------

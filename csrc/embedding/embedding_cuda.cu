@@ -126,12 +126,15 @@ __global__ void group_order_kernel(const int64_t* first, const int64_t* count, c
 }
 
 // Unique u = the u-th group in order: its key, table, count; rank of its slot
-// = u. Of `len` entries, those from *groups on are padding (the padded form).
+// = u. Of `len` entries, those from *groups on are padding (the padded form,
+// which also gets the count in num_unique: a tensor of its own, so that the
+// step does not keep the cumulative sum alive).
 __global__ void emit_unique_kernel(const int64_t* order, int64_t len, const int64_t* groups, const int64_t* g_first,
                                    const int64_t* g_count, const int64_t* g_slot, const int64_t* key,
                                    const int64_t* tid, int64_t* ukeys, int64_t* utids, int64_t* ucounts,
-                                   int64_t* slot_rank) {
+                                   int64_t* slot_rank, int64_t* num_unique) {
   const int64_t G = *groups;
+  if (num_unique != nullptr && thread_begin() == 0) *num_unique = G;
   for (int64_t u = thread_begin(); u < len; u += thread_stride()) {
     if (u >= G) {
       ukeys[u] = unique::kPadKey;
@@ -217,10 +220,10 @@ Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRe
                                                                         used.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const Tensor seg = at::cumsum(used, 0);  // group id + 1 of every used slot
-  const Tensor num_unique = seg.narrow(0, cap - 1, 1);  // G, on the device
+  const int64_t* groups = seg.data_ptr<int64_t>() + cap - 1;  // G, on the device
   int64_t len = n;  // the outputs' length: G, or n padded
   if (!padded) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, num_unique.data_ptr<int64_t>(), sizeof(int64_t),
+    C10_CUDA_CHECK(cudaMemcpyAsync(err.ptr() + 3, groups, sizeof(int64_t),
                                    cudaMemcpyDeviceToDevice, stream));
     const std::vector<int64_t> e = err.read();
     if (check) raise_offsets_errors(bags, offsets, e, stream);
@@ -241,12 +244,12 @@ Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRe
   const Tensor order = std::get<1>(stable_sort_low_bits(order_key, key_bits + (padded ? 1 : 0), stream));
 
   Tensor ukeys = at::empty({len}, L), utids = at::empty({len}, L), ucounts = at::empty({len}, L),
-         slot_rank = at::empty({cap}, L);
+         slot_rank = at::empty({cap}, L), num_unique = at::empty({padded ? 1 : 0}, L);
   emit_unique_kernel<<<blocks_for(len, kThreads), kThreads, 0, stream>>>(
-      order.data_ptr<int64_t>(), len, num_unique.data_ptr<int64_t>(), g_first.data_ptr<int64_t>(),
-      g_count.data_ptr<int64_t>(), g_slot.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
-      tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(), utids.data_ptr<int64_t>(), ucounts.data_ptr<int64_t>(),
-      slot_rank.data_ptr<int64_t>());
+      order.data_ptr<int64_t>(), len, groups, g_first.data_ptr<int64_t>(), g_count.data_ptr<int64_t>(),
+      g_slot.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), tid.data_ptr<int64_t>(), ukeys.data_ptr<int64_t>(),
+      utids.data_ptr<int64_t>(), ucounts.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>(),
+      padded ? num_unique.data_ptr<int64_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   emit_inverse_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
       slot_of.data_ptr<int64_t>(), slot_rank.data_ptr<int64_t>(), n, inverse.data_ptr<int64_t>());
