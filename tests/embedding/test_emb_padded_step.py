@@ -111,9 +111,9 @@ def test_insert_refuses_a_bad_key_count():
 
 # ---- the module's padded step --------------------------------------------------------------------
 
-def _pair(device, **opts):
+def _pair(device, pooling="SUM", **opts):
     """Two identical modules, the second with padded steps (CUDA's default, forced on the CPU)."""
-    mods = [make_module([8, 4], feature_table_map=FEATURE_TABLE, max_capacity=256, device=device,
+    mods = [make_module([8, 4], pooling=pooling, feature_table_map=FEATURE_TABLE, max_capacity=256, device=device,
                         optimizer="adam", **opts) for _ in range(2)]
     mods[0]._pads_unique = lambda indices: False
     mods[1]._pads_unique = lambda indices: True
@@ -132,14 +132,41 @@ def test_padded_steps_train_as_exact_ones(device):
             out.pow(2).sum().backward()
             outs.append(out.detach().cpu())
         assert torch.equal(outs[0], outs[1])
-    assert exact.table_stats() == padded.table_stats()
+    _assert_same_tables(exact, padded)
     assert exact.table_stats()["t0"]["evicted"] > 0 and exact.table_stats()["t0"]["failed"] > 0
+
+
+def _assert_same_tables(exact, padded):
+    assert exact.table_stats() == padded.table_stats()
     for t in range(2):
         assert stored_scores(exact, t) == stored_scores(padded, t)
         batches = [list(m.storage.export_rows(t)) for m in (exact, padded)]
         for part in ("keys", "values", "optimizer_state"):
             a, b = (torch.cat([getattr(x, part) for x in bs]).cpu() for bs in batches)
             assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:dynamicemb.*could not be stored")
+def test_padded_steps_with_weights_and_interleaved_forwards(device):
+    # MEAN bags with learned per-sample weights, and two forwards before
+    # their backwards (the second evicts rows the first returned: the first
+    # backward finds its keys' rows again, the padding staying without one).
+    gen = torch.Generator().manual_seed(12)
+    exact, padded = _pair(device, pooling="MEAN", score_strategy=DynamicEmbScoreStrategy.STEP)
+    for _ in range(3):
+        batches = [random_batch(gen, FEATURE_TABLE, [800, 600], batch=64, max_len=5, device=device)
+                   for _ in range(2)]
+        weights = [torch.rand(b[0].numel(), generator=gen).to(device) for b in batches]
+        grads = {}
+        for name, m in (("exact", exact), ("padded", padded)):
+            psw = [w.clone().requires_grad_() for w in weights]
+            outs = [m(i, o, w) for (i, o), w in zip(batches, psw)]
+            for out in reversed(outs):
+                out.pow(2).sum().backward()
+            grads[name] = [w.grad.cpu() for w in psw] + [out.detach().cpu() for out in outs]
+        for a, b in zip(grads["exact"], grads["padded"]):
+            assert torch.equal(a, b)
+    _assert_same_tables(exact, padded)
 
 
 def test_which_steps_pad():

@@ -1,0 +1,53 @@
+"""A CUDA training step does not wait for the device (issue 32;
+docs/gpu/sync_free_step.md): with a long sleep queued on the stream first, the
+module's forward and backward return while the sleep still runs. Any host
+synchronisation inside the step (a count read back, an .item(), a blocking
+copy) would have waited for the sleep. The exact step (emb_unique's count
+read on the host) is the control: it must wait. CUDA only."""
+import pytest
+import torch
+
+from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbScoreStrategy, DynamicEmbTableOptions,
+                        EmbOptimType)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SLEEP_CYCLES = 3_000_000_000  # about 2 s at 1.5-2 GHz: far longer than a step's host time
+
+
+def _module(strategy):
+    opts = [DynamicEmbTableOptions(dim=16, max_capacity=4096, bucket_capacity=128, score_strategy=strategy)
+            for _ in range(2)]
+    return BatchedDynamicEmbeddingTables(opts, optimizer=EmbOptimType.ADAM, device="cuda")
+
+
+def _batch(gen, lo, hi):
+    idx = torch.randint(lo, hi, (2 * 64 * 4,), generator=gen).cuda()
+    return idx, torch.arange(0, idx.numel() + 1, 4, device="cuda")
+
+
+def _step_waited(m, batch) -> bool:
+    """Whether a training step (forward and backward) on `batch` waited for
+    the sleep queued before it."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    m(*batch).sum().backward()
+    waited = torch.cuda.current_stream().query()  # True: the queue drained, so the step waited
+    torch.cuda.synchronize()
+    return waited
+
+
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.TIMESTAMP, DynamicEmbScoreStrategy.LFU],
+                         ids=lambda s: s.name)
+def test_a_training_step_does_not_wait_for_the_device(strategy):
+    gen = torch.Generator().manual_seed(0)
+    m = _module(strategy)
+    stored, new = _batch(gen, 0, 1000), _batch(gen, 10**6, 2 * 10**6)
+    for _ in range(3):  # warm: the allocators' blocks, the offsets' and layout checks of first calls
+        m(*stored).sum().backward()
+    assert not _step_waited(m, stored)
+    assert not _step_waited(m, new)  # new keys: inserts, evictions and new rows
+    m._pads_unique = lambda indices: False  # the control: the exact step reads its unique count
+    assert _step_waited(m, stored)
+    del m._pads_unique
+    assert m.table_stats()["t0"]["failed"] == 0
