@@ -116,7 +116,8 @@ class EmbeddingStorage(abc.ABC):
         capacity permitting) with their initial value and fresh optimizer
         state; refreshes scores. `counts`: occurrences of each key (LFU);
         `inverse`: key positions (of a batch's indices) to renumber along
-        with the keys."""
+        with the keys. A storage whose takes_padded_keys() says so also
+        takes `key_count` (the module passes it only then)."""
 
     def takes_padded_keys(self) -> bool:
         """Whether find_or_insert takes ``key_count`` (int64 [1] on the keys'

@@ -108,8 +108,6 @@ struct AtomicAdd {
 
 // ---- key placement -----------------------------------------------------------------
 
-// flags[0]: lowest key position with a table id out of range; flags[1]: lowest
-// position whose table's bucket range does not fit the slot arrays.
 // table_insert's padding (key_count): the keys at or past *count get
 // bucket kPaddingBucket and their outcome (index -1, kPaddingResult) here.
 struct Padding {
@@ -118,6 +116,8 @@ struct Padding {
   int8_t* res = nullptr;
 };
 
+// flags[0]: lowest key position with a table id out of range; flags[1]: lowest
+// position whose table's bucket range does not fit the slot arrays.
 struct PlaceArgs {
   TableRef ref;
   const int64_t* keys;
