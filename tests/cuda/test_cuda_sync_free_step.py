@@ -28,10 +28,12 @@ def _batch(gen, lo, hi):
 
 def _step_waited(m, batch) -> bool:
     """Whether a training step (forward and backward) on `batch` waited for
-    the sleep queued before it."""
+    the sleep queued before it. The offsets are a new tensor, as TorchRec's
+    are every step: their check's record goes to the host too."""
+    indices, offsets = batch[0], batch[1].clone()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
-    m(*batch).sum().backward()
+    m(indices, offsets).sum().backward()
     waited = torch.cuda.current_stream().query()  # True: the queue drained, so the step waited
     torch.cuda.synchronize()
     return waited

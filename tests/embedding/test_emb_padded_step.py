@@ -37,6 +37,18 @@ def test_unique_padded_is_unique_then_padding(n_bags):
     ops.emb_offsets_verdict(record)
 
 
+def test_every_padded_call_checks_its_offsets(device):
+    # Even offsets checked before: a retried bad tensor must raise again (the
+    # padded call counts them as checked before its record is read).
+    gen = torch.Generator().manual_seed(6)
+    indices, offsets = random_batch(gen, FEATURE_TABLE, [500, 300], batch=40, max_len=4, device=device)
+    first = ops.emb_unique_padded(indices, offsets, FEATURE_TABLE, 2)
+    again = ops.emb_unique_padded(indices, offsets, FEATURE_TABLE, 2)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert again[5].tolist() == [NO_BAD, 0, indices.numel(), 0, 0, indices.numel()]
+
+
 BAD_OFFSETS = {"start": [1, 2, 4, 4], "end": [0, 2, 4, 3], "decreasing": [0, 3, 2, 4]}
 
 
@@ -192,10 +204,11 @@ def test_a_padded_step_with_bad_offsets_raises(bad, device):
     indices, offsets = torch.arange(4, device=device), torch.tensor(BAD_OFFSETS[bad], device=device)
     with pytest.raises(RuntimeError) as exact:
         ops.emb_unique(indices.cpu(), offsets.cpu(), FEATURE_TABLE, 2)
-    with pytest.raises(RuntimeError) as padded:
-        m(indices, offsets).sum().backward()
-        m.table_stats()
-    assert str(exact.value) in str(padded.value)
+    for _ in range(2):  # the same bad tensor again: raises again
+        with pytest.raises(RuntimeError) as padded:
+            m(indices, offsets).sum().backward()
+            m.table_stats()
+        assert str(exact.value) in str(padded.value)
 
 
 def test_bad_offsets_of_a_padded_step_raise_naming_it():
