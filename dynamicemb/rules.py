@@ -24,9 +24,7 @@ instead of restating them:
 import enum
 from typing import Dict, NamedTuple, Tuple
 
-from dynamicemb._ops import RULES
-
-_RULES = RULES
+from dynamicemb._ops import RULES as _RULES
 
 
 # ---- optimizers -----------------------------------------------------------------------------
