@@ -247,8 +247,12 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         the device: on CUDA, where the exact unique count is a host sync,
         when the storage takes padded keys and no table raises within its
         step (ERROR mode waits for every count anyway)."""
-        return (indices.device.type == "cuda" and self.storage.takes_padded_keys()
-                and not any(o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options))
+        return indices.device.type == "cuda" and self.storage.takes_padded_keys() and not self._raises_in_step()
+
+    def _raises_in_step(self) -> bool:
+        """Whether some table is in ERROR mode: its failures and non-finite
+        gradients raise within their step, so the step reads them at once."""
+        return any(o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
 
     def _check_offsets(self, record: torch.Tensor, step: int, stacklevel: int) -> None:
         """emb_unique_padded's offsets check, read once its record reached the
@@ -287,8 +291,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         getattr(self, reporter)(counts.cpu(), step, stacklevel=stacklevel)
 
     def _defers_counts(self, counts: torch.Tensor) -> bool:
-        return counts.device.type == "cuda" and not any(
-            o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
+        return counts.device.type == "cuda" and not self._raises_in_step()
 
     def _drain_counts(self, wait: bool, stacklevel: int) -> None:
         """Reports the counts whose copies have landed (all of them with wait)."""
@@ -333,7 +336,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # only takes the exact per-row path, which then finds nothing.
         # Otherwise the update itself leaves out the rows whose summed
         # gradient is not finite, and counts them per table on the device.
-        check_first = any(o.safe_check_mode == DynamicEmbCheckMode.ERROR for o in self.table_options)
+        check_first = self._raises_in_step()
         if check_first and not bool(torch.isfinite(grad_output.sum())):
             rows = self._skip_nonfinite(grad_output, rows, utids, inverse, offsets)
         self.optimizer_step += 1

@@ -251,17 +251,27 @@ class HashTableStorage(EmbeddingStorage):
         """One group of every table, no admission, no tiers, and every table
         at its maximum: the insert then reads no count on the host (no
         growth to decide), and table_insert's key_count leaves the padding out."""
-        if not self._one_group or any(self.admission) or self.placement is not None:
-            return False
-        ht, tables = self.groups[0]
-        return all(c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables))
+        return self._whole_step_group() and all(self._at_max(0))
+
+    def _whole_step_group(self) -> bool:
+        """One group holds every table in order, none admits keys and no tier
+        places them: a step's insert is that group's, whose outputs are the step's own."""
+        return self._one_group and not any(self.admission) and self.placement is None
+
+    def _at_max(self, g: int) -> List[bool]:
+        """Per table of group g, whether it is at its maximum capacity (it evicts rather than grows)."""
+        ht, tables = self.groups[g]
+        return [c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables)]
+
+    def _padding_refused(self) -> ValueError:
+        return ValueError(f"dynamicemb: tables {self.names}: find_or_insert got padded keys (key_count), which only "
+                          f"one group of tables at their maximum capacity, without admission or tiers, takes "
+                          f"(takes_padded_keys)")
 
     def find_or_insert(self, keys, table_ids, counts, step, inverse=None, key_count=None) -> FindOrInsertResult:
         rejected = torch.zeros(self.num_tables, dtype=torch.int64)
-        if key_count is not None and not self.takes_padded_keys():
-            raise ValueError(f"dynamicemb: tables {self.names}: find_or_insert got padded keys (key_count), "
-                             f"which only one group of tables at their maximum capacity, without admission or "
-                             f"tiers, takes (takes_padded_keys)")
+        if key_count is not None and not self._whole_step_group():  # (capacities: in insert_growing)
+            raise self._padding_refused()
         if self._one_group and not any(self.admission):
             # The usual step: one group holds every table and none admits keys
             # by counting, so its insert's outputs are the step's own (no
@@ -470,12 +480,12 @@ class HashTableStorage(EmbeddingStorage):
         table at its maximum evicts; the keys it evicts are not listed (the
         output's evicted is empty, its results say EVICTED)."""
         ht, tables = self.groups[g]
-        self._grow_for(g, keys, local_tids)
-
-        def at_max():
-            return [c >= self.limit_caps[t] for c, t in zip(ht.capacities(), tables)]
-
-        full = at_max()
+        full = self._at_max(g)
+        if not all(full):  # (a group at its maximum has nothing to grow)
+            if key_count is not None:  # growth decisions read counts on the host
+                raise self._padding_refused()
+            self._grow_for(g, keys, local_tids)
+            full = self._at_max(g)
         # The evicted keys are not listed (that would wait for the device):
         # a call in which a table may evict counts as having evicted.
         # A group whose tables are all at their maximum never grows: nothing reads its sizes before an insert.
@@ -502,14 +512,14 @@ class HashTableStorage(EmbeddingStorage):
             if moved is None:  # no memory for it: those keys stay failed
                 for lt in retry:
                     ht.counters[lt, rules.TableCounter.FAILED] += per_table[lt]
-                full = at_max()
+                full = self._at_max(g)
                 continue
             moved_from, moved_to = moved
             # The slots this call already returned moved with the rehash.
             remap = torch.full((old_slots,), -1, dtype=torch.int64, device=idx.device)
             remap[moved_from] = moved_to
             idx = torch.where(idx >= 0, remap[idx.clamp(min=0)], idx)
-            full = at_max()
+            full = self._at_max(g)
             sel = failed & torch.isin(local_tids, torch.tensor(retry, device=local_tids.device))
             sub_scores = scores[sel] if isinstance(scores, torch.Tensor) else scores
             again = ht.insert(keys[sel], local_tids[sel], scores=sub_scores, evict=True if all(full) else full,

@@ -190,9 +190,12 @@ def test_which_steps_pad():
     admits = make_module([4], max_capacity=64, admit_strategy=FrequencyAdmissionStrategy(threshold=2),
                          admission_counter=KVCounter(64))
     assert not admits._pads_unique(cuda_like)
-    with pytest.raises(ValueError, match="padded keys"):
-        admits.storage.find_or_insert(torch.arange(3), torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64),
-                                      1, key_count=torch.tensor([2]))
+    grows = make_module([4], max_capacity=64, init_capacity=16)
+    for m in (admits, grows):  # refused where no padded step is taken (a table that may grow: at its insert)
+        with pytest.raises(ValueError, match="padded keys"):
+            m.storage.find_or_insert(torch.arange(3), torch.zeros(3, dtype=torch.int64),
+                                     torch.ones(3, dtype=torch.int64), 1, key_count=torch.tensor([2]))
+    assert grows.table_stats()["t0"]["size"] == 0  # refused before anything was stored
 
 
 @pytest.mark.parametrize("bad", sorted(BAD_OFFSETS))
