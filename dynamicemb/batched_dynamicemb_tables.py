@@ -308,6 +308,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         budget_reached = getattr(self.storage, "budget_reached", lambda t: None)
         for t in failed.nonzero().squeeze(1).tolist():
             mode = self.table_options[t].safe_check_mode
+            if mode == DynamicEmbCheckMode.IGNORE:  # counted only (and no budget read: on CUDA it may wait)
+                continue
             msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {step} "
                    f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget); "
                    f"they read their initial value")

@@ -12,8 +12,8 @@ class HostCopy:
         self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
         self.host.copy_(t, non_blocking=cuda)
         self.event = torch.cuda.Event() if cuda else None
-        if cuda:
-            self.event.record()
+        if cuda:  # behind the copy: on t's device's stream, which need not be the current device's
+            self.event.record(torch.cuda.current_stream(t.device))
 
     def landed(self) -> bool:
         return self.event is None or self.event.query()

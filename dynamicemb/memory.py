@@ -88,11 +88,16 @@ class TableBudget:
         self.limit = min(self.limit, slots)
         self.refusal = error.splitlines()[0] if error else "out of memory"
 
+    def limits(self, slots: int) -> bool:
+        """Whether this budget (or memory that it promised but was not
+        there) is what stops a table of `slots` slots from growing."""
+        return slots >= self.limit and bool(self.grows_past_max or self.refusal)
+
     def reached(self, size: int, slots: int) -> Optional[str]:
         """Why a table of `size` keys in `slots` slots stores no more keys,
         when its budget (or memory that its budget promised but was not
         there) is the reason (None otherwise)."""
-        if slots < self.limit or not (self.grows_past_max or self.refusal):
+        if not self.limits(slots):
             return None
         if self.refusal is not None:
             return (f"table {self.name!r} could not grow past {slots} slots ({size} rows, "

@@ -128,6 +128,7 @@ class HashTableStorage(EmbeddingStorage):
                           else None for n, o in zip(names, options)]
         self.rejected = torch.zeros(self.num_tables, dtype=torch.int64)
         self.custom_scores = [0] * self.num_tables  # CUSTOMIZED: the score set by set_score
+        self._custom_on_device = {}  # group -> (its tables' custom scores, the same on self.device)
         self.version = 0  # EmbeddingStorage.version: bumped by growth and eviction
 
     # ---- layout ----------------------------------------------------------------------
@@ -180,7 +181,9 @@ class HashTableStorage(EmbeddingStorage):
         reason (EmbeddingStorage.budget_reached)."""
         g, lt = self.group_of[t]
         ht = self.groups[g][0]
-        return self.budgets[t].reached(ht.size(lt), ht.capacity(lt))
+        slots = ht.capacity(lt)
+        # The size (on CUDA a wait for the device) is read only for the message.
+        return self.budgets[t].reached(ht.size(lt), slots) if self.budgets[t].limits(slots) else None
 
     def first_slot(self, t: int) -> int:
         """Table t's first slot in its group's hash table (the slot of its row 0)."""
@@ -241,8 +244,12 @@ class HashTableStorage(EmbeddingStorage):
         if rules.scored_by_step(ht.strategy):
             return step
         if rules.scored_by_caller(ht.strategy):
-            per_table = torch.tensor([self.custom_scores[t] for t in tables], dtype=torch.int64, device=self.device)
-            return per_table[local_tids]
+            # Uploaded when they change (set_score), not every step: on CUDA the copy waits.
+            scores = tuple(self.custom_scores[t] for t in tables)
+            kept = self._custom_on_device.get(g)
+            if kept is None or kept[0] != scores:
+                kept = self._custom_on_device[g] = (scores, torch.tensor(scores, dtype=torch.int64, device=self.device))
+            return kept[1][local_tids]
         if rules.counts_accesses(ht.strategy):
             return counts
         return None  # the table's clock

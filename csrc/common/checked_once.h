@@ -24,8 +24,11 @@ namespace dynamicemb {
 
 // kOffsets: fact = the indices' count; kTableIds / kInverse: fact = a bound
 // of the ids (the tables / the unique keys); kLayout (a table_buckets
-// tensor): fact = the slot arrays' bucket count.
-enum class Checked : int { kOffsets = 0, kTableIds = 1, kLayout = 2, kInverse = 3 };
+// tensor): fact = the slot arrays' bucket count. kOffsetsClamped: offsets
+// whose check's record is read later (emb_unique_padded), fact = the
+// indices' count; the training kernels, which clamp offsets, take them as
+// checked, a check that must raise now (emb_unique, eval) does not.
+enum class Checked : int { kOffsets = 0, kTableIds = 1, kLayout = 2, kInverse = 3, kOffsetsClamped = 4 };
 
 class CheckedOnce {
  public:
@@ -73,7 +76,7 @@ class CheckedOnce {
   // and the layout, which stay the same for many steps.
   struct State {
     std::mutex mu;  // the backward runs on autograd's threads
-    std::array<Ring, 4> rings;
+    std::array<Ring, 5> rings;
     Ring& ring(Checked what) { return rings[static_cast<size_t>(what)]; }
   };
   static bool keepable(const at::Tensor& t) { return t.defined() && !t.is_inference() && t.numel() > 0; }

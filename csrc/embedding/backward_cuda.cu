@@ -40,7 +40,7 @@ struct GradSource {
   const int64_t* off;
   const FeatureDev* feats;
   const float* psw;
-  int64_t B, total_d;
+  int64_t B, total_d, n;  // n: the indices' count, which bag lengths are clamped to (as the forward's)
   bool none, mean;
 
   // g[k] (element d0 + k * 32 + lane) = sum over occurrences [beg, end) in
@@ -60,7 +60,10 @@ struct GradSource {
         } else {
           const int64_t jb = bag[i];
           go = (jb % B) * total_d + feats[jb / B].col;
-          if (mean) s = __fdiv_rn(s, static_cast<float>(off[jb + 1] - off[jb]));
+          if (mean) {  // the forward's length: offsets clamped to [0, n] (their check may be read later)
+            const int64_t beg = clamp_index(off[jb], 0, n), L = clamp_index(off[jb + 1], beg, n) - beg;
+            if (L > 0) s = __fdiv_rn(s, static_cast<float>(L));
+          }
         }
       }
       const int cnt = end - j0 < kWarp ? static_cast<int>(end - j0) : kWarp;
@@ -175,7 +178,7 @@ Tensor backward_update_cuda(const Tensor& grad_output, TensorList weights, const
   const int64_t U = rows.numel(), n = inverse.numel();
   TORCH_CHECK(unique_table_ids.numel() == U, "dynamicemb: rows and unique_table_ids differ in length");
   check_inverse(inverse, U, stream);
-  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream, /*clamps=*/true);
   const float* psw = opt_weights(per_sample_weights, n, dev);
   TORCH_CHECK(grad_output.device() == dev && grad_output.scalar_type() == at::kFloat && grad_output.is_contiguous() &&
                   grad_output.dim() == 2,
@@ -209,6 +212,7 @@ Tensor backward_update_cuda(const Tensor& grad_output, TensorList weights, const
                        psw,
                        bags.B,
                        cols.width,
+                       n,
                        pooling == kNone,
                        pooling == kMean};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, R.dtype, "dynamicemb_backward_cuda", [&] {

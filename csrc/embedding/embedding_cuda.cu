@@ -185,17 +185,20 @@ Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRe
   const auto L = indices.options();
   // Exact: slots 0-2 the offsets' check (unless these offsets passed it
   // already), slot 3 the number of groups; one copy brings both back.
-  // Padded: the offsets' record (always made: it is never read here).
+  // Padded: the offsets' record (always made, bags or none: it is never read
+  // here). Until it is, the offsets count as checked only for the kernels
+  // that clamp them (Checked::kOffsetsClamped).
   const bool check = padded || !CheckedOnce::holds(offsets, Checked::kOffsets, n);
   ErrorSlots err(padded ? kOffsetsRecordLen : 4, dev, stream);
   if (check) launch_offsets_check(bags, err.ptr(), stream);
-  if (padded && bags.num_bags() > 0) {
+  if (padded) {
     offsets_record_kernel<<<1, 1, 0, stream>>>(bags.off, n, err.ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    CheckedOnce::record(offsets, Checked::kOffsetsClamped, n);
   }
   Tensor inverse = at::empty({n}, L);
   if (n == 0 || bags.num_bags() == 0) {  // no index to group: the check raises for offsets that end past 0
-    if (check) raise_offsets_errors(bags, offsets, err.read(), stream);
+    if (check && !padded) raise_offsets_errors(bags, offsets, err.read(), stream);
     const int64_t len = padded ? n : 0;
     return {at::zeros({len}, L), at::zeros({len}, L), inverse, at::zeros({len}, L), at::zeros({1}, L),
             padded ? err.tensor() : Tensor()};
@@ -256,11 +259,9 @@ Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRe
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The table ids come from feature_table, checked against num_tables (the
   // padding's too), and the inverse names the first G <= len entries: the
-  // later ops skip their checks (checked_once.h). Padded, the offsets count
-  // as checked before the verdict is read: the kernels clamp them meanwhile.
+  // later ops skip their checks (checked_once.h).
   CheckedOnce::record(utids, Checked::kTableIds, num_tables);
   CheckedOnce::record(inverse, Checked::kInverse, len);
-  if (padded) CheckedOnce::record(offsets, Checked::kOffsets, n);
   return {ukeys, utids, inverse, ucounts, num_unique, padded ? err.tensor() : Tensor()};
 }
 
@@ -501,7 +502,8 @@ Tensor forward_rows(TensorList weights, const Tensor& rows, const Tensor& unique
   TORCH_CHECK(unique_keys.numel() == rows.numel(), "dynamicemb: rows and unique_keys differ in length");
   if (!lookup) check_inverse(inverse, rows.numel(), stream);
   const int64_t n = inverse.numel();
-  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream);
+  // The training forward clamps its offsets; the eval lookup's must pass now.
+  const Bags bags = check_bags(n, offsets, feature_table, R.num_tables(), dev, stream, /*clamps=*/!lookup);
   const float* psw = opt_weights(per_sample_weights, n, dev);
   TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, "dynamicemb: unknown pooling ", pooling);
   const auto args = init_args(init_params, R.num_tables(), stream);

@@ -189,13 +189,14 @@ bool layout_fits(const TableRef& r, const Tensor& table_buckets, cudaStream_t st
 
 // The placement flags of a call with table ids, raised if set. Table ids that
 // emb_unique made or that passed before, in a layout that fits, cannot be
-// flagged: their read (a host sync) is skipped.
+// flagged: their read (a host sync) is skipped. `whole`: every id was placed
+// (padding is not), so that passing checked the whole tensor.
 void check_flags(const ErrorSlots& flags, const std::optional<Tensor>& table_ids, const TableRef& r,
-                 const Tensor& table_buckets, cudaStream_t stream) {
+                 const Tensor& table_buckets, cudaStream_t stream, bool whole = true) {
   if (CheckedOnce::holds(*table_ids, Checked::kTableIds, r.num_tables) && layout_fits(r, table_buckets, stream))
     return;
   raise_flags(flags, table_ids, r, stream);
-  CheckedOnce::record(*table_ids, Checked::kTableIds, r.num_tables);
+  if (whole) CheckedOnce::record(*table_ids, Checked::kTableIds, r.num_tables);
 }
 
 // Every key's bucket and digest; checks table ids before any slot changes.
@@ -216,7 +217,7 @@ Placed place_keys(const TableRef& r, const Tensor& keys, const std::optional<Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Only table ids can be out of range before the slots change; without them
   // the (layout) flags are read where the op syncs anyway, if it does.
-  if (table_ids) check_flags(p.flags, table_ids, r, table_buckets, stream);
+  if (table_ids) check_flags(p.flags, table_ids, r, table_buckets, stream, /*whole=*/pad.count == nullptr);
   return p;
 }
 

@@ -159,3 +159,25 @@ def test_memory_missing_within_the_budget_degrades_to_failed_inserts(device, mon
     strict = _module(DynamicEmbCheckMode.ERROR, budget=1 << 20, device=device)
     with pytest.raises(DynamicEmbBudgetError, match="'keep' could not grow past 64 slots.*can't allocate memory"):
         strict(torch.arange(300, device=device), torch.arange(301, device=device))
+
+
+@pytest.mark.parametrize("mode", [DynamicEmbCheckMode.IGNORE, DynamicEmbCheckMode.WARNING], ids=lambda m: m.name)
+def test_failures_read_no_size_unless_a_budget_explains_them(mode, monkeypatch):
+    # A table's size (on CUDA a wait for the device) is read to report failed
+    # keys only for the message naming a memory budget: never under IGNORE,
+    # and not for a table whose failures its budget does not explain.
+    reads = []
+    size = ScoredHashTable.size
+    monkeypatch.setattr(ScoredHashTable, "size", lambda self, t=None: reads.append(t) or size(self, t))
+    evicting = make_module([D], max_capacity=16, bucket_capacity=16, safe_check_mode=mode,
+                           score_strategy=DynamicEmbScoreStrategy.TIMESTAMP)
+    budgeted = _module(mode, budget=table_bytes(MAX_CAP, ROW_BYTES))  # at its budget from the start
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        evicting(torch.arange(40), torch.arange(41))  # one bucket held by the batch: 24 keys fail
+        assert int(evicting.failed[0]) == 24 and reads == []
+        budgeted(torch.arange(100), torch.arange(101))
+    assert int(budgeted.failed[0]) == 100 - MAX_CAP
+    explained = [str(w.message) for w in warned if "memory_budget" in str(w.message)]
+    assert reads == ([0] if mode == DynamicEmbCheckMode.WARNING else [])  # the budget's message only
+    assert len(explained) == (1 if mode == DynamicEmbCheckMode.WARNING else 0)

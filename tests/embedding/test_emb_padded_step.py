@@ -52,6 +52,15 @@ def test_every_padded_call_checks_its_offsets(device):
 BAD_OFFSETS = {"start": [1, 2, 4, 4], "end": [0, 2, 4, 3], "decreasing": [0, 3, 2, 4]}
 
 
+def offsets_record(off, n):
+    """The record bag_checks.h describes, of offsets `off` (a list) over n indices."""
+    j = next((j for j in range(len(off) - 1) if off[j + 1] < off[j]), None)
+    record = [NO_BAD if j is None else j, off[0], off[-1], 0 if j is None else off[j],
+              0 if j is None else off[j + 1], n]
+    assert len(record) == OFFSETS_RECORD_LEN
+    return record
+
+
 @pytest.mark.parametrize("bad", sorted(BAD_OFFSETS))
 def test_offsets_verdict_gives_uniques_error(bad):
     # The record's verdict against emb_unique's own check of the same offsets.
@@ -60,15 +69,43 @@ def test_offsets_verdict_gives_uniques_error(bad):
         ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
     with pytest.raises(RuntimeError) as padded:  # the CPU checks at once
         ops.emb_unique_padded(indices, offsets, FEATURE_TABLE, 2)
-    off = offsets.tolist()
-    j = next((j for j in range(len(off) - 1) if off[j + 1] < off[j]), None)
-    record = [NO_BAD if j is None else j, off[0], off[-1], 0 if j is None else off[j],
-              0 if j is None else off[j + 1], indices.numel()]
-    assert len(record) == OFFSETS_RECORD_LEN
     with pytest.raises(RuntimeError) as verdict:
-        ops.emb_offsets_verdict(torch.tensor(record))
+        ops.emb_offsets_verdict(torch.tensor(offsets_record(offsets.tolist(), indices.numel())))
     assert str(verdict.value) == str(exact.value) == str(padded.value)
     assert bad.split()[0][:5] in str(exact.value)
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_OFFSETS))
+def test_a_padded_calls_offsets_are_checked_again_by_an_exact_one(bad, device):
+    # Until its record is read, a padded call's offsets count as checked only
+    # for the kernels that clamp them: emb_unique and the eval forward on the
+    # same tensor still check them at once. (The CPU's padded call raises.)
+    indices, offsets = torch.arange(4, device=device), torch.tensor(BAD_OFFSETS[bad], device=device)
+    with pytest.raises(RuntimeError) as want:
+        ops.emb_unique(indices.cpu(), offsets.cpu(), FEATURE_TABLE, 2)
+    if indices.is_cuda:
+        record = ops.emb_unique_padded(indices, offsets, FEATURE_TABLE, 2)[5]
+        assert record.tolist() == offsets_record(BAD_OFFSETS[bad], 4)
+    else:
+        with pytest.raises(RuntimeError):
+            ops.emb_unique_padded(indices, offsets, FEATURE_TABLE, 2)
+    with pytest.raises(RuntimeError) as exact:
+        ops.emb_unique(indices, offsets, FEATURE_TABLE, 2)
+    m = make_module([4, 4], feature_table_map=FEATURE_TABLE, device=device).eval()
+    with pytest.raises(RuntimeError) as served:
+        m(indices, offsets)
+    assert str(want.value) in str(exact.value) and str(want.value) in str(served.value)
+
+
+@pytest.mark.parametrize("bags", [0, 5], ids=["no-bags", "empty-bags"])
+def test_padded_unique_of_no_index(bags, device):
+    # Nothing to group: padding of length 0 and a record that passes (on
+    # CUDA made without waiting, with no bag or with empty ones).
+    offsets = torch.zeros(len(FEATURE_TABLE) * bags + 1, dtype=torch.int64, device=device)
+    out = ops.emb_unique_padded(torch.zeros(0, dtype=torch.int64, device=device), offsets, FEATURE_TABLE, 2)
+    assert [t.numel() for t in out[:4]] == [0, 0, 0, 0] and out[4].tolist() == [0]
+    assert out[5].tolist() == [NO_BAD, 0, 0, 0, 0, 0]
+    ops.emb_offsets_verdict(out[5].cpu())
 
 
 def test_offsets_verdict_refuses_a_bad_record():
