@@ -313,15 +313,16 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {step} "
                    f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget); "
                    f"they read their initial value")
-            why = budget_reached(t)
             if mode == DynamicEmbCheckMode.ERROR:
+                why = budget_reached(t)
                 raise RuntimeError("dynamicemb: " + msg) if why is None else \
                     DynamicEmbBudgetError(f"dynamicemb: {msg}: {why}")
-            if mode == DynamicEmbCheckMode.WARNING:
-                if why is not None and t not in self._budget_warned:  # the budget explained once per table
-                    self._budget_warned.add(t)
-                    msg = f"{msg}: {why}"
-                msgs.append(msg)
+            # WARNING: the budget explained once per table (and asked about until then only).
+            why = None if t in self._budget_warned else budget_reached(t)
+            if why is not None:
+                self._budget_warned.add(t)
+                msg = f"{msg}: {why}"
+            msgs.append(msg)
         if msgs:
             warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
 
