@@ -39,6 +39,11 @@ TORCH_LIBRARY(dynamicemb, m) {
       "Tensor? key_count=None) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
+  // What a training step reads from an insert's results: which keys got a
+  // new row (table_rules.h got_row: stored in a free or an evicted slot, its
+  // row to be initialised) and the failures per table id in [0, num_tables).
+  // One op (on CUDA one launch and a fill) where five compared and counted.
+  m.def("table_insert_outcome(Tensor results, Tensor table_ids, int num_tables) -> (Tensor got_row, Tensor failed)");
   m.def("table_erase(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, int bucket_capacity) -> Tensor erased");
   // table_erase, returning what the erased keys held: their positions in keys
   // (ascending; a repeated key at its first only) and their slots' entries of
@@ -74,10 +79,6 @@ TORCH_LIBRARY(dynamicemb, m) {
   // use torch's ops (dynamicemb/positions.py).
   m.def("positions_where(Tensor mask) -> Tensor");
   m.def("positions_by_group(Tensor ids, int groups) -> (Tensor order, Tensor counts)");
-  // int64 [groups]: per id in [0, groups), how many of its positions the mask
-  // holds (common/positions_cpu.cpp, positions_cuda.cu: no host sync, where
-  // bincount of ids[mask] sizes its output on the host).
-  m.def("positions_count(Tensor ids, Tensor mask, int groups) -> Tensor");
   // Whether the CPU kernels take their vector paths (common/cpu_vectors.h).
   m.def("cpu_vector_paths() -> bool");
   // The rules the kernels follow (optimizers, score strategies, counter

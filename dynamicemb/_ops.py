@@ -68,6 +68,11 @@ def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, 
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)
 
 
+@torch.library.register_fake(_lib + "table_insert_outcome")
+def _insert_outcome_fake(results, table_ids, num_tables):
+    return torch.empty_like(results, dtype=torch.bool), table_ids.new_empty(num_tables)
+
+
 @torch.library.register_fake(_lib + "table_erase")
 def _erase_fake(table, keys, table_ids, bucket_capacity):
     return torch.empty_like(keys, dtype=torch.bool)
@@ -103,11 +108,6 @@ def _positions_where_fake(mask):
 @torch.library.register_fake(_lib + "positions_by_group")
 def _positions_by_group_fake(ids, groups):
     return torch.empty_like(ids), ids.new_empty(groups)
-
-
-@torch.library.register_fake(_lib + "positions_count")
-def _positions_count_fake(ids, mask, groups):
-    return ids.new_empty(groups)
 
 
 @torch.library.register_fake(_lib + "table_clock")

@@ -27,15 +27,6 @@ def where_true(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero().squeeze(1)
 
 
-def count_where(ids: torch.Tensor, mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """int64 [groups]: per id in [0, groups), how many positions with that id
-    the mask holds. Our op (no host sync on CUDA, where bincount of ids[mask]
-    sizes its output on the host) on the CPU and CUDA; elsewhere torch's."""
-    if ids.device.type in ("cpu", "cuda"):
-        return ops.positions_count(ids.contiguous(), mask.contiguous(), groups)
-    return torch.zeros(groups, dtype=torch.int64, device=ids.device).index_add_(0, ids, mask.to(torch.int64))
-
-
 def by_group(ids: torch.Tensor, groups: int) -> Tuple[torch.Tensor, List[int]]:
     """(positions grouped by ids in [0, groups), ascending within a group;
     each group's count): group g's positions are order[sum(counts[:g]):][:counts[g]]."""

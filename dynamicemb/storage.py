@@ -16,7 +16,7 @@ from dynamicemb import memory, rules
 from dynamicemb._ops import ops
 from dynamicemb.admission import AdmissionCounter
 from dynamicemb.options import DynamicEmbTableOptions
-from dynamicemb.positions import count_where, where_true
+from dynamicemb.positions import where_true
 from dynamicemb.storage_protocol import (EmbeddingStorage, FindOrInsertResult, RowBatch,  # noqa: F401 - RowBlocks: re-exported
                                          RowBlocks)
 from dynamicemb.table import InsertOutput, ScoredHashTable, doubling_capacities
@@ -25,9 +25,9 @@ from dynamicemb.types import InsertResult, strategy_code, strategy_of
 
 _STATE_COLUMN = rules.INIT_ARGS.index("state")  # of the packed initializer
 
-# The insert results as plain ints: a tensor compared with an IntEnum member
-# pays ~1 us more per op in the argument parser, a few times per step.
-_INSERTED, _EVICTED, _FAILED = int(InsertResult.INSERTED), int(InsertResult.EVICTED), int(InsertResult.FAILED)
+# FAILED as a plain int: a tensor compared with an IntEnum member pays ~1 us
+# more in the argument parser.
+_FAILED = int(InsertResult.FAILED)
 
 
 def _slot_rows(slots: torch.Tensor, begin: torch.Tensor) -> torch.Tensor:
@@ -341,9 +341,10 @@ class HashTableStorage(EmbeddingStorage):
         keep, counted = self._admit(g, keys, local_tids, counts, rejected)
         if keep is None:
             out = self._store(g, keys, local_tids, self.insert_scores(g, local_tids, counts, step), key_count)
-            return out.indices, self._got_row(out.results), count_where(local_tids, out.results == _FAILED, len(tables))
+            return (out.indices, *ops.table_insert_outcome(out.results, local_tids, len(tables)))
         k, c, lt, counted = keys[keep], counts[keep], local_tids[keep], counted[keep]
         out = self._store(g, k, lt, self.insert_scores(g, lt, c, step))
+        got_row, failed = ops.table_insert_outcome(out.results, lt, len(tables))
         # Admitted keys now stored (in any tier) leave the admission counters.
         gone = counted & (out.results != _FAILED)
         for t_local, t in enumerate(tables):
@@ -353,13 +354,8 @@ class HashTableStorage(EmbeddingStorage):
         slots = torch.full_like(keys, -1)
         slots[at] = out.indices
         is_new = torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)
-        is_new[at] = self._got_row(out.results)
-        return slots, is_new, count_where(lt, out.results == _FAILED, len(tables))
-
-    @staticmethod
-    def _got_row(results: torch.Tensor) -> torch.Tensor:
-        """Whether each key got a new row (inserted, or in an evicted key's slot)."""
-        return (results == _INSERTED) | (results == _EVICTED)
+        is_new[at] = got_row
+        return slots, is_new, failed
 
     def _group_table_ids(self, g: int, device: torch.device) -> torch.Tensor:
         """Group g's table ids as a tensor on `device` (made once)."""

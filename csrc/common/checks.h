@@ -18,13 +18,4 @@ inline void check_1d(const at::Tensor& t, at::ScalarType dtype, const char* name
               " must be a contiguous 1-D tensor, got shape ", t.sizes());
 }
 
-// positions_count's arguments, on either backend.
-inline void check_count_args(const at::Tensor& ids, const at::Tensor& mask, int64_t groups, at::Device device) {
-  check_1d(ids, at::kLong, "positions_count: ids", device);
-  check_1d(mask, at::kBool, "positions_count: mask", device);
-  TORCH_CHECK(ids.numel() == mask.numel(), "dynamicemb: positions_count: ids has ", ids.numel(),
-              " entries, mask ", mask.numel());
-  TORCH_CHECK(groups >= 1, "dynamicemb: positions_count: groups must be positive, got ", groups);
-}
-
 }  // namespace dynamicemb

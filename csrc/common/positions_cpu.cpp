@@ -4,7 +4,6 @@
 // and missing keys (about half each, at random) mispredicts half the time:
 // about 4 ns an element. Here the loops do not branch on the data.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "common/checks.h"
@@ -66,29 +65,11 @@ std::tuple<at::Tensor, at::Tensor> by_group_cpu(const at::Tensor& ids, int64_t g
   return {order, counts};
 }
 
-// Per id in [0, groups), the number of its positions where mask holds.
-at::Tensor count_cpu(const at::Tensor& ids, const at::Tensor& mask, int64_t groups) {
-  check_count_args(ids, mask, groups, ids.device());
-  const int64_t n = ids.numel();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
-  at::Tensor counts = at::zeros({groups}, ids.options());
-  int64_t* cnt = counts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    if (!m[i]) continue;
-    TORCH_CHECK(0 <= id[i] && id[i] < groups, "dynamicemb: positions_count: ids[", i, "] = ", id[i],
-                " is outside [0, ", groups, ")");
-    ++cnt[id[i]];
-  }
-  return counts;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
   m.impl("positions_where", &where_cpu);
   m.impl("positions_by_group", &by_group_cpu);
-  m.impl("positions_count", &count_cpu);
 }
 
 }  // namespace dynamicemb

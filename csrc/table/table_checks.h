@@ -50,6 +50,19 @@ inline int64_t check_keys(const at::Tensor& keys, const std::optional<at::Tensor
   return n;
 }
 
+// table_insert_outcome's inputs: an insert's results (int8) and one table
+// id (int64) per key, 1-D, on `dev`; returns the number of keys.
+inline int64_t check_outcome_args(const at::Tensor& results, const at::Tensor& table_ids, int64_t num_tables,
+                                  const at::Device& dev) {
+  check_tensor(results, at::kChar, "results", dev);
+  check_tensor(table_ids, at::kLong, "table_ids", dev);
+  TORCH_CHECK(results.dim() == 1 && table_ids.dim() == 1 && table_ids.numel() == results.numel(),
+              "dynamicemb: results and table_ids must be 1-D of one length, got shapes ", results.sizes(), " and ",
+              table_ids.sizes());
+  TORCH_CHECK(num_tables > 0, "dynamicemb: num_tables must be positive, got ", num_tables);
+  return results.numel();
+}
+
 // table_insert's key_count: int64 [1] on the keys' device (null: every key).
 inline const int64_t* check_key_count(const std::optional<at::Tensor>& key_count, const at::Device& dev) {
   if (!key_count) return nullptr;

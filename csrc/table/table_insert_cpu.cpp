@@ -4,6 +4,7 @@
 // committed and tallied by TableRef (table_ref.h). A call whose keys are all
 // stored already (a trained table's usual step) skips the regrouping: its
 // keys are found by the lookup's pipeline and committed as accessed.
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -253,9 +254,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
+// table_insert_outcome: each key's got_row, and the failures per table id
+// (an id out of range raises, for a failed key: the ids that are counted).
+std::tuple<Tensor, Tensor> insert_outcome(const Tensor& results, const Tensor& table_ids, int64_t num_tables) {
+  const int64_t n = check_outcome_args(results, table_ids, num_tables, cpu_device());
+  const int8_t* res = results.data_ptr<int8_t>();
+  const int64_t* t = table_ids.data_ptr<int64_t>();
+  Tensor got = new_tensor(n, at::kBool), failed = at::zeros({num_tables}, table_ids.options());
+  bool* g = got.data_ptr<bool>();
+  int64_t* f = failed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    g[i] = got_row(res[i]);
+    if (res[i] != kFailed) continue;
+    TORCH_CHECK(0 <= t[i] && t[i] < num_tables, "dynamicemb: table_insert_outcome: table_ids[", i, "] = ", t[i],
+                " is outside [0, ", num_tables, ")");
+    ++f[t[i]];
+  }
+  return {got, failed};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) { m.impl("table_insert", &insert); }
+TORCH_LIBRARY_IMPL(dynamicemb, CPU, m) {
+  m.impl("table_insert", &insert);
+  m.impl("table_insert_outcome", &insert_outcome);
+}
 
 }  // namespace cpu_impl
 }  // namespace table

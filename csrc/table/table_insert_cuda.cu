@@ -5,6 +5,7 @@
 // entries gathered in input order.
 #include <ATen/ops/eq.h>
 #include <ATen/ops/nonzero.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -241,9 +242,43 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
   return {indices, results, e_keys, e_tids, e_idx, e_scores};
 }
 
+// table_insert_outcome: each key's got_row, and the failures per table id
+// tallied per block (a failed key's id out of range is a device-side
+// assert, as for torch's index ops: reading it back would cost a host sync).
+__global__ void insert_outcome_kernel(const int8_t* res, const int64_t* tids, int64_t n, int64_t num_tables,
+                                      bool* got, int64_t* failed) {
+  for (int64_t i = cuda::thread_begin(); i < n; i += cuda::thread_stride()) got[i] = got_row(res[i]);
+  cuda::tally(
+      n, num_tables,
+      [&](int64_t i) {
+        if (res[i] != kFailed) return int64_t{-1};
+        CUDA_KERNEL_ASSERT(tids[i] >= 0 && tids[i] < num_tables);
+        return tids[i];
+      },
+      [&](int64_t t, int64_t count) { cuda::atomic_add_i64(failed + t, count); });
+}
+
+std::tuple<Tensor, Tensor> insert_outcome(const Tensor& results, const Tensor& table_ids, int64_t num_tables) {
+  const at::Device dev = results.device();
+  TORCH_CHECK(dev.is_cuda(), "dynamicemb: results must be on a CUDA device, got ", dev);
+  const int64_t n = check_outcome_args(results, table_ids, num_tables, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  Tensor got = new_tensor(n, at::kBool, dev), failed = at::zeros({num_tables}, table_ids.options());
+  if (n == 0) return {got, failed};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  insert_outcome_kernel<<<cuda::tally_grid(n), kThreads, 0, stream>>>(
+      results.data_ptr<int8_t>(), table_ids.data_ptr<int64_t>(), n, num_tables, got.data_ptr<bool>(),
+      failed.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {got, failed};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) { m.impl("table_insert", &insert); }
+TORCH_LIBRARY_IMPL(dynamicemb, CUDA, m) {
+  m.impl("table_insert", &insert);
+  m.impl("table_insert_outcome", &insert_outcome);
+}
 
 }  // namespace cuda_impl
 }  // namespace table

@@ -55,6 +55,9 @@ enum InsertResult : int8_t {
   kEvicted = 2,   // stored by evicting the bucket's lowest-scored slot
   kFailed = 3,    // not stored: bucket full of held slots, or NO_EVICTION
 };
+// Whether an insert gave the key a new row: its slot's row holds nothing of
+// the key yet, and is to be initialised (table_insert_outcome).
+DE_HD bool got_row(int8_t result) { return result == kInserted || result == kEvicted; }
 // A padding key of table_insert (at or past key_count): index -1 and this
 // result, which no tally counts and no caller takes for a stored key.
 constexpr int8_t kPaddingResult = kAssigned;

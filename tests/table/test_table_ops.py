@@ -9,12 +9,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from dynamicemb import DynamicEmbScoreStrategy as S
-from dynamicemb import ScoredHashTable
+from dynamicemb import InsertResult, ScoredHashTable
 from dynamicemb._ops import ops, table_arg
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
 TABLE_OPS = ["table_lookup", "table_lookup_gather", "table_lookup_refresh", "table_refresh", "table_insert",
-             "table_erase", "table_take", "table_export_range", "table_rehash"]
+             "table_insert_outcome", "table_erase", "table_take", "table_export_range", "table_rehash"]
 
 
 def _table(strategy):
@@ -40,6 +40,7 @@ def _samples(t: ScoredHashTable, code: int):
         yield "table_lookup_refresh", (tab, keys, tid, ks, code, bc, 77)
         yield "table_refresh", (tab, torch.tensor([0, 3, -1, 17, 40, 79]), ks, code, 77)
         yield "table_insert", (tab, keys, tid, ks, code, bc, 78, 200)
+        yield "table_insert_outcome", (torch.tensor([0, 1, 2, 3, 3, 0], dtype=torch.int8), tid, 2)
         yield "table_erase", (tab, keys, tid, bc)
         yield "table_take", (tab, keys, tid, bc, torch.arange(t.slot_keys.numel()) * 3)
     yield "table_export_range", (tab, None, 0, 80, bc, 0)
@@ -250,3 +251,31 @@ def test_raw_ops_refuse_a_bad_layout_or_strategy():
 
 
 generate_opcheck_tests(sys.modules[__name__])
+
+
+def test_insert_outcome_against_the_results(device):
+    # The rule in Python: a key got a new row when INSERTED or EVICTED; the
+    # FAILED keys are counted per table id. On random results, then on a
+    # real insert's (every kind of result).
+    gen = torch.Generator().manual_seed(3)
+    results = torch.randint(0, 4, (1000,), generator=gen, dtype=torch.int8)
+    tids = torch.randint(0, 5, (1000,), generator=gen)
+    t = ScoredHashTable([16, 32], 16, S.STEP, num_tables=2, device=device)
+    t.insert(torch.arange(40, device=device), torch.arange(40, device=device) % 2, scores=1)
+    keys = torch.cat([torch.arange(30), torch.arange(100, 140)]).to(device)  # 30 found, 40 new: evict, fail
+    real = t.insert(keys, keys % 2, scores=2).results
+    assert set(real.tolist()) == {int(r) for r in InsertResult}
+    for res, ids, n in ((results, tids, 5), (real.cpu(), (keys % 2).cpu(), 2)):
+        got_row, failed = ops.table_insert_outcome(res.to(device), ids.to(device), n)
+        assert torch.equal(got_row.cpu(), (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED))
+        assert torch.equal(failed.cpu(), torch.bincount(ids[res == InsertResult.FAILED], minlength=n))
+
+
+def test_insert_outcome_refuses_bad_arguments():
+    res = torch.tensor([3, 0], dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"table_ids\[0\] = 2 is outside \[0, 2\)"):
+        ops.table_insert_outcome(res, torch.tensor([2, 5]), 2)  # only failed keys' ids are counted (and checked)
+    with pytest.raises(RuntimeError, match="results must be Char"):
+        ops.table_insert_outcome(res.long(), torch.tensor([0, 1]), 2)
+    with pytest.raises(RuntimeError, match="results and table_ids must be 1-D of one length"):
+        ops.table_insert_outcome(res, torch.tensor([0]), 2)

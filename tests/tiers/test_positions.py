@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dynamicemb._ops import ops
-from dynamicemb.positions import count_where, by_group, where_true
+from dynamicemb.positions import by_group, where_true
 from op_checks import generate_opcheck_tests, opcheck_every_call
 
 
@@ -47,7 +47,6 @@ def test_op_samples():
     order, counts = ops.positions_by_group(ids, 2)
     assert torch.equal(order, torch.sort(ids, stable=True).indices)
     assert torch.equal(counts, torch.bincount(ids, minlength=2))
-    assert torch.equal(ops.positions_count(ids, mask, 3), torch.bincount(ids[mask], minlength=3))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -57,11 +56,6 @@ def test_op_samples():
     (lambda: ops.positions_by_group(torch.tensor([0, -1]), 2), r"ids\[1\] = -1 is outside \[0, 2\)"),
     (lambda: ops.positions_by_group(torch.tensor([0], dtype=torch.int32), 2), "ids must be Long"),
     (lambda: ops.positions_by_group(torch.tensor([0]), 0), "groups must be positive"),
-    (lambda: ops.positions_count(torch.tensor([0, 3]), torch.tensor([False, True]), 3),
-     r"positions_count: ids\[1\] = 3 is outside \[0, 3\)"),
-    (lambda: ops.positions_count(torch.tensor([0, 1]), torch.tensor([True]), 3), "ids has 2 entries, mask 1"),
-    (lambda: ops.positions_count(torch.tensor([0]), torch.tensor([1]), 3), "positions_count: mask must be Bool"),
-    (lambda: ops.positions_count(torch.tensor([0]), torch.tensor([True]), 0), "groups must be positive"),
 ])
 def test_bad_input_is_named(call, message):
     with pytest.raises(RuntimeError, match=message):
@@ -70,12 +64,3 @@ def test_bad_input_is_named(call, message):
 
 generate_opcheck_tests(sys.modules[__name__])
 
-
-def test_count_where_counts_the_masked_positions_per_group(device):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 5, (1000,), generator=g)
-    mask = torch.rand(1000, generator=g) < 0.3
-    want = [sum(1 for i, m in zip(ids.tolist(), mask.tolist()) if m and i == k) for k in range(7)]
-    got = count_where(ids.to(device), mask.to(device), 7)
-    assert got.dtype == torch.int64 and got.device.type == device and got.tolist() == want
-    assert count_where(ids[:0].to(device), mask[:0].to(device), 3).tolist() == [0, 0, 0]
