@@ -18,6 +18,15 @@ inline int64_t num_chunks(int64_t n, int64_t grain, int64_t per_thread = 4) {
   return std::max<int64_t>(1, std::min<int64_t>(per_thread * at::get_num_threads(), n / grain));
 }
 
+// Lowers `at` (-1: none yet) to position i: the smallest offending position
+// whatever the threads' order, as the CUDA kernels' flag_min keeps it, so
+// that both backends name the same one in their error.
+inline void keep_first(std::atomic<int64_t>& at, int64_t i) {
+  int64_t cur = at.load(std::memory_order_relaxed);
+  while ((cur < 0 || i < cur) && !at.compare_exchange_weak(cur, i, std::memory_order_relaxed)) {
+  }
+}
+
 // fn(i) for i in [0, n), items claimed one at a time by the threads: a
 // thread that a busy machine slows down takes fewer items instead of holding
 // the others at the region's end. For items whose results do not depend on

@@ -93,7 +93,7 @@ inline Bags check_bags(int64_t n, const Tensor& offsets, IntArrayRef feature_tab
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, bags.num_bags(), 16384, [&](int64_t jb, int64_t je) {
     for (int64_t j = jb; j < je; ++j)
-      if (off[j + 1] < off[j]) bad.store(j, std::memory_order_relaxed);
+      if (off[j + 1] < off[j]) cpu::keep_first(bad, j);
   });
   check_offset_values(off[0], off[bags.num_bags()], n, bad.load(),
                       [&](int64_t j) { return std::make_pair(off[j], off[j + 1]); });

@@ -75,7 +75,7 @@ class BucketBatch {
       for (int64_t i = c * len_, e = std::min(n, i + len_); i < e; ++i) {
         const int64_t b = bucket_of(i);
         if (b < 0) {
-          bad.store(i, std::memory_order_relaxed);
+          cpu::keep_first(bad, i);
           continue;
         }
         ++start_[c * parts_ + (b >> shift_)];

@@ -73,7 +73,7 @@ struct TableKeys {
   int64_t table(int64_t i) const {
     const int64_t t = tids ? tids[i] : 0;
     if (r.has_table(t)) return t;
-    bad->store(i, std::memory_order_relaxed);
+    cpu::keep_first(*bad, i);
     return -1;
   }
   const TableRef& ref(int64_t) const { return r; }
@@ -177,7 +177,7 @@ void refresh(at::ArrayRef<Tensor> table, const Tensor& indices, const std::optio
     for (int64_t i = b; i < e; ++i) {
       const int64_t s = idx[i];
       if (s < -1 || s >= slots) {
-        bad.store(i, std::memory_order_relaxed);
+        cpu::keep_first(bad, i);
         continue;
       }
       if (s >= 0) ref.refresh(s, scoring, scoring.key_score(ks, i));

@@ -49,7 +49,9 @@ def test_every_padded_call_checks_its_offsets(device):
     assert again[5].tolist() == [NO_BAD, 0, indices.numel(), 0, 0, indices.numel()]
 
 
-BAD_OFFSETS = {"start": [1, 2, 4, 4], "end": [0, 2, 4, 3], "decreasing": [0, 3, 2, 4]}
+# "decreasing twice": both backends name the first position (CUDA's flag_min, the CPU's keep_first).
+BAD_OFFSETS = {"start": [1, 2, 4, 4], "end": [0, 2, 4, 3], "decreasing": [0, 3, 2, 4],
+               "decreasing twice": [0, 3, 2, 4, 3, 4, 4]}
 
 
 def offsets_record(off, n):
@@ -149,6 +151,18 @@ def test_insert_leaves_the_keys_past_key_count_out(strategy, device):
             assert torch.equal(a, b)
         assert torch.equal(got.evicted.keys.cpu(), want.evicted.keys.cpu())
     assert plain.counters.sum() > 0 and (plain.counters[:, 1:].sum() > 0)  # evicted or failed keys
+
+
+def test_table_ids_past_key_count_are_checked_by_a_later_call(device):
+    # The padding's table ids are not placed, so a padded insert does not
+    # count its table ids as checked: the same tensor in a call without
+    # key_count has them checked (on CUDA, where passing checks are recorded).
+    t = ScoredHashTable([32, 32], bucket_capacity=16, num_tables=2, device=device)
+    keys, tids = torch.arange(4, device=device), torch.tensor([0, 1, 7, 9], device=device)
+    t.insert(keys, tids, key_count=torch.tensor([2], device=device))
+    assert t.size() == 2
+    with pytest.raises(RuntimeError, match=r"table id 7 \(key position 2\) is out of range \[0, 2\)"):
+        t.insert(keys, tids)
 
 
 def test_insert_refuses_a_bad_key_count():
