@@ -1,6 +1,6 @@
 """Allocation of the long-lived arrays that kernels read at random (slot
 arrays, embedding rows), and the memory budgets that bound their growth."""
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -88,17 +88,14 @@ class TableBudget:
         self.limit = min(self.limit, slots)
         self.refusal = error.splitlines()[0] if error else "out of memory"
 
-    def limits(self, slots: int) -> bool:
-        """Whether this budget (or memory that it promised but was not
-        there) is what stops a table of `slots` slots from growing."""
-        return slots >= self.limit and bool(self.grows_past_max or self.refusal)
-
-    def reached(self, size: int, slots: int) -> Optional[str]:
-        """Why a table of `size` keys in `slots` slots stores no more keys,
+    def reached(self, size_of: Callable[[], int], slots: int) -> Optional[str]:
+        """Why a table of size_of() keys in `slots` slots stores no more keys,
         when its budget (or memory that its budget promised but was not
-        there) is the reason (None otherwise)."""
-        if not self.limits(slots):
+        there) is the reason (None otherwise). The size, on CUDA a wait for
+        the device, is asked for only then."""
+        if slots < self.limit or not (self.grows_past_max or self.refusal):
             return None
+        size = size_of()
         if self.refusal is not None:
             return (f"table {self.name!r} could not grow past {slots} slots ({size} rows, "
                     f"{table_bytes(slots, self.row_bytes)} bytes on this rank): the allocation failed within its "

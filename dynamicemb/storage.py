@@ -181,9 +181,7 @@ class HashTableStorage(EmbeddingStorage):
         reason (EmbeddingStorage.budget_reached)."""
         g, lt = self.group_of[t]
         ht = self.groups[g][0]
-        slots = ht.capacity(lt)
-        # The size (on CUDA a wait for the device) is read only for the message.
-        return self.budgets[t].reached(ht.size(lt), slots) if self.budgets[t].limits(slots) else None
+        return self.budgets[t].reached(lambda: ht.size(lt), ht.capacity(lt))
 
     def first_slot(self, t: int) -> int:
         """Table t's first slot in its group's hash table (the slot of its row 0)."""

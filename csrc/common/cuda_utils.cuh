@@ -99,9 +99,16 @@ __device__ __forceinline__ int64_t clamp_index(int64_t v, int64_t lo, int64_t hi
 // The bag of position i, from offsets off[0 .. nb] (non-decreasing, i < off[nb]):
 // the last j with off[j] <= i, which skips empty bags. Clamped to [0, nb):
 // offsets whose check is read later (emb_unique_padded) give some bag, never
-// one out of bounds (nb >= 1: without bags the check is read at once).
+// one out of bounds. Without bags, -1: no kernel reads it (every key of such
+// a padded step is padding, with no row).
 __device__ __forceinline__ int64_t bag_of(const int64_t* off, int64_t nb, int64_t i) {
   return clamp_index(upper_bound(off, nb + 1, i) - 1, 0, nb - 1);
+}
+// Bag j's positions [*beg, *end), clamped to [0, n] for the same offsets:
+// the forward pools and the backward scales by this range.
+__device__ __forceinline__ void bag_range(const int64_t* off, int64_t j, int64_t n, int64_t* beg, int64_t* end) {
+  *beg = clamp_index(off[j], 0, n);
+  *end = clamp_index(off[j + 1], *beg, n);
 }
 
 // ---- host <-> device copies ---------------------------------------------------------

@@ -61,8 +61,9 @@ struct GradSource {
           const int64_t jb = bag[i];
           go = (jb % B) * total_d + feats[jb / B].col;
           if (mean) {  // the forward's length: offsets clamped to [0, n] (their check may be read later)
-            const int64_t beg = clamp_index(off[jb], 0, n), L = clamp_index(off[jb + 1], beg, n) - beg;
-            if (L > 0) s = __fdiv_rn(s, static_cast<float>(L));
+            int64_t beg, end;
+            bag_range(off, jb, n, &beg, &end);
+            if (end > beg) s = __fdiv_rn(s, static_cast<float>(end - beg));
           }
         }
       }

@@ -199,9 +199,12 @@ Unique unique_cuda_impl(const Tensor& indices, const Tensor& offsets, IntArrayRe
   Tensor inverse = at::empty({n}, L);
   if (n == 0 || bags.num_bags() == 0) {  // no index to group: the check raises for offsets that end past 0
     if (check && !padded) raise_offsets_errors(bags, offsets, err.read(), stream);
-    const int64_t len = padded ? n : 0;
-    return {at::zeros({len}, L), at::zeros({len}, L), inverse, at::zeros({len}, L), at::zeros({1}, L),
-            padded ? err.tensor() : Tensor()};
+    if (!padded) return {at::zeros({0}, L), at::zeros({0}, L), inverse, at::zeros({0}, L), Tensor(), Tensor()};
+    // Indices without bags (bad offsets, raised once the record is read):
+    // all padding, which the inverse names in range meanwhile.
+    inverse = at::zeros({n}, L);
+    CheckedOnce::record(inverse, Checked::kInverse, n);
+    return {at::zeros({n}, L), at::zeros({n}, L), inverse, at::zeros({n}, L), at::zeros({1}, L), err.tensor()};
   }
 
   const Tensor ftab = upload(bags.table, dev, stream);
@@ -411,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSM)
     const FeatureDev feat = feats[j / B];
     const TableDev& tab = tabs[feat.table];
     // Clamped to [0, n]: offsets whose check is read later (emb_unique_padded) read nothing out of bounds.
-    const int64_t beg = clamp_index(off[j], 0, n), end = clamp_index(off[j + 1], beg, n);
+    int64_t beg, end;
+    bag_range(off, j, n, &beg, &end);
     const int64_t D = tab.dim, L = end - beg;
     const float scale = (mean && L > 0) ? __fdiv_rn(1.0f, static_cast<float>(L)) : 1.0f;
     O* o = out + (j % B) * total_d + feat.col;

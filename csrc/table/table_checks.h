@@ -9,6 +9,7 @@
 
 #include <optional>
 
+#include "common/checks.h"
 #include "table/table_ref.h"
 
 namespace dynamicemb {
@@ -54,11 +55,10 @@ inline int64_t check_keys(const at::Tensor& keys, const std::optional<at::Tensor
 // id (int64) per key, 1-D, on `dev`; returns the number of keys.
 inline int64_t check_outcome_args(const at::Tensor& results, const at::Tensor& table_ids, int64_t num_tables,
                                   const at::Device& dev) {
-  check_tensor(results, at::kChar, "results", dev);
-  check_tensor(table_ids, at::kLong, "table_ids", dev);
-  TORCH_CHECK(results.dim() == 1 && table_ids.dim() == 1 && table_ids.numel() == results.numel(),
-              "dynamicemb: results and table_ids must be 1-D of one length, got shapes ", results.sizes(), " and ",
-              table_ids.sizes());
+  check_1d(results, at::kChar, "results", dev);
+  check_1d(table_ids, at::kLong, "table_ids", dev);
+  TORCH_CHECK(table_ids.numel() == results.numel(), "dynamicemb: results and table_ids must be 1-D of one length, got ",
+              results.numel(), " and ", table_ids.numel());
   TORCH_CHECK(num_tables > 0, "dynamicemb: num_tables must be positive, got ", num_tables);
   return results.numel();
 }
