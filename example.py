@@ -39,6 +39,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from typing import Optional
@@ -278,6 +279,11 @@ class Job:
         # On GPUs, gloo beside nccl carries the collectives on CPU tensors (gathering rows for export).
         dist.init_process_group("cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo")
         self.pg = dist.GroupMember.WORLD
+        # A thread lock for tqdm's writes: its default adds a multiprocessing
+        # lock, a named semaphore that a rank ending in os._exit (_exit_done)
+        # leaves registered, and the launcher then warns of "leaked semaphore
+        # objects". Ranks are separate processes with their own bars.
+        tqdm.set_lock(threading.RLock())
         self.say = tqdm.write if self.rank == 0 else (lambda *_: None)
 
         self.B = args.batch_size
