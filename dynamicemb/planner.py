@@ -32,10 +32,19 @@ _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.
 
 @dataclass
 class DynamicEmbParameterConstraints(ParameterConstraints):
-    """ParameterConstraints that can make a table dynamic."""
+    """ParameterConstraints that can make a table dynamic.
+
+    A dynamic table's constraints allow only CUSTOMIZED_KERNEL (its
+    `compute_kernels` default): DynamicEmbeddingShardingPlanner places it so,
+    and TorchRec's own planner, which cannot make it dynamic, then refuses to
+    plan it instead of planning a static table that folds its ids."""
 
     use_dynamicemb: bool = False
     dynamicemb_options: DynamicEmbTableOptions = field(default_factory=DynamicEmbTableOptions)
+
+    def __post_init__(self):
+        if self.use_dynamicemb and self.compute_kernels is None:
+            self.compute_kernels = [CUSTOMIZED]
 
 
 def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions, world_size: int
@@ -102,6 +111,9 @@ class DynamicEmbeddingShardingPlanner:
             if c.sharding_types and c.sharding_types != [ShardingType.ROW_WISE.value]:
                 raise ValueError(f"table {name!r}: dynamic tables are sharded ROW_WISE only, "
                                  f"constraints ask for {c.sharding_types}")
+            if c.compute_kernels and c.compute_kernels != [CUSTOMIZED]:
+                raise ValueError(f"table {name!r}: dynamic tables run CUSTOMIZED_KERNEL only, "
+                                 f"constraints ask for {c.compute_kernels}")
         native = {n: c for n, c in constraints.items() if n not in self._dynamic}
         self._native = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=native,
                                                 **kwargs)

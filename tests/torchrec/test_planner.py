@@ -192,6 +192,30 @@ def test_dynamic_table_must_be_row_wise():
     assert "d_table" in msg and "ROW_WISE" in msg
 
 
+def test_dynamic_table_must_run_our_kernel():
+    configs = models.ebc_configs(["d_table"])
+    c = DynamicEmbParameterConstraints(use_dynamicemb=True, compute_kernels=["fused"])
+    msg = _error(configs, {"d_table": c})
+    assert "d_table" in msg and "CUSTOMIZED_KERNEL" in msg and "fused" in msg
+
+
+def test_torchrecs_planner_refuses_a_dynamic_table_instead_of_folding_its_ids():
+    # TorchRec's own planner cannot make a table dynamic: given our
+    # constraints it used to plan the table FUSED (a static table of
+    # num_embeddings rows, whose bounds check sets larger ids to row 0).
+    # The constraints now allow only our kernel, which no stock sharder offers.
+    configs = models.ebc_configs(["d_table", "n_table"])
+    constraints = models.dynamic_constraints(["d_table"])
+    assert constraints["d_table"].compute_kernels == ["customized_kernel"]
+    assert DynamicEmbParameterConstraints().compute_kernels is None  # a native table's stay TorchRec's default
+    stock = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu"), constraints=constraints)
+    with pytest.raises(Exception, match="d_table"):
+        stock.plan(_ebc(configs), _sharders())
+    plan = _planner(configs, constraints).plan(_ebc(configs), _sharders())  # ours plans it dynamic
+    assert plan.plan[""]["d_table"].compute_kernel == "customized_kernel"
+    assert plan.plan[""]["n_table"].compute_kernel != "customized_kernel"
+
+
 def test_unknown_dist_type_names_the_table():
     # Refused when the options are built (issue 35); one set after that, by
     # the planner, naming the table.
