@@ -43,6 +43,9 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
     dynamicemb_options: DynamicEmbTableOptions = field(default_factory=DynamicEmbTableOptions)
 
     def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)  # (TorchRec 1.8's ParameterConstraints has none)
+        if parent is not None:
+            parent()
         if self.use_dynamicemb and self.compute_kernels is None:
             self.compute_kernels = [CUSTOMIZED]
 
