@@ -10,7 +10,7 @@ unique key and applies the optimizer to the rows in place (fused: no dense
 gradient, no optimizer.step()). In eval mode keys are only looked up.
 """
 import warnings
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -20,8 +20,8 @@ from dynamicemb.aliases import renamed
 from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.memory import DynamicEmbBudgetError
-from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, optimizer_code, state_start,
-                                  state_width, weight_decay_mode_code)
+from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, hyper_parameter_updates,
+                                  optimizer_code, state_start, state_width, weight_decay_mode_code)
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
@@ -506,8 +506,31 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     # ---- accounting ----------------------------------------------------------------------------
 
+    # FBGEMM's TBE hyper-parameter calls, read by the next backward's update
+    # (TorchRec's fused optimizer, dynamicemb.shard.fused_optimizer, calls them).
     def set_learning_rate(self, lr: float) -> None:
         self.learning_rate = lr
+
+    def get_learning_rate(self) -> float:
+        return self.learning_rate
+
+    def update_hyper_parameters(self, params: Dict[str, float]) -> None:
+        """FBGEMM's names: lr, eps, beta1, beta2, weight_decay. All are
+        checked before any changes; a bad one raises, naming the tables."""
+        try:
+            updates = hyper_parameter_updates(self.optimizer, self.weight_decay_mode, params)
+        except ValueError as e:
+            raise ValueError(f"dynamicemb: tables {self.table_names}: {e}") from None
+        for attr, value in updates.items():
+            setattr(self, attr, value)
+
+    def set_optimizer_step(self, step: int) -> None:
+        """The optimizer updates so far: the next backward's is step + 1
+        (Adam's bias correction), as FBGEMM's set_optimizer_step."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"dynamicemb: tables {self.table_names}: set_optimizer_step takes an int >= 0, "
+                             f"got {step!r}")
+        self.optimizer_step = step
 
     def set_score(self, score: int, table_id: Optional[int] = None) -> None:
         """The CUSTOMIZED score given to keys accessed from now on."""

@@ -66,6 +66,26 @@ def check_weight_decay(code: int, weight_decay: float, decay_mode: int) -> None:
                          f"(FBGEMM's default); set weight_decay_mode to L2 or DECOUPLE")
 
 
+# FBGEMM's TBE update_hyper_parameters names -> the module's attributes
+# (TorchRec's fused optimizers pass them through). FBGEMM's lower_bound
+# (global weight decay) has no counterpart here.
+_UPDATABLE = {"lr": "learning_rate", "eps": "eps", "beta1": "beta1", "beta2": "beta2", "weight_decay": "weight_decay"}
+
+
+def hyper_parameter_updates(code: int, decay_mode: int, params) -> dict:
+    """FBGEMM's update_hyper_parameters(params) checked whole before any is
+    applied: {module attribute: value}. An unknown name, a value that is not
+    a finite number, and a weight decay the optimizer would ignore are
+    refused (ValueError)."""
+    unknown = sorted(set(params) - set(_UPDATABLE))
+    if unknown:
+        raise ValueError(f"hyper-parameters {unknown} cannot be updated; FBGEMM's names taken: {sorted(_UPDATABLE)}")
+    out = {_UPDATABLE[k]: _finite(k, v) for k, v in params.items()}
+    if "weight_decay" in out:
+        check_weight_decay(code, out["weight_decay"], decay_mode)
+    return out
+
+
 def _finite(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")

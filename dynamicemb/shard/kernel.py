@@ -12,11 +12,13 @@ from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DataType, data_type_to_dtype, pooling_type_to_pooling_mode
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb import rules
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
+from dynamicemb.shard.fused_optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.shard.parameter_sharding import OPTIONS_KEY, init_stream, table_options
 from dynamicemb.types import DynamicEmbPoolingMode
 
@@ -108,7 +110,7 @@ def _user_pooling(table, kernel_pooling) -> str:
     return table.pooling.name
 
 
-class _DynamicKernel(BaseEmbedding):
+class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
     def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup],
                  device: Optional[torch.device], pooling) -> None:
         super().__init__()
@@ -141,6 +143,7 @@ class _DynamicKernel(BaseEmbedding):
         )
         # Whether TorchRec's prefetch pipelines must prefetch this group (see prefetch()).
         self.needs_prefetch = any(o.caching for o in options)
+        self._optim: Optional[DynamicEmbFusedOptimizer] = None
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -149,6 +152,15 @@ class _DynamicKernel(BaseEmbedding):
     @property
     def emb_module(self) -> BatchedDynamicEmbeddingTables:
         return self._emb_module
+
+    @property
+    def fused_optimizer(self) -> DynamicEmbFusedOptimizer:
+        """This group's entry in model.fused_optimizer (TorchRec collects it
+        when it builds the sharded collection): LR schedules reach these
+        tables as they reach FUSED ones."""
+        if self._optim is None:
+            self._optim = DynamicEmbFusedOptimizer(self._emb_module)
+        return self._optim
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         weights = features.weights_or_none()

@@ -39,10 +39,11 @@ def _key_grads(indices, offsets, probe, dims, mean):
     return grads
 
 
-def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, weight_decay=0.0, **knobs):
+def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, weight_decay=0.0, between=None,
+                             **knobs):
     """The module and the Python model over the same random batches (keys
     repeat within and across bags); full rows (weights and state) compared
-    after every step."""
+    after every step. between(step, module, refs) runs before each step."""
     mk = dict(HYPER, weight_decay=weight_decay, **knobs)
     m = make_module(dims, pooling=DynamicEmbPoolingMode[pooling], optimizer=optimizer, feature_table_map=FTM,
                     initializer_args=DEBUG_INIT, device=device, module_kwargs=mk)
@@ -52,7 +53,9 @@ def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, we
                                initial_accumulator_value=knobs.get("initial_accumulator_value", 0.0)) for d in dims]
     gen = torch.Generator().manual_seed(11)
     clipped = 0
-    for _ in range(steps):
+    for step in range(steps):
+        if between is not None:
+            between(step, m, refs)
         indices, offsets = random_batch(gen, FTM, [12, 9], B, max_len=4)
         probe = torch.randn(B, sum(dims[t] for t in FTM), generator=gen)
         out = m(indices.to(device), offsets.to(device))
@@ -252,6 +255,37 @@ def test_partial_rowwise_adam_checkpoint_round_trip(tmp_path):
 
 
 # ---- refusals ----------------------------------------------------------------------------------------
+
+
+def _new_hyper_parameters(step, m, refs):
+    if step == 2:
+        m.update_hyper_parameters({"lr": 0.02, "eps": 1e-4, "beta1": 0.5, "beta2": 0.75, "weight_decay": 0.01})
+        m.set_optimizer_step(9)
+        for r in refs:
+            r.lr, r.eps, r.b1, r.b2, r.wd, r.t = 0.02, 1e-4, 0.5, 0.75, 0.01, 9
+
+
+def test_hyper_parameters_changed_between_steps_match_the_reference(device):
+    """FBGEMM's update_hyper_parameters and set_optimizer_step (which TorchRec's
+    fused optimizer calls) between steps: ADAM's next updates read the new
+    values, its bias correction going on from step 10."""
+    m = _train_against_reference(EmbOptimType.ADAM, [5, 3], device, steps=5, between=_new_hyper_parameters)
+    assert (m.optimizer_step, m.get_learning_rate()) == (12, 0.02)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"eps": 1e-3, "lower_bound": 0.1}, r"hyper-parameters \['lower_bound'\] cannot be updated"),
+    ({"eps": 1e-3, "lr": float("nan")}, "lr must be a finite number"),
+    ({"eps": 1e-3, "weight_decay": 0.1}, "EXACT_SGD has no weight decay"),
+])
+def test_hyper_parameter_updates_are_checked_whole(params, match):
+    m = make_module([4], module_kwargs=dict(table_names=["ads"], eps=1e-8))
+    with pytest.raises(ValueError, match="tables \\['ads'\\]: " + match):
+        m.update_hyper_parameters(params)
+    assert (m.eps, m.learning_rate, m.weight_decay) == (1e-8, 0.01, 0.0)  # nothing changed
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="set_optimizer_step takes an int >= 0"):
+            m.set_optimizer_step(bad)
 
 
 @pytest.mark.parametrize("kwargs,match", [

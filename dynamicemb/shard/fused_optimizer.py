@@ -1,0 +1,34 @@
+"""A dynamic kernel's entry in TorchRec's `model.fused_optimizer`.
+
+TorchRec gathers one FusedOptimizer per FusedOptimizerModule kernel into
+`model.fused_optimizer` (a CombinedOptimizer), which training code puts
+beside its dense optimizer and hands to LR schedulers (torch's, TorchRec's
+WarmupOptimizer). FBGEMM's EmbeddingFusedOptimizer is a FUSED table's: its
+param group's "lr" goes to the TBE at every step() and zero_grad(). This is
+the same for dynamic tables, so that one schedule drives native and dynamic
+tables alike. It holds no parameter and no state: the rows and their
+optimizer state live in the tables (model.state_dict(), dumps), so the
+optimizer's state_dict() adds nothing."""
+from typing import Any, Dict
+
+from torchrec.optim.fused import FusedOptimizer
+
+
+class DynamicEmbFusedOptimizer(FusedOptimizer):
+    def __init__(self, emb_module) -> None:
+        self._emb_module = emb_module
+        super().__init__({}, {}, [{"params": [], "lr": emb_module.get_learning_rate()}])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._emb_module.set_learning_rate(self.param_groups[0]["lr"])
+
+    def step(self, closure: Any = None) -> None:
+        self._emb_module.set_learning_rate(self.param_groups[0]["lr"])
+
+    def set_optimizer_step(self, step: int) -> None:
+        self._emb_module.set_optimizer_step(step)
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        self._emb_module.update_hyper_parameters(params_dict)
+        if "lr" in params_dict:  # the group follows, or the next step() would set the old lr back
+            self.param_groups[0]["lr"] = self._emb_module.get_learning_rate()
