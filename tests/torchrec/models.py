@@ -230,6 +230,17 @@ def native_model(configs, pg: dist.ProcessGroup, fused_params, kind: str = "ebc"
                                     plan=planner.plan(module, sharders), sharders=sharders)
 
 
+def native_and_dynamic(kind: str, configs, pg: dist.ProcessGroup, fused_params, start: Dict[str, torch.Tensor]):
+    """The native reference (native_model) and the same collection of dynamic
+    tables (our planner and sharders), both holding `start`'s rows."""
+    native = native_model(configs, pg, fused_params, kind)
+    dynamic = build(kind, configs, pg, dynamic_constraints([c.name for c in configs]), fused_params)
+    for c in configs:
+        set_native_rows(native, weight_fqn(kind, c.name), start[c.name])
+        set_dynamic_rows(dynamic, c.name, start[c.name], pg)
+    return native, dynamic
+
+
 def weight_fqn(kind: str, table: str) -> str:
     """state_dict key of a native table of a bare collection under DMP."""
     return f"{'embeddings' if kind == 'ec' else 'embedding_bags'}.{table}.weight"

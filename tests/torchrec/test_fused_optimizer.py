@@ -49,11 +49,7 @@ def _lambda_lr(pg, kind, fused):
     configs = _configs() if kind == "ebc" else models.ec_configs(TABLES, dim=8, num_embeddings=KEYS)
     start = models.initial_weights(configs, seed=4)
     what = f"LambdaLR {kind} {fused['optimizer'].name}"
-    native = models.native_model(configs, pg, fused, kind)
-    dynamic = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), fused)
-    for c in configs:
-        models.set_native_rows(native, models.weight_fqn(kind, c.name), start[c.name])
-        models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
+    native, dynamic = models.native_and_dynamic(kind, configs, pg, fused, start)
     runs = []
     for model in (native, dynamic):
         opt = model.fused_optimizer

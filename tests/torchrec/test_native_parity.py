@@ -71,11 +71,7 @@ def _vs_fused(world_pg):
     # Weighted features (per-sample weights) once, with SGD.
     for kind, fused in [("ebc", f) for f in FUSED] + [("weighted_ebc", FUSED[0])]:
         what = f"{kind} {fused['optimizer'].name}"
-        native = models.native_model(configs, world_pg, fused, kind)
-        dynamic = models.build(kind, configs, world_pg, models.dynamic_constraints(TABLES), fused)
-        for c in configs:
-            models.set_native_rows(native, models.weight_fqn(kind, c.name), start[c.name])
-            models.set_dynamic_rows(dynamic, c.name, start[c.name], world_pg)
+        native, dynamic = models.native_and_dynamic(kind, configs, world_pg, fused, start)
         for step in range(STEPS):
             _, kjt = _step_input(step, world_pg, weighted=kind == "weighted_ebc")
             ref, out = models.resolved(native(kjt)), models.resolved(dynamic(kjt))
