@@ -28,7 +28,8 @@ class DynamicEmbFusedOptimizer(FusedOptimizer):
     def set_optimizer_step(self, step: int) -> None:
         self._emb_module.set_optimizer_step(step)
 
+    # As FBGEMM's: the tables take the values now; the group's "lr" stays
+    # what step() and zero_grad() set (so a FUSED table and a dynamic one of
+    # one model follow the same rates).
     def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
         self._emb_module.update_hyper_parameters(params_dict)
-        if "lr" in params_dict:  # the group follows, or the next step() would set the old lr back
-            self.param_groups[0]["lr"] = self._emb_module.get_learning_rate()

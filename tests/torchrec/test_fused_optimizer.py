@@ -4,7 +4,8 @@ dynamic tables under an LR schedule (torch's LambdaLR; TorchRec's
 WarmupOptimizer over a model mixing a FUSED table with dynamic ones) trains
 exactly like the native model under the same schedule, on 2 ranks, for
 EmbeddingBagCollection and EmbeddingCollection; set_optimizer_step and
-update_hyper_parameters reach the tables. The optimizer adds nothing to a
+update_hyper_parameters reach the tables, the latter as FBGEMM's does (until the
+next step() sets the group's rate again). The optimizer adds nothing to a
 checkpoint: the rows and their state are in model.state_dict()."""
 import torch
 import torchrec
@@ -100,10 +101,11 @@ def _hyper_parameters(pg):
     opt = model.fused_optimizer
     opt.set_optimizer_step(7)
     opt.update_hyper_parameters({"lr": 0.02, "eps": 1e-4, "beta1": 0.5, "beta2": 0.75, "weight_decay": 0.01})
-    opt.step()  # the group's rate stays the updated one
     (m,) = dynamic_modules(model)
     assert (m.optimizer_step, m.learning_rate, m.eps, m.beta1, m.beta2, m.weight_decay) == \
         (7, 0.02, 1e-4, 0.5, 0.75, 0.01)
+    opt.step()  # the group's rate again, as FBGEMM's fused optimizer sets a FUSED table's
+    assert (m.learning_rate, m.eps) == (0.05, 1e-4)
     try:
         opt.update_hyper_parameters({"eps": 1e-3, "lower_bound": 0.1})
     except ValueError as e:
@@ -115,12 +117,37 @@ def _hyper_parameters(pg):
     assert opt.state_dict() == {"state": {}}
 
 
+def _rates(model):
+    """The learning rate every table group of the model would use next."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    lookups = [lk for sub in model.modules() for lk in sub.__dict__.get("_lookups", [])]  # a plain list
+    tbes = [m for lk in lookups for m in lk.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    return [t.get_learning_rate() for t in tbes] + [m.get_learning_rate() for m in dynamic_modules(model)]
+
+
+def _update_then_step(pg):
+    """update_hyper_parameters then step(): the tables' rates go as a FUSED
+    table's do (the update, then the group's rate again)."""
+    configs = _configs()
+    native, dynamic = models.native_and_dynamic("ebc", configs, pg, models.SGD, models.initial_weights(configs))
+    seen = []
+    for model in (native, dynamic):
+        opt, rates = model.fused_optimizer, []
+        opt.update_hyper_parameters({"lr": 0.02})
+        rates.append(_rates(model))
+        opt.step()
+        rates.append(_rates(model))
+        seen.append([{round(x, 7) for x in r} for r in rates])  # FBGEMM keeps its rate in float32
+    assert seen[0] == seen[1] == [{0.02}, {models.SGD["learning_rate"]}], seen
+
+
 def _ranks(rank, world):
     pg = models.rank_groups()[0]
     for kind, fused in (("ebc", models.SGD), ("ebc", ROWWISE), ("ec", models.SGD)):
         _lambda_lr(pg, kind, fused)
     _warmup_mixed(pg)
     _hyper_parameters(pg)
+    _update_then_step(pg)
     return True
 
 
