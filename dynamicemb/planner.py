@@ -27,6 +27,9 @@ from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterS
 
 __all__ = ["DynamicEmbParameterConstraints", "DynamicEmbeddingShardingPlanner"]
 
+# Options, table_stats, dumps and checkpoints address a dynamic table by its name.
+_UNIQUE_NAMES = ("a dynamic table's name must be unique in the model (its options, table_stats, dumps and "
+                 "checkpoints address it by name); rename one")
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 
 
@@ -111,6 +114,9 @@ class DynamicEmbeddingShardingPlanner:
         for name, c in self._dynamic.items():
             if name not in self._configs:
                 raise ValueError(f"constraints name table {name!r}, which is not among the eb_configs")
+            count = sum(cfg.name == name for cfg in eb_configs)
+            if count > 1:
+                raise ValueError(f"the eb_configs hold {count} tables named {name!r}; {_UNIQUE_NAMES}")
             if c.sharding_types and c.sharding_types != [ShardingType.ROW_WISE.value]:
                 raise ValueError(f"table {name!r}: dynamic tables are sharded ROW_WISE only, "
                                  f"constraints ask for {c.sharding_types}")
@@ -288,6 +294,12 @@ class DynamicEmbeddingShardingPlanner:
                     raise ValueError(f"table {name!r} is dynamic but module {path or '<root>'!r} is sharded by "
                                      f"{type(sharder).__name__}; use dynamicemb.shard's sharders")
                 found.append((path, name, param, sharder))
+        paths: Dict[str, List[str]] = {}
+        for path, name, _, _ in found:
+            paths.setdefault(name, []).append(path or "<root>")
+        for name, where in paths.items():
+            if len(where) > 1:
+                raise ValueError(f"modules {where} each hold a table named {name!r}; {_UNIQUE_NAMES}")
         missing = sorted(set(self._dynamic) - {name for _, name, _, _ in found})
         if missing:
             raise ValueError(f"dynamic tables {missing} are in no module that the given sharders shard "

@@ -43,6 +43,8 @@ def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) 
     stats: Dict[str, Dict[str, int]] = {}
     for m in dynamic_modules(model):
         for name, s in m.table_stats().items():
+            if name in stats:  # (DynamicEmbeddingShardingPlanner refuses such a model)
+                raise ValueError(f"two dynamic tables are named {name!r}; table_stats reports by table name")
             stats[name] = {k: s[k] for k in STAT_KEYS + TIER_KEYS if k in s}
     if pg is None:
         return stats

@@ -3,6 +3,7 @@ and leaves every stored key's score unchanged; train mode inserts again;
 dynamicemb.table_stats is rank-local, and with a process group sums over the
 ranks. A dynamic table given a non-ROW_WISE plan by hand is refused when
 sharding."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -142,3 +143,12 @@ def test_stats_collective_device_follows_the_backend(monkeypatch):
     for backend, device in [("gloo", "cpu"), ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cpu")]:
         monkeypatch.setattr(dist, "get_backend", lambda pg=None, b=backend: b)
         assert stats.collective_device(object()) == torch.device(device), backend
+
+
+def test_stats_refuse_two_tables_of_one_name():
+    # A hand-made plan can give two modules a table of the same name (our
+    # planner refuses it): their counters would merge under one name.
+    two = torch.nn.ModuleList([dynamicemb.BatchedDynamicEmbeddingTables(
+        [dynamicemb.DynamicEmbTableOptions(dim=DIM, max_capacity=64)], table_names=["id_table"]) for _ in range(2)])
+    with pytest.raises(ValueError, match="two dynamic tables are named 'id_table'"):
+        dynamicemb.table_stats(two)

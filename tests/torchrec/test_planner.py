@@ -241,6 +241,30 @@ def test_dynamic_table_missing_from_the_module():
         planner.plan(_ebc(configs[:1]), _sharders())
 
 
+def _towers(query, item):
+    """Two collections in one model, as in a two-tower model."""
+    towers = torch.nn.Module()
+    towers.query, towers.item = _ebc(query), _ebc(item)
+    return towers
+
+
+def test_two_dynamic_tables_of_one_name_are_refused():
+    # Two towers each with a table named id_table: the planner kept one set
+    # of options by name, so the query tower's dim-8 table was built with the
+    # item tower's dim 4 (its output silently 4 wide), table_stats merged the
+    # two and only a dump refused them, after training.
+    query = [torchrec.EmbeddingBagConfig(name="id_table", embedding_dim=8, num_embeddings=100, feature_names=["q"])]
+    item = [torchrec.EmbeddingBagConfig(name="id_table", embedding_dim=4, num_embeddings=100, feature_names=["i"])]
+    constraints = models.dynamic_constraints(["id_table"])
+    with pytest.raises(ValueError, match="2 tables named 'id_table'; a dynamic table's name must be unique"):
+        _planner(query + item, constraints)
+    # The model holds both even when the configs list one.
+    with pytest.raises(ValueError, match=r"modules \['query', 'item'\] each hold a table named 'id_table'"):
+        _planner(query, constraints).plan(_towers(query, item), _sharders())
+    # A native table may share a name, as in TorchRec.
+    _planner(query + item, {}).plan(_towers(query, item), _sharders())
+
+
 def test_constraints_for_unknown_table():
     msg = _error(models.ebc_configs(["d_table"]), models.dynamic_constraints(["typo_table"]))
     assert "typo_table" in msg
