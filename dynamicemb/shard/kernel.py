@@ -126,6 +126,9 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
             if o is None:
                 raise ValueError(f"table {t.name!r} is planned with CUSTOMIZED_KERNEL but has no dynamicemb "
                                  f"options; plan it with DynamicEmbeddingShardingPlanner")
+            if o.dim != t.local_cols:  # a plan made for another table (ROW_WISE: every rank holds whole rows)
+                raise ValueError(f"table {t.name!r}: its plan's options have dim {o.dim}, the table "
+                                 f"{t.local_cols} columns")
             options.append(o)
         self._emb_module = BatchedDynamicEmbeddingTables(
             options,

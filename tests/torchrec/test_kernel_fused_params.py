@@ -107,3 +107,13 @@ def test_gradient_clipping_and_initial_accumulator_reach_the_module():
         _kernel({"gradient_clipping": True, "max_gradient": 0.0})
     with pytest.raises(ValueError, match="initial_accumulator_value applies to .* not to EXACT_SGD"):
         _kernel({"initial_accumulator_value": 0.1})
+
+
+def test_options_of_another_dim_are_refused():
+    # A plan whose options were made for another table (as when two tables
+    # shared a name): the kernel would build the table at the options' dim
+    # and the collection's output would silently change width.
+    config = _config({})
+    config.embedding_tables[0].local_cols = 8
+    with pytest.raises(ValueError, match="d_table.*dim 4, the table 8 columns"):
+        kernel.BatchedDynamicEmbeddingBag(config)
