@@ -10,7 +10,8 @@ ratio's last 10%. Here every rank builds both models (same tables, ids,
 pre-fill, dense part and step as bench_torchrec: its builders and batches),
 and step i of the one runs right after step i of the other, the order
 alternating (dynamic first on even steps), so that a burst of load or a
-slow phase of the machine falls on both. Per step and model a step's time
+slow phase of the machine falls on both (on a shared 2-core VM its rounds'
+medians still spread over about +-6%). Per step and model a step's time
 is the slowest rank's (between barriers); the result is the median over
 the timed steps of all rounds of the per-step ratio dynamic / native, with
 its quartiles, and the ratio of the two models' median step times. Each
