@@ -12,6 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb._ops import ops
 from dynamicemb.contiguous import contiguous_as
+from dynamicemb.shard import vbe as vbe_layout
 from dynamicemb.types import check_finite_weights, check_ids
 
 
@@ -30,8 +31,10 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         self._params = list(params)
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        if sparse_features.variable_stride_per_key():
-            raise NotImplementedError("dynamicemb: variable batch sizes per feature (VBE) are not supported")
+        vbe = sparse_features.variable_stride_per_key()
+        if vbe and self._is_sequence:
+            raise NotImplementedError("dynamicemb: variable batch sizes per feature (VBE) are for pooled "
+                                      "collections (EmbeddingBagCollection), not EmbeddingCollection")
         # Refused here, before the routing casts them: float ids would be
         # truncated silently, NaN weights would poison the rows they update.
         keys = sparse_features.keys()
@@ -39,18 +42,31 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         w = sparse_features.weights_or_none()
         if w is not None and torch.is_floating_point(w):
             check_finite_weights(w, sparse_features.offsets(), keys, "dynamicemb (input dist)")
+        lengths = contiguous_as(sparse_features.lengths(), torch.int64)
+        if vbe:  # routed in the uniform layout, with empty bags (vbe.py)
+            lengths = vbe_layout.padded_lengths(lengths, sparse_features.stride_per_key())
         lengths, values, weights, permute = ops.route_keys(
-            contiguous_as(sparse_features.lengths(), torch.int64),
+            lengths,
             contiguous_as(sparse_features.values(), torch.int64),
             None if w is None else contiguous_as(w, torch.float32),
             self._rules, self._params, self._world_size)
         if self._is_sequence:
             self.unbucketize_permute_tensor = permute
-        routed = KeyedJaggedTensor(
-            keys=sparse_features.keys() * self._world_size,
-            values=values,
-            weights=weights if w is not None else None,
-            lengths=lengths,
-            stride=sparse_features.stride(),
-        )
+        if vbe:  # as TorchRec's bucketize sends a VBE batch: each rank the real bags of every feature
+            routed = KeyedJaggedTensor(
+                keys=sparse_features.keys() * self._world_size,
+                values=values,
+                weights=weights if w is not None else None,
+                lengths=vbe_layout.unpadded_routed_lengths(lengths, sparse_features.stride_per_key(),
+                                                           self._world_size),
+                stride_per_key_per_rank=sparse_features.stride_per_key_per_rank() * self._world_size,
+            )
+        else:
+            routed = KeyedJaggedTensor(
+                keys=sparse_features.keys() * self._world_size,
+                values=values,
+                weights=weights if w is not None else None,
+                lengths=lengths,
+                stride=sparse_features.stride(),
+            )
         return self._dist(routed)

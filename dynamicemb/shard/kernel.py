@@ -17,7 +17,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb import rules
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
+from dynamicemb.contiguous import contiguous_as
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
+from dynamicemb.shard import vbe as vbe_layout
 from dynamicemb.shard.fused_optimizer import DynamicEmbFusedOptimizer
 from dynamicemb.shard.parameter_sharding import OPTIONS_KEY, init_stream, table_options
 from dynamicemb.types import DynamicEmbPoolingMode
@@ -165,17 +167,30 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
             self._optim = DynamicEmbFusedOptimizer(self._emb_module)
         return self._optim
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(self, features: KeyedJaggedTensor, vbe_output_offsets: Optional[torch.Tensor] = None,
+                vbe_output: Optional[torch.Tensor] = None) -> torch.Tensor:
         weights = features.weights_or_none()
         if weights is not None and not torch.is_floating_point(weights):
             weights = None
-        return self._emb_module(features.values(), features.offsets(), weights)
+        if not features.variable_stride_per_key():
+            return self._emb_module(features.values(), features.offsets(), weights)
+        # VBE (vbe.py): pooled over the bags padded to one count, then laid
+        # out as TorchRec's VBE output (into vbe_output when several kernels share it).
+        pooled = self._emb_module(features.values(), self._vbe_offsets(features), weights)
+        dims = [t.local_cols for t in self._config.embedding_tables for _ in range(t.num_features())]
+        return vbe_layout.vbe_output(pooled, features.stride_per_key_per_rank(), dims, vbe_output_offsets,
+                                     vbe_output)
+
+    @staticmethod
+    def _vbe_offsets(features: KeyedJaggedTensor) -> torch.Tensor:
+        return vbe_layout.padded_offsets(contiguous_as(features.lengths(), torch.int64), features.stride_per_key())
 
     def prefetch(self, features: KeyedJaggedTensor, forward_stream=None) -> None:
         """Moves the rows of a coming batch's keys (this rank's, after the
         input distribution) from the backing store into the cache of the
         group's cached tables; our lookups call it from TorchRec's prefetch."""
-        self._emb_module.prefetch(features.values(), features.offsets(), forward_stream)
+        offsets = self._vbe_offsets(features) if features.variable_stride_per_key() else features.offsets()
+        self._emb_module.prefetch(features.values(), offsets, forward_stream)
 
     # TorchRec calls flush() before every state_dict() (its pre-hook) and
     # purge() before load_state_dict(); neither concerns dynamic tables, which

@@ -15,6 +15,7 @@ from dynamicemb.routing import ROUTE_BLOCK, route_param, route_rule
 from dynamicemb.shard.input_dist import DynamicRwSparseFeaturesDist
 from dynamicemb.shard.kernel import BatchedDynamicEmbedding, BatchedDynamicEmbeddingBag, _DynamicKernel
 from dynamicemb.shard.parameter_sharding import table_options
+from dynamicemb.shard.vbe import DynamicRwPooledEmbeddingDist
 
 _CUSTOM = EmbeddingComputeKernel.CUSTOMIZED_KERNEL
 
@@ -82,6 +83,10 @@ class _DynamicRoutingMixin:
 class DynamicRwPooledEmbeddingSharding(_DynamicRoutingMixin, RwPooledEmbeddingSharding):
     def create_input_dist(self, device: Optional[torch.device] = None):
         return self._input_dist(device, is_sequence=False)
+
+    def create_output_dist(self, device: Optional[torch.device] = None):
+        return DynamicRwPooledEmbeddingDist(self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry,
+                                            embedding_dims=self.embedding_dims())
 
     def create_lookup(self, device=None, fused_params: Optional[Dict[str, Any]] = None, feature_processor=None):
         return DynamicGroupedPooledEmbeddingsLookup(

@@ -1,0 +1,131 @@
+"""Variable batch sizes per feature (TorchRec's VBE) over the dynamic kernels.
+
+Our routing and kernels take bags in a uniform layout: every feature has the
+same number of bags. A VBE batch gives feature f its own count B_f. It runs
+through them padded: each feature's bags are followed by empty ones up to the
+largest count (an empty bag has no id: it routes, looks up and updates
+nothing), and the padding is dropped again where TorchRec expects the VBE
+layout (the routed lengths before the all-to-all; the pooled embeddings
+before the reduce-scatter, rank by rank, feature by feature, sample by
+sample: FBGEMM's VBE output). On gloo, the reduce-scatter of uneven chunks
+gets a backward that gloo can run."""
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
+from torchrec.distributed.types import NoWait
+
+
+def bag_mask(bags_per_feature: Sequence[int], device) -> torch.Tensor:
+    """[F, max count] bool: the real bags of each feature in the padded layout."""
+    counts = torch.tensor(list(bags_per_feature), dtype=torch.int64, device=device)
+    width = max(bags_per_feature, default=0)
+    return torch.arange(width, device=device).unsqueeze(0) < counts.unsqueeze(1)
+
+
+def padded_lengths(lengths: torch.Tensor, bags_per_feature: Sequence[int]) -> torch.Tensor:
+    """Feature-major lengths of B_f bags per feature -> F x max(B_f) lengths,
+    the bags past a feature's count empty."""
+    mask = bag_mask(bags_per_feature, lengths.device)
+    out = torch.zeros(mask.shape, dtype=lengths.dtype, device=lengths.device)
+    out[mask] = lengths
+    return out.view(-1)
+
+
+def unpadded_routed_lengths(routed: torch.Tensor, bags_per_feature: Sequence[int], world: int) -> torch.Tensor:
+    """The routing's lengths of a padded batch ([rank][feature][padded bag])
+    with the padding dropped: [rank][feature][bag of the feature's count]."""
+    mask = bag_mask(bags_per_feature, routed.device)
+    return routed.view(world, *mask.shape)[mask.expand(world, *mask.shape)]
+
+
+def padded_offsets(lengths: torch.Tensor, bags_per_feature: Sequence[int]) -> torch.Tensor:
+    lengths = padded_lengths(lengths, bags_per_feature)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def vbe_output(pooled: torch.Tensor, stride_per_key_per_rank: List[List[int]], dims: Sequence[int],
+               output_offsets: Optional[torch.Tensor] = None, output: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel's pooled [max bags, sum dims] output of a padded VBE batch in
+    TorchRec's 1-D VBE layout: for each source rank r, each feature f, the
+    B_{f,r} bags that rank r sent, D_f values each (feature f's bags arrived
+    rank after rank). With `output` and `output_offsets` ([rank][feature]
+    element offsets into it: TorchRec's merge of several kernels), a copy of
+    `output` with this kernel's blocks written there."""
+    world = len(stride_per_key_per_rank[0]) if stride_per_key_per_rank else 0
+    width = pooled.shape[1]
+    col = [0]
+    for d in dims:
+        col.append(col[-1] + d)
+    parts, starts = [], []
+    device = pooled.device
+    for r in range(world):
+        for f, strides in enumerate(stride_per_key_per_rank):
+            first, count, d = sum(strides[:r]), strides[r], dims[f]
+            bags = torch.arange(first, first + count, device=device).unsqueeze(1)
+            parts.append((bags * width + col[f] + torch.arange(d, device=device)).view(-1))
+            if output_offsets is not None:
+                start = output_offsets[r][f]
+                starts.append(torch.arange(count * d, device=device) + start)
+    flat = pooled.reshape(-1)[torch.cat(parts)] if parts else pooled.new_zeros(0)
+    if output is None:
+        return flat
+    return output.index_copy(0, torch.cat(starts), flat)
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    """Reduce-scatter of uneven per-rank chunks whose backward all-gathers
+    them padded to the largest (gloo gathers only equal sizes; TorchRec's
+    ReduceScatterV backward gathers uneven ones: NCCL only), dividing by the
+    world size as TorchRec's does."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, splits: List[int], pg) -> torch.Tensor:
+        out = local.new_empty(splits[dist.get_rank(pg)])
+        dist.reduce_scatter(out, list(local.split(splits)), group=pg)
+        ctx.splits, ctx.pg = splits, pg
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        splits, width = ctx.splits, max(ctx.splits)
+        padded = grad.new_zeros(width)
+        padded[:grad.numel()] = grad
+        gathered = grad.new_empty(len(splits) * width)
+        dist.all_gather_into_tensor(gathered, padded, group=ctx.pg)
+        grad_input = torch.cat([gathered[r * width:r * width + s] for r, s in enumerate(splits)])
+        if get_gradient_division():  # as TorchRec's reduce-scatters do
+            grad_input.div_(len(splits))
+        return grad_input, None, None
+
+
+class GlooVariableBatchReduceScatter(torch.nn.Module):
+    """TorchRec's VariableBatchPooledEmbeddingsReduceScatter (the RW output
+    dist of a VBE batch), for gloo: the same splits ([rank][feature] batch
+    sizes times the features' dims) and result."""
+
+    def __init__(self, pg) -> None:
+        super().__init__()
+        self._pg = pg
+
+    def forward(self, local_embs: torch.Tensor, batch_size_per_rank_per_feature: List[List[int]],
+                embedding_dims: List[int]) -> PooledEmbeddingsAwaitable:
+        splits = [sum(b * d for b, d in zip(sizes, embedding_dims)) for sizes in batch_size_per_rank_per_feature]
+        return PooledEmbeddingsAwaitable(NoWait(_ReduceScatterV.apply(local_embs, splits, self._pg)))
+
+
+class DynamicRwPooledEmbeddingDist(RwPooledEmbeddingDist):
+    """TorchRec's RW output dist, with a VBE batch's reduce-scatter on gloo
+    that can train (GlooVariableBatchReduceScatter)."""
+
+    def _create_output_dist_module(self, sharding_ctx=None) -> None:
+        if (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature and self._codecs is None
+                and dist.get_backend(self._pg) == dist.Backend.GLOO):
+            self._dist = GlooVariableBatchReduceScatter(self._pg)
+        else:
+            super()._create_output_dist_module(sharding_ctx)
