@@ -343,12 +343,18 @@ def free_port():
 
 def run_model(name, args):
     """{rank: result} of one model on `world` fresh processes."""
+    return run_ranks(rank_main, args, name)
+
+
+def run_ranks(target, args, *lead):
+    """{rank: result} of target(*lead, rank, world, port, args, queue) on
+    `world` fresh processes (each puts (rank, result) on the queue)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(name, r, args.world, port, args, q)) for r in range(args.world)]
+    procs = [ctx.Process(target=target, args=(*lead, r, args.world, port, args, q)) for r in range(args.world)]
     for p in procs:
         p.start()
     per_rank = {}
@@ -466,6 +472,20 @@ def parse_args(argv=None):
     return args
 
 
+def header(tag, args, rounds) -> list:
+    """Prints the run's settings (after a warning when the machine is busy);
+    returns the load average at the start."""
+    la0 = loadavg()
+    warn = busy_warning(args.threads * args.world)
+    if warn:
+        print(warn)
+    print(f"[{tag}] {args.tables} tables x dim {args.dim}, {args.rows_per_table} rows per table, "
+          f"{args.world} ranks x {args.threads} thread(s), batch {args.batch}/rank x pooling {args.pooling}, "
+          f"{args.warmup} warmup + {args.steps} timed steps{rounds}; load average {la0}\n  ids: {ids_mode(args)}",
+          flush=True)
+    return la0
+
+
 def ids_mode(args):
     """The ids, in words (the header and the JSON)."""
     if args.key_pool:
@@ -482,14 +502,7 @@ def main(argv=None):
     args = parse_args(argv)
     models = args.models
 
-    la0 = loadavg()
-    warn = busy_warning(args.threads * args.world)
-    if warn:
-        print(warn)
-    print(f"[torchrec] {args.tables} tables x dim {args.dim}, {args.rows_per_table} rows per table, "
-          f"{args.world} ranks x {args.threads} thread(s), batch {args.batch}/rank x pooling {args.pooling}, "
-          f"{args.warmup} warmup + {args.steps} timed steps; load average {la0}\n  ids: {ids_mode(args)}",
-          flush=True)
+    la0 = header("torchrec", args, "")
     runs = {name: [] for name in models}
     for rnd in range(args.rounds):
         for name in models:

@@ -28,7 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_torchrec as B  # noqa: E402
-from _common import busy_warning, default_out, env_info, format_table, loadavg, write_json  # noqa: E402
+from _common import default_out, env_info, format_table, loadavg, write_json  # noqa: E402
 from torchrec_batches import fused_target, mode_label, prefill  # noqa: E402
 
 PAIR = ("dynamic", "native")
@@ -80,32 +80,7 @@ def rank_main(rank, world, port, args, queue):
 
 def run_round(args):
     """{rank: result} of one round on fresh processes."""
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = B.free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    per_rank, deadline = {}, time.monotonic() + args.model_timeout
-    while len(per_rank) < args.world and time.monotonic() < deadline:
-        try:
-            r, res = q.get(timeout=1.0)
-            per_rank[r] = res
-        except queue_mod.Empty:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-    for p in procs:
-        p.join(timeout=5.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r in range(args.world):
-        per_rank.setdefault(r, {"error": f"rank {r} gave no result (timeout {args.model_timeout} s or crash)"})
-    return per_rank
+    return B.run_ranks(rank_main, args)
 
 
 def slowest(per_rank, name, key="times_s"):
@@ -120,14 +95,7 @@ def quartiles(xs):
 
 def main(argv=None):
     args = B.parse_args(argv)
-    la0 = loadavg()
-    warn = busy_warning(args.threads * args.world)
-    if warn:
-        print(warn)
-    print(f"[torchrec paired] {args.tables} tables x dim {args.dim}, {args.rows_per_table} rows per table, "
-          f"{args.world} ranks x {args.threads} thread(s), batch {args.batch}/rank x pooling {args.pooling}, "
-          f"{args.warmup} warmup + {args.steps} timed steps x {args.rounds} rounds; load average {la0}\n"
-          f"  ids: {B.ids_mode(args)}", flush=True)
+    la0 = B.header("torchrec paired", args, f" x {args.rounds} rounds")
     rounds = []
     for rnd in range(args.rounds):
         t0 = time.perf_counter()
