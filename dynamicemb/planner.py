@@ -282,11 +282,12 @@ class DynamicEmbeddingShardingPlanner:
         refuses a dynamic table sharded by a sharder that is not ours, or
         missing from the module."""
         by_type = {s.module_type: s for s in sharders}
-        found = []
-        for path, m in module.named_modules():
+        found, sharded = [], []
+        for path, m in module.named_modules():  # (parents first)
             sharder = by_type.get(type(m))
-            if sharder is None:
-                continue
+            if sharder is None or any(path.startswith(f"{p}.") or not p for p in sharded):
+                continue  # (a module inside a sharded one is sharded with it, as TorchRec does)
+            sharded.append(path)
             for name, param in sharder.shardable_parameters(m).items():
                 if name not in self._dynamic:
                     continue

@@ -2,11 +2,13 @@
 from dynamicemb.shard.embedding import DynamicEmbeddingCollectionSharder, ShardedDynamicEmbeddingCollection
 from dynamicemb.shard.embeddingbag import (DynamicEmbeddingBagCollectionSharder, DynamicSharderMixin,
                                            ShardedDynamicEmbeddingBagCollection)
+from dynamicemb.shard.fp_embeddingbag import DynamicFeatureProcessedEmbeddingBagCollectionSharder
 from dynamicemb.shard.train_pipeline import PrefetchTrainPipelineSparseDist
 
 __all__ = [
     "DynamicEmbeddingBagCollectionSharder",
     "DynamicEmbeddingCollectionSharder",
+    "DynamicFeatureProcessedEmbeddingBagCollectionSharder",
     "DynamicSharderMixin",
     "PrefetchTrainPipelineSparseDist",
     "ShardedDynamicEmbeddingBagCollection",

@@ -20,9 +20,10 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
     def __init__(self, pg: dist.ProcessGroup, num_features: int, feature_hash_sizes: List[int], rules: List[int],
                  params: List[int], device: Optional[torch.device] = None, is_sequence: bool = False,
                  has_feature_processor: bool = False) -> None:
-        if has_feature_processor:
-            raise NotImplementedError("dynamicemb: feature processors (position weights) are not supported in a "
-                                      "sharding with dynamic tables")
+        # With feature processors (a FeatureProcessedEmbeddingBagCollection),
+        # TorchRec puts each id's position in its bag into the weights before
+        # this input dist; the routing carries them, and the feature processor
+        # turns them into position weights after it.
         super().__init__(pg=pg, num_features=num_features, feature_hash_sizes=feature_hash_sizes, device=device,
                          is_sequence=is_sequence)
         if not len(rules) == len(params) == num_features:
