@@ -4,13 +4,14 @@ dynamic tables, on 2 ranks. The reference is the same model fed the
 expanded batch (every feature with the full batch's bags): the outputs of
 every step and the trained rows match, for SUM and weighted tables (one
 kernel), a collection mixing SUM and MEAN tables (two kernels writing one
-VBE output), and in eval. On the CPU, TorchRec's expansion of a VBE output
+VBE output), one with a native TABLE_WISE table beside them, and in eval. On the CPU, TorchRec's expansion of a VBE output
 (fbgemm's batch_index_select_dim0) takes one batch size per rank for all
 features: the batches here vary by rank and step. Features of different
 sizes (the padding of vbe.py) are checked at the kernel, against sums of
 the stored rows, and the layout functions against loops."""
 import torch
 import torchrec
+from torchrec.distributed.planner import ParameterConstraints
 
 import models
 from dynamicemb.stats import dynamic_modules
@@ -44,16 +45,23 @@ def _batches(features, rank, step, weighted):
     return vbe, full
 
 
-def _vs_expanded(pg, configs, weighted=False, kernels=1):
+def _vs_expanded(pg, configs, weighted=False, kernels=1, native=()):
+    """`native`: tables planned as TorchRec's FUSED TABLE_WISE ones beside the dynamic ones."""
     names = [c.name for c in configs]
     features = [c.feature_names[0] for c in configs]
     start = models.initial_weights(configs, seed=6)
     kind = "weighted_ebc" if weighted else "ebc"
+    constraints = models.dynamic_constraints([n for n in names if n not in native])
+    constraints.update({n: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+                        for n in native})
     pair = []
     for _ in range(2):
-        m = models.build(kind, configs, pg, models.dynamic_constraints(names), models.SGD)
+        m = models.build(kind, configs, pg, constraints, models.SGD, collective=True)
         for c in configs:
-            models.set_dynamic_rows(m, c.name, start[c.name], pg)
+            if c.name in native:
+                models.set_native_rows(m, models.weight_fqn(kind, c.name), start[c.name])
+            else:
+                models.set_dynamic_rows(m, c.name, start[c.name], pg)
         pair.append(m)
     assert len(list(dynamic_modules(pair[0]))) == kernels
     what = f"VBE {names} weighted={weighted}"
@@ -65,9 +73,13 @@ def _vs_expanded(pg, configs, weighted=False, kernels=1):
         models.loss_of(out).backward()
         models.loss_of(ref).backward()
     for c in configs:
-        got, held = models.stored_rows(pair[0], c.name, torch.arange(KEYS), pg)
-        want, _ = models.stored_rows(pair[1], c.name, torch.arange(KEYS), pg)
-        assert bool((held >= 0).any()), what
+        if c.name in native:
+            got, want = (models.native_rows(m, models.weight_fqn(kind, c.name), pg) for m in pair)
+            assert not torch.allclose(got, start[c.name].double()), what  # it trained
+        else:
+            got, held = models.stored_rows(pair[0], c.name, torch.arange(KEYS), pg)
+            want, _ = models.stored_rows(pair[1], c.name, torch.arange(KEYS), pg)
+            assert bool((held >= 0).any()), what
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {c.name} rows: {m}")
     for m in pair:
         m.eval()
@@ -84,6 +96,9 @@ def _ranks(rank, world):
     # MEAN and SUM tables are grouped apart: two kernels fill one VBE output.
     mean_table = models.ebc_configs(["c_table"], dim=8, num_embeddings=KEYS, pooling=torchrec.PoolingType.MEAN)
     _vs_expanded(pg, sum_tables + mean_table, kernels=2)
+    # A native TABLE_WISE table beside them (its own sharding and output dist).
+    native = models.ebc_configs(["native_table"], dim=4, num_embeddings=KEYS)
+    _vs_expanded(pg, native + sum_tables, native=("native_table",))
     return True
 
 
