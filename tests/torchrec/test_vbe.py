@@ -4,11 +4,11 @@ dynamic tables, on 2 ranks. The reference is the same model fed the
 expanded batch (every feature with the full batch's bags): the outputs of
 every step and the trained rows match, for SUM and weighted tables (one
 kernel), a collection mixing SUM and MEAN tables (two kernels writing one
-VBE output), one with a native TABLE_WISE table beside them, and in eval. On the CPU, TorchRec's expansion of a VBE output
-(fbgemm's batch_index_select_dim0) takes one batch size per rank for all
-features: the batches here vary by rank and step. Features of different
-sizes (the padding of vbe.py) are checked at the kernel, against sums of
-the stored rows, and the layout functions against loops."""
+VBE output), one with a native TABLE_WISE table beside them, and in eval.
+On the CPU, TorchRec's expansion of a VBE output (fbgemm's
+batch_index_select_dim0) takes one batch size per rank for all features:
+the batches here vary by rank and step. Features of different sizes (the
+padding of vbe.py) are checked at the kernel (test_vbe_layout.py)."""
 import torch
 import torchrec
 from torchrec.distributed.planner import ParameterConstraints
