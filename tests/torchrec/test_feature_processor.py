@@ -3,13 +3,17 @@ with a PositionWeightedModuleCollection) over dynamic tables on 2 ranks,
 against the unsharded TorchRec module on the global batch in one process:
 the outputs and the position weights' gradients every step (they come
 through our kernel's per-id weights), then the rows the tables' fused SGD
-trained. TorchRec applies the position weights after the input dist, on the
+trained, and the same outputs after a torch.distributed.checkpoint or a
+dump, loaded into a fresh model. TorchRec applies the position weights after the input dist, on the
 rank that owns each id; on the CPU their gradients are left different on
 each rank (DDP does not reduce them: native tables alike), so the test
 averages them itself, as a synchronised DDP would, and keeps the weights
 fixed."""
+import os
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torchrec
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
@@ -19,6 +23,7 @@ from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCo
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import models
+from dynamicemb import DynamicEmbDump, DynamicEmbLoad
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicFeatureProcessedEmbeddingBagCollectionSharder
 from multiprocess import run_ranks
@@ -36,18 +41,45 @@ def _fpebc(configs, device):
         torchrec.EmbeddingBagCollection(tables=configs, is_weighted=True, device=device), fp)
 
 
-def _ranks(rank, world):
-    pg = models.rank_groups()[0]
-    configs = models.ebc_configs(TABLES, dim=4, num_embeddings=KEYS)
-    start = models.initial_weights(configs, seed=7)
+def _sharded(configs, pg):
     fused = dict(optimizer=models.EmbOptimType.EXACT_SGD, learning_rate=LR_TABLES)
     ebc_sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused)
     sharders = [DynamicFeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc_sharder), ebc_sharder]
     module = _fpebc(configs, torch.device("meta"))
-    planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=world, compute_device="cpu"),
+    planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=pg.size(), compute_device="cpu"),
                                               constraints=models.dynamic_constraints(TABLES))
-    model = DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
-                                     plan=planner.plan(module, sharders), sharders=sharders)
+    return DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                    plan=planner.plan(module, sharders), sharders=sharders)
+
+
+def _reloaded_alike(model, configs, pg, path):
+    """The trained model through torch.distributed.checkpoint and through a
+    dump, each into a fresh model: the same outputs in eval."""
+    dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(path, "dcp"))
+    DynamicEmbDump(os.path.join(path, "dump"), model)
+    from_dcp, from_dump = _sharded(configs, pg), _sharded(configs, pg)
+    state = {"model": from_dcp.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    from_dcp.load_state_dict(state["model"])
+    DynamicEmbLoad(os.path.join(path, "dump"), from_dump)
+    with torch.no_grad():  # a dump holds the dynamic tables only: the position weights are dense
+        for (_, p), (_, q) in zip(in_backward_optimizer_filter(from_dump.named_parameters()),
+                                  in_backward_optimizer_filter(model.named_parameters())):
+            p.copy_(q)
+    batch = models.kjt(models.random_batch(FEATURES, BATCH, KEYS, seed=900, max_len=MAX_LEN),
+                       models.local_samples(BATCH, pg))
+    outs = []
+    for m in (model, from_dcp, from_dump):
+        m.eval()
+        outs.append(models.resolved(m(batch)).values())
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+def _ranks(rank, world, path):
+    pg = models.rank_groups()[0]
+    configs = models.ebc_configs(TABLES, dim=4, num_embeddings=KEYS)
+    start = models.initial_weights(configs, seed=7)
+    model = _sharded(configs, pg)
     for c in configs:
         models.set_dynamic_rows(model, c.name, start[c.name], pg)
     positions = dict(in_backward_optimizer_filter(model.named_parameters()))
@@ -83,11 +115,12 @@ def _ranks(rank, world):
         trained = ref._embedding_bag_collection.embedding_bags[c.name].weight.detach()
         assert not torch.allclose(trained, start[c.name])
         torch.testing.assert_close(rows.float(), trained, rtol=1e-5, atol=1e-6, msg=lambda m: f"{c.name}: {m}")
+    _reloaded_alike(model, configs, pg, path)
     return True
 
 
-def test_position_weighted_features_match_torchrecs_unsharded_module():
-    assert run_ranks(_ranks, 2) == [True, True]
+def test_position_weighted_features_match_torchrecs_unsharded_module(tmp_path):
+    assert run_ranks(_ranks, 2, str(tmp_path)) == [True, True]
 
 
 def test_sharder_takes_only_our_ebc_sharder():
