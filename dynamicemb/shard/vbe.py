@@ -9,7 +9,7 @@ layout (the routed lengths before the all-to-all; the pooled embeddings
 before the reduce-scatter, rank by rank, feature by feature, sample by
 sample: FBGEMM's VBE output). On gloo, the reduce-scatter of uneven chunks
 gets a backward that gloo can run."""
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,27 +19,32 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.types import NoWait
 
 
-def bag_mask(bags_per_feature: Sequence[int], device) -> torch.Tensor:
-    """[F, max count] bool: the real bags of each feature in the padded layout."""
-    counts = torch.tensor(list(bags_per_feature), dtype=torch.int64, device=device)
+def real_bags(bags_per_feature: Sequence[int], device, copies: int = 1) -> Tuple[torch.Tensor, int]:
+    """Where the real bags sit in the padded layout ([copy][feature][bag of
+    the largest count], flat), made on the host (no device sync), and the
+    padded count."""
     width = max(bags_per_feature, default=0)
-    return torch.arange(width, device=device).unsqueeze(0) < counts.unsqueeze(1)
+    per_feature = [torch.arange(c) + f * width for f, c in enumerate(bags_per_feature)]
+    one = torch.cat(per_feature) if per_feature else torch.zeros(0, dtype=torch.int64)
+    step = len(bags_per_feature) * width
+    at = torch.cat([one + k * step for k in range(copies)]) if copies else one[:0]
+    return at.to(device), width
 
 
 def padded_lengths(lengths: torch.Tensor, bags_per_feature: Sequence[int]) -> torch.Tensor:
     """Feature-major lengths of B_f bags per feature -> F x max(B_f) lengths,
     the bags past a feature's count empty."""
-    mask = bag_mask(bags_per_feature, lengths.device)
-    out = torch.zeros(mask.shape, dtype=lengths.dtype, device=lengths.device)
-    out[mask] = lengths
-    return out.view(-1)
+    at, width = real_bags(bags_per_feature, lengths.device)
+    out = torch.zeros(len(bags_per_feature) * width, dtype=lengths.dtype, device=lengths.device)
+    out[at] = lengths
+    return out
 
 
 def unpadded_routed_lengths(routed: torch.Tensor, bags_per_feature: Sequence[int], world: int) -> torch.Tensor:
     """The routing's lengths of a padded batch ([rank][feature][padded bag])
     with the padding dropped: [rank][feature][bag of the feature's count]."""
-    mask = bag_mask(bags_per_feature, routed.device)
-    return routed.view(world, *mask.shape)[mask.expand(world, *mask.shape)]
+    at, _ = real_bags(bags_per_feature, routed.device, copies=world)
+    return routed[at]
 
 
 def padded_offsets(lengths: torch.Tensor, bags_per_feature: Sequence[int]) -> torch.Tensor:
@@ -56,26 +61,30 @@ def vbe_output(pooled: torch.Tensor, stride_per_key_per_rank: List[List[int]], d
     B_{f,r} bags that rank r sent, D_f values each (feature f's bags arrived
     rank after rank). With `output` and `output_offsets` ([rank][feature]
     element offsets into it: TorchRec's merge of several kernels), a copy of
-    `output` with this kernel's blocks written there."""
+    `output` with this kernel's blocks written there. The indices are made on
+    the host: no device sync."""
     world = len(stride_per_key_per_rank[0]) if stride_per_key_per_rank else 0
     width = pooled.shape[1]
     col = [0]
     for d in dims:
         col.append(col[-1] + d)
-    parts, starts = [], []
-    device = pooled.device
+    parts, sizes = [], []
     for r in range(world):
         for f, strides in enumerate(stride_per_key_per_rank):
             first, count, d = sum(strides[:r]), strides[r], dims[f]
-            bags = torch.arange(first, first + count, device=device).unsqueeze(1)
-            parts.append((bags * width + col[f] + torch.arange(d, device=device)).view(-1))
-            if output_offsets is not None:
-                start = output_offsets[r][f]
-                starts.append(torch.arange(count * d, device=device) + start)
-    flat = pooled.reshape(-1)[torch.cat(parts)] if parts else pooled.new_zeros(0)
+            bags = torch.arange(first, first + count).unsqueeze(1)
+            parts.append((bags * width + col[f] + torch.arange(d)).view(-1))
+            sizes.append(count * d)
+    gather = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    flat = pooled.reshape(-1)[gather.to(pooled.device)]
     if output is None:
         return flat
-    return output.index_copy(0, torch.cat(starts), flat)
+    # Block k's elements go to output_offsets[k] + 0, 1, ...
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    within = torch.arange(int(sizes_t.sum())) - torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t, sizes_t)
+    starts = output_offsets.reshape(-1).to(torch.int64).repeat_interleave(sizes_t.to(output_offsets.device),
+                                                                          output_size=int(sizes_t.sum()))
+    return output.index_copy(0, starts + within.to(output.device), flat)
 
 
 class _ReduceScatterV(torch.autograd.Function):
