@@ -54,20 +54,11 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         if self._is_sequence:
             self.unbucketize_permute_tensor = permute
         if vbe:  # as TorchRec's bucketize sends a VBE batch: each rank the real bags of every feature
-            routed = KeyedJaggedTensor(
-                keys=sparse_features.keys() * self._world_size,
-                values=values,
-                weights=weights if w is not None else None,
-                lengths=vbe_layout.unpadded_routed_lengths(lengths, sparse_features.stride_per_key(),
-                                                           self._world_size),
-                stride_per_key_per_rank=sparse_features.stride_per_key_per_rank() * self._world_size,
-            )
+            layout = dict(lengths=vbe_layout.unpadded_routed_lengths(lengths, sparse_features.stride_per_key(),
+                                                                     self._world_size),
+                          stride_per_key_per_rank=sparse_features.stride_per_key_per_rank() * self._world_size)
         else:
-            routed = KeyedJaggedTensor(
-                keys=sparse_features.keys() * self._world_size,
-                values=values,
-                weights=weights if w is not None else None,
-                lengths=lengths,
-                stride=sparse_features.stride(),
-            )
+            layout = dict(lengths=lengths, stride=sparse_features.stride())
+        routed = KeyedJaggedTensor(keys=sparse_features.keys() * self._world_size, values=values,
+                                   weights=weights if w is not None else None, **layout)
         return self._dist(routed)
