@@ -6,6 +6,7 @@ hash table); TorchRec's planner plans the native tables unchanged, on a
 topology whose memory is reduced by what the dynamic tables take.
 """
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -111,12 +112,12 @@ class DynamicEmbeddingShardingPlanner:
         constraints = dict(constraints or {})
         self._dynamic = {n: c for n, c in constraints.items()
                          if isinstance(c, DynamicEmbParameterConstraints) and c.use_dynamicemb}
+        count = Counter(c.name for c in eb_configs)
         for name, c in self._dynamic.items():
             if name not in self._configs:
                 raise ValueError(f"constraints name table {name!r}, which is not among the eb_configs")
-            count = sum(cfg.name == name for cfg in eb_configs)
-            if count > 1:
-                raise ValueError(f"the eb_configs hold {count} tables named {name!r}; {_UNIQUE_NAMES}")
+            if count[name] > 1:
+                raise ValueError(f"the eb_configs hold {count[name]} tables named {name!r}; {_UNIQUE_NAMES}")
             if c.sharding_types and c.sharding_types != [ShardingType.ROW_WISE.value]:
                 raise ValueError(f"table {name!r}: dynamic tables are sharded ROW_WISE only, "
                                  f"constraints ask for {c.sharding_types}")

@@ -1,12 +1,12 @@
 """Finding a model's dynamic tables, and their counters (API.md §3)."""
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 
-__all__ = ["dynamic_modules", "table_stats"]
+__all__ = ["dynamic_modules", "dynamic_tables", "table_stats"]
 
 STAT_KEYS = ("size", "capacity", "inserted", "evicted", "failed", "admission_rejected", "nonfinite_grads")
 # Tables with caching=True also report their tiers: forward lookups found in
@@ -37,15 +37,28 @@ def dynamic_modules(model: torch.nn.Module) -> Iterator[BatchedDynamicEmbeddingT
     yield from visit(model)
 
 
+def dynamic_tables(model: torch.nn.Module) -> List[Tuple[str, BatchedDynamicEmbeddingTables, int]]:
+    """(name, module, index in the module) of every dynamic table of a model.
+    Stats, dumps and checkpoints address a table by its name: two tables of
+    one name raise (DynamicEmbeddingShardingPlanner refuses such a model;
+    a hand-made plan can build one)."""
+    out, seen = [], set()
+    for m in dynamic_modules(model):
+        for i, name in enumerate(m.table_names):
+            if name in seen:
+                raise ValueError(f"two dynamic tables are named {name!r}; table_stats, dumps and checkpoints "
+                                 f"need unique table names")
+            seen.add(name)
+            out.append((name, m, i))
+    return out
+
+
 def table_stats(model: torch.nn.Module, pg: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[str, int]]:
     """{table_name: {size, capacity, inserted, evicted, failed,
     admission_rejected, nonfinite_grads}}: this rank's, or summed over the ranks of `pg`."""
-    stats: Dict[str, Dict[str, int]] = {}
-    for m in dynamic_modules(model):
-        for name, s in m.table_stats().items():
-            if name in stats:  # (DynamicEmbeddingShardingPlanner refuses such a model)
-                raise ValueError(f"two dynamic tables are named {name!r}; table_stats reports by table name")
-            stats[name] = {k: s[k] for k in STAT_KEYS + TIER_KEYS if k in s}
+    modules = dict.fromkeys(m for _, m, _ in dynamic_tables(model))  # (names checked unique)
+    stats = {name: {k: s[k] for k in STAT_KEYS + TIER_KEYS if k in s}
+             for m in modules for name, s in m.table_stats().items()}
     if pg is None:
         return stats
     names = sorted(stats)

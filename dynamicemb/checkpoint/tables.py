@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dynamicemb import rules
 from dynamicemb.aliases import flat_per_table
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
-from dynamicemb.stats import dynamic_modules
+from dynamicemb.stats import dynamic_tables
 from dynamicemb.storage_protocol import require_checkpoint_protocol
 
 
@@ -57,14 +57,11 @@ def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = 
     """name -> TableRef for the model's dynamic tables (all, or the named
     ones); with `check`, raises for a module whose storage cannot be
     checkpointed (`what` names the caller in the message)."""
-    tables: Dict[str, TableRef] = {}
-    for m in dynamic_modules(model):
-        if check:
+    found = dynamic_tables(model)
+    if check:
+        for m in dict.fromkeys(m for _, m, _ in found):
             require_checkpoint_protocol(m.storage, m.table_names, what)
-        for i, name in enumerate(m.table_names):
-            if name in tables:
-                raise ValueError(f"two dynamic tables are named {name!r}; checkpoints need unique table names")
-            tables[name] = TableRef(m, i)
+    tables = {name: TableRef(m, i) for name, m, i in found}
     if table_names is None:
         return tables
     table_names = flat_per_table(table_names, f"{what}(table_names=...)", "a list of table names")
