@@ -149,6 +149,8 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
         # Whether TorchRec's prefetch pipelines must prefetch this group (see prefetch()).
         self.needs_prefetch = any(o.caching for o in options)
         self._optim: Optional[DynamicEmbFusedOptimizer] = None
+        # Each feature's dim, in the features' order (a VBE output's blocks).
+        self._feature_dims = [t.local_cols for t in tables for _ in range(t.num_features())]
 
     @property
     def config(self) -> GroupedEmbeddingConfig:
@@ -177,9 +179,8 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
         # VBE (vbe.py): pooled over the bags padded to one count, then laid
         # out as TorchRec's VBE output (into vbe_output when several kernels share it).
         pooled = self._emb_module(features.values(), self._vbe_offsets(features), weights)
-        dims = [t.local_cols for t in self._config.embedding_tables for _ in range(t.num_features())]
-        return vbe_layout.vbe_output(pooled, features.stride_per_key_per_rank(), dims, vbe_output_offsets,
-                                     vbe_output)
+        return vbe_layout.vbe_output(pooled, features.stride_per_key_per_rank(), self._feature_dims,
+                                     vbe_output_offsets, vbe_output)
 
     @staticmethod
     def _vbe_offsets(features: KeyedJaggedTensor) -> torch.Tensor:

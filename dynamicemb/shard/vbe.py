@@ -79,12 +79,13 @@ def vbe_output(pooled: torch.Tensor, stride_per_key_per_rank: List[List[int]], d
     flat = pooled.reshape(-1)[gather.to(pooled.device)]
     if output is None:
         return flat
-    # Block k's elements go to output_offsets[k] + 0, 1, ...
-    sizes_t = torch.tensor(sizes, dtype=torch.int64)
-    within = torch.arange(int(sizes_t.sum())) - torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t, sizes_t)
-    starts = output_offsets.reshape(-1).to(torch.int64).repeat_interleave(sizes_t.to(output_offsets.device),
-                                                                          output_size=int(sizes_t.sum()))
-    return output.index_copy(0, starts + within.to(output.device), flat)
+    # Element j of block k (at flat position first_k + j) goes to
+    # output_offsets[k] + j: flat position + (output_offsets[k] - first_k).
+    sizes_t = torch.tensor(sizes, dtype=torch.int64, device=output.device)
+    shift = output_offsets.reshape(-1).to(torch.int64) - (torch.cumsum(sizes_t, 0) - sizes_t)
+    total = flat.numel()
+    at = torch.arange(total, device=output.device) + shift.repeat_interleave(sizes_t, output_size=total)
+    return output.index_copy(0, at, flat)
 
 
 class _ReduceScatterV(torch.autograd.Function):
