@@ -258,6 +258,24 @@ def model_batches(name, args, rank):
     return folded(batches, args.rows_per_table) if name == "native" else batches
 
 
+def dense_sgd(model, args) -> torch.optim.Optimizer:
+    """SGD over the model's dense part (the tables update in backward)."""
+    dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
+    if not dense:
+        raise RuntimeError("no dense parameters found")
+    return torch.optim.SGD(dense, lr=args.lr)
+
+
+def train_step(model, opt, kjt, labels) -> torch.Tensor:
+    """The timed step: forward, backward (the tables update here: fused
+    EXACT_SGD), the dense SGD step. Returns the loss."""
+    loss = model(kjt, labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def rank_main(name, rank, world, port, args, queue):
     import torch.distributed as dist
 
@@ -269,10 +287,7 @@ def rank_main(name, rank, world, port, args, queue):
         result["build_s"] = time.perf_counter() - t0
         result["config"] = desc
         batches = model_batches(name, args, rank)
-        dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
-        if not dense:
-            raise RuntimeError("no dense parameters found")
-        opt = torch.optim.SGD(dense, lr=args.lr)
+        opt = dense_sgd(model, args)
         result["prefill_s"] = [prefill(name, model, args, rank, world)]
         counts = [dynamic_counts(name, model)]  # after the pre-fill, before the timed steps, at the end
         model.train()
@@ -284,10 +299,7 @@ def rank_main(name, rank, world, port, args, queue):
             f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c = time.process_time()
             s = time.perf_counter()
-            loss = model(kjt, labels)
-            loss.backward()  # tables update here (fused EXACT_SGD)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(model, opt, kjt, labels)
             dt = time.perf_counter() - s
             dc = time.process_time() - c
             df = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f

@@ -34,13 +34,6 @@ from torchrec_batches import fused_target, mode_label, prefill  # noqa: E402
 PAIR = ("dynamic", "native")
 
 
-def _step(model, opt, kjt, labels):
-    loss = model(kjt, labels)
-    loss.backward()  # the tables update here (fused EXACT_SGD)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def rank_main(rank, world, port, args, queue):
     import torch.distributed as dist
 
@@ -50,8 +43,7 @@ def rank_main(rank, world, port, args, queue):
         models, opts, batches = {}, {}, {}
         for name in PAIR:
             models[name], _ = B.BUILDERS[name](args, world)
-            dense = [p for n, p in models[name].named_parameters() if ".dense." in f".{n}"]
-            opts[name] = torch.optim.SGD(dense, lr=args.lr)
+            opts[name] = B.dense_sgd(models[name], args)
             batches[name] = B.model_batches(name, args, rank)
             prefill(name, models[name], args, rank, world)
             models[name].train()
@@ -62,7 +54,7 @@ def rank_main(rank, world, port, args, queue):
                 kjt, labels = batches[name][i]
                 dist.barrier()
                 c, s = time.process_time(), time.perf_counter()
-                _step(models[name], opts[name], kjt, labels)
+                B.train_step(models[name], opts[name], kjt, labels)
                 dt, dc = time.perf_counter() - s, time.process_time() - c
                 if i >= args.warmup:
                     times[name].append(dt)

@@ -106,8 +106,7 @@ def rank_main(name, rank, world, port, args, queue):
         B.start_rank(rank, world, port, args)
         model, _ = B.BUILDERS[name](args, world)
         batches = B.model_batches(name, args, rank)
-        dense = [p for n, p in model.named_parameters() if ".dense." in f".{n}"]
-        opt = torch.optim.SGD(dense, lr=args.lr)
+        opt = B.dense_sgd(model, args)
         result["prefill_s"] = ids.prefill(name, model, args, rank, world)  # before the phases are wrapped
         clock = PhaseClock()
         instrument(model, clock)
