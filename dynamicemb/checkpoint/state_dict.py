@@ -160,6 +160,10 @@ class TableSlot:
         return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
 
     def __reduce_ex__(self, protocol):
+        if not self._dcp and self._data is not None:
+            # A snapshot (copy.deepcopy: what dcp.async_save stages) travels as one, so that DCP's
+            # checkpoint process, which receives it pickled, still writes it as this slot's bytes.
+            return TableSlot, (self.table, self.slot, None, self._data, self._names)
         if not self._dcp:
             raise TypeError(
                 f"dynamicemb: the dynamic tables {self._names} cannot be saved with torch.save or pickle: each "
