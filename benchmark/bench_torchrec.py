@@ -21,12 +21,15 @@ over [0, 2**40) and the ranks). Before timing, every model runs forwards
 tables still store the keys) over every pool key of every table in batches
 of the normal shape on all ranks, timed apart as `prefill_s`. The JSON then
 gives, per round, how many of the timed steps' unique ids the dynamic tables
-inserted (`results.dynamic.ids`: ~0 without --new-share). Keep N well under
+inserted (`results.dynamic.ids`: ~0 without --new-share), how many of them
+evicted a key, and the tables' load before and after. Keep N well under
 --rows-per-table (e.g. rows // 4): FUSED folds ids modulo rows (collisions
 grow with N) and a dynamic table holds rows / world per rank; N > rows is
 refused. `--key-pool N --new-share 0.5`: half of each step's ids are never
-seen before, the rest come from the pool (growth and eviction over a stored
-working set). A tiny dense part (Linear(8 x 64 -> 1), BCE against random labels,
+seen before, the rest come from the pool: new rows over a stored working
+set, placed in free slots while the tables have room (with rows // 4 they
+stay under two thirds full for 19 steps at the default batch) and evicting
+once they are full (N = rows fills them in the pre-fill). A tiny dense part (Linear(8 x 64 -> 1), BCE against random labels,
 SGD) sits on top; a step = forward + backward (fused table update) + dense
 SGD step. Every model gets the same row capacity per table (`--rows-per-table`,
 summed over ranks), the same batches and EXACT_SGD for its tables:
@@ -451,7 +454,8 @@ def parse_args(argv=None):
     ap.add_argument("--pooling", type=int, default=10, help="ids per sample per feature")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     ap.add_argument("--new-share", type=float, default=0.0,
-                    help="share of each step's ids replaced by ids never seen before (growth and eviction)")
+                    help="share of each step's ids replaced by ids never seen before (new rows; they evict once "
+                         "the tables are full, e.g. with --key-pool equal to --rows-per-table)")
     ap.add_argument("--key-pool", type=int, default=0,
                     help="existing-ids mode: each table's ids drawn from N keys only, all stored by a pre-fill "
                          "before timing; keep N well under --rows-per-table (e.g. rows // 4). 0: Zipf over 2**40")
@@ -528,7 +532,9 @@ def main(argv=None):
                 tail += f", pre-fill {r['prefill_s']:.1f} s"
             if r["status"] == "ok" and "ids" in r:
                 c = r["ids"][-1]
-                tail += f", new ids in the timed steps {c['new_ids_timed']} of {c['unique_ids_timed']} unique"
+                tail += (f", new ids in the timed steps {c['new_ids_timed']} of {c['unique_ids_timed']} unique, "
+                         f"{c['evicted_timed']} evicting (load {c['load_factor_timed'][0]:.2f} -> "
+                         f"{c['load_factor_timed'][1]:.2f})")
             print(f"  round {rnd + 1}: {name:<8} {tail}  ({time.perf_counter() - t0:.0f} s in all, "
                   f"load {loadavg()})", flush=True)
     results = {name: summarize(name, pooled(runs[name]), args) for name in models}

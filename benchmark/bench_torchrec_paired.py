@@ -15,7 +15,9 @@ medians still spread over about +-6%). Per step and model a step's time
 is the slowest rank's (between barriers); the result is the median over
 the timed steps of all rounds of the per-step ratio dynamic / native, with
 its quartiles, and the ratio of the two models' median step times. Each
-round runs on fresh processes.
+round runs on fresh processes. Each round also says what the dynamic tables
+did in its timed steps (bench_torchrec's counters): new ids stored, how many
+of them evicted a key, and the tables' load before and after.
 """
 import os
 import statistics
@@ -29,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_torchrec as B  # noqa: E402
 from _common import default_out, env_info, format_table, loadavg, write_json  # noqa: E402
-from torchrec_batches import fused_target, mode_label, prefill  # noqa: E402
+from torchrec_batches import dynamic_counts, fused_target, id_counts, mode_label, prefill, unique_ids  # noqa: E402
 
 PAIR = ("dynamic", "native")
 
@@ -49,7 +51,10 @@ def rank_main(rank, world, port, args, queue):
             models[name].train()
         times = {name: [] for name in PAIR}
         cpu = {name: [] for name in PAIR}
+        counts = [dynamic_counts("dynamic", models["dynamic"])]  # after the pre-fill, before the timed steps, at the end
         for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                counts.append(dynamic_counts("dynamic", models["dynamic"]))
             for name in (PAIR if i % 2 == 0 else PAIR[::-1]):
                 kjt, labels = batches[name][i]
                 dist.barrier()
@@ -59,8 +64,11 @@ def rank_main(rank, world, port, args, queue):
                 if i >= args.warmup:
                     times[name].append(dt)
                     cpu[name].append(dc)
+        counts.append(dynamic_counts("dynamic", models["dynamic"]))
+        counts = {"after_prefill": counts[0], "before_timed": counts[1], "end": counts[2],
+                  "unique_ids_timed": unique_ids(batches["dynamic"][args.warmup:], world)}
         dist.barrier()
-        result = {"times_s": times, "cpu_times_s": cpu}
+        result = {"times_s": times, "cpu_times_s": cpu, "counts": counts}
     except Exception as e:
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     queue.put((rank, result))
@@ -85,6 +93,13 @@ def quartiles(xs):
     return q[0], statistics.median(xs), q[2]
 
 
+def ids_line(ids) -> str:
+    """What the dynamic tables did in a round's timed steps (id_counts)."""
+    lo, hi = ids["load_factor_timed"]
+    return (f"{ids['new_ids_timed']} new ids of {ids['unique_ids_timed']} unique, {ids['evicted_timed']} evicting, "
+            f"load {lo:.2f} -> {hi:.2f}")
+
+
 def main(argv=None):
     args = B.parse_args(argv)
     la0 = B.header("torchrec paired", args, f" x {args.rounds} rounds")
@@ -101,11 +116,12 @@ def main(argv=None):
             sys.exit(1)
         steps = {name: slowest(per_rank, name) for name in PAIR}
         cpu = {name: slowest(per_rank, name, "cpu_times_s") for name in PAIR}
-        rounds.append({"step_s": steps, "step_cpu_s": cpu})
+        ids = id_counts([per_rank[r]["counts"] for r in sorted(per_rank)], args)
+        rounds.append({"step_s": steps, "step_cpu_s": cpu, "ids": ids})
         r = [a / b for a, b in zip(steps["dynamic"], steps["native"])]
         print(f"  round {rnd + 1}: dynamic {statistics.median(steps['dynamic']) * 1e3:.1f} ms, native "
               f"{statistics.median(steps['native']) * 1e3:.1f} ms, per-step ratio median {statistics.median(r):.3f} "
-              f"({time.perf_counter() - t0:.0f} s, load {loadavg()})", flush=True)
+              f"({time.perf_counter() - t0:.0f} s, load {loadavg()}); dynamic tables: {ids_line(ids)}", flush=True)
     pooled = {k: {name: [t for rd in rounds for t in rd[k][name]] for name in PAIR} for k in ("step_s", "step_cpu_s")}
     ratio = [a / b for a, b in zip(pooled["step_s"]["dynamic"], pooled["step_s"]["native"])]
     cpu_ratio = [a / b for a, b in zip(pooled["step_cpu_s"]["dynamic"], pooled["step_cpu_s"]["native"])]

@@ -83,8 +83,9 @@ def with_new_ids(values: torch.Tensor, share: float, step: int, rank: int, g: to
     """`values` with a `share` of its positions (chosen at random) replaced
     by ids never used before: a counter unique to (step, rank, position),
     scrambled into the key range (a Zipf id meeting one by chance is
-    negligible; a pool id never meets one, see check_key_pool), so the
-    tables grow, then evict, at every step."""
+    negligible; a pool id never meets one, see check_key_pool): every step
+    stores new rows, in free slots while the tables have room, evicting
+    once they are full."""
     n = values.numel()
     pick = torch.randperm(n, generator=g)[:round(share * n)]
     fresh = (_FRESH + ((step * 64 + rank) << 24)) + torch.arange(pick.numel(), dtype=torch.int64)
@@ -191,7 +192,7 @@ def dynamic_counts(name, model):
     from dynamicemb import table_stats
 
     s = table_stats(model)
-    return {k: sum(v[k] for v in s.values()) for k in ("size", "inserted", "evicted", "failed")}
+    return {k: sum(v[k] for v in s.values()) for k in ("size", "capacity", "inserted", "evicted", "failed")}
 
 
 def unique_ids(batches, world):
@@ -212,8 +213,9 @@ def unique_ids(batches, world):
 
 def id_counts(ranks, args):
     """One round's dynamic-table counters, summed over the ranks: how many
-    of the timed steps' unique ids were new (inserted), and what the
-    pre-fill stored."""
+    of the timed steps' unique ids were new (inserted) and how many of them
+    evicted a key (none until the tables are full), the tables' load before
+    and after the timed steps, and what the pre-fill stored."""
     def total(when, k):
         return sum(c[when][k] for c in ranks)
 
@@ -222,6 +224,8 @@ def id_counts(ranks, args):
     return {"unique_ids_timed": unique, "new_ids_timed": new, "new_share_timed": new / unique if unique else 0.0,
             "new_ids_warmup": total("before_timed", "inserted") - total("after_prefill", "inserted"),
             "evicted_timed": total("end", "evicted") - total("before_timed", "evicted"),
+            # Whether the timed steps' new ids evicted: only once the tables are full.
+            "load_factor_timed": [total(w, "size") / max(1, total(w, "capacity")) for w in ("before_timed", "end")],
             "failed_timed": total("end", "failed") - total("before_timed", "failed"),
             "pool_keys": args.tables * args.key_pool, "stored_after_prefill": total("after_prefill", "size"),
             "evicted_in_prefill": total("after_prefill", "evicted"),
