@@ -64,6 +64,25 @@ def slot_key(head: str, name: str, s: int) -> str:
     return f"{head}{name}.{KEY}.slot{s}"
 
 
+class _EntryPath:
+    """The attribute path of a table's entries: torch's distributed state
+    dict (get_model_state_dict / set_model_state_dict) resolves each
+    state-dict key by getattr along its dotted name, so `<table module>.{KEY}`
+    answers every `slot<s>` (the entries themselves live in state_dict())."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("slot") and name[4:].isdigit():
+            return None
+        raise AttributeError(name)
+
+
+def add_entry_paths(table_modules) -> None:
+    """Gives each dynamic table's module in a sharded collection (its
+    `embedding_bags` / `embeddings` entry) the path of its entries."""
+    for m in table_modules:
+        setattr(m, KEY, _EntryPath())
+
+
 def _share(parts: List[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
     """Rows [lo, hi) of the concatenation of `parts`, as a tensor of their
     own (a view would serialize its whole storage)."""

@@ -6,7 +6,7 @@ import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
-from dynamicemb.checkpoint.state_dict import add_tables, load_tables
+from dynamicemb.checkpoint.state_dict import add_entry_paths, add_tables, load_tables
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 
 # Kernels whose weights TorchRec does not initialise itself.
@@ -70,3 +70,6 @@ def register_dynamic_state(module, collection: str) -> None:
     TorchRec's own hooks. `collection`: "embedding_bags" (EBC) or "embeddings" (EC)."""
     module._register_state_dict_hook(functools.partial(_add_tables, collection))
     module._register_load_state_dict_pre_hook(functools.partial(_load_tables, collection), with_module=True)
+    tables = getattr(module, collection)
+    add_entry_paths(tables[name] for name, ps in module.module_sharding_plan.items()
+                    if ps.compute_kernel == CUSTOMIZED and name in tables)

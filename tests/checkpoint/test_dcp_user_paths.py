@@ -1,0 +1,101 @@
+"""Other ways TorchRec users checkpoint with torch.distributed.checkpoint
+(DCP) carry the dynamic tables too (test_dcp_state_dict.py: dcp.save of
+model.state_dict()):
+
+- dcp.async_save(model.state_dict()) keeps the tables as they were at the
+  call while training goes on, with DCP's checkpoint thread and with its
+  checkpoint process (which receives the staged state dict pickled). Each
+  save gets a gloo process group of its own, as DCP asks of an asynchronous
+  save beside training: the training's collectives on the same group would
+  interleave with the save's (a hang, for native tables too). The saved
+  model trains two more steps before the save is awaited.
+- torch's distributed state-dict API: get_model_state_dict of the model DMP
+  wraps (that of DMP itself fails for native tables too: its keys name no
+  attribute of DMP), dcp.save / dcp.load, then set_model_state_dict.
+
+Each loaded model must hold exactly the entries read from the hash tables
+of the saved one (not through the export that saves use).
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt_helpers as H
+import dcp_helpers as D
+
+KINDS = ("THREAD", "PROCESS")
+
+
+def _saves(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    pg = dist.GroupMember.WORLD
+    a = D.build(pg, D.OPTIMIZERS["adam"])
+    H.train(a, pg, [1, 2, 3])
+    res = {}
+    for i, kind in enumerate(KINDS):
+        path = os.path.join(root, kind)
+        want = H.gathered_entries(a, pg)
+        saved_ns = H.now_ns()
+        fut = dcp.async_save(a.state_dict(), checkpoint_id=path, process_group=dist.new_group(backend="gloo"),
+                             async_checkpointer_type=AsyncCheckpointerType[kind])
+        H.train(a, pg, [4 + 2 * i, 5 + 2 * i])  # before the save is awaited
+        fut.result()
+        b = D.build(pg, D.OPTIMIZERS["adam"])
+        H.train(b, pg, [9])  # something to replace
+        res[kind] = dict(want=want, saved_ns=saved_ns, moved_on=H.gathered_entries(a, pg),
+                         incompatible=repr(D.load(b, path, pg)), loaded_ns=H.now_ns(),
+                         loaded=H.gathered_entries(b, pg))
+    res["dsd"] = _distributed_state_dict(a, pg, os.path.join(root, "dsd"))
+    return res
+
+
+def _distributed_state_dict(a, pg, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    want, saved_ns = H.gathered_entries(a, pg), H.now_ns()
+    sd = get_model_state_dict(a.module)
+    dynamic = sorted(k for k in sd if ".dynamicemb." in k)
+    dcp.save({"model": sd}, checkpoint_id=path, process_group=pg)
+    b = D.build(pg, D.OPTIMIZERS["adam"])
+    H.train(b, pg, [9])
+    state = {"model": get_model_state_dict(b.module)}
+    dcp.load(state, checkpoint_id=path, process_group=pg)
+    return dict(want=want, saved_ns=saved_ns, dynamic=dynamic,
+                of_state_dict=sorted(k for k in a.module.state_dict() if ".dynamicemb." in k),
+                incompatible=repr(set_model_state_dict(b.module, state["model"])), loaded_ns=H.now_ns(),
+                loaded=H.gathered_entries(b, pg))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return H.run_ranks(_saves, 2, tempfile.mkdtemp(prefix="dynamicemb-dcp-async-"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_async_save_keeps_the_tables_of_the_call(ranks, kind):
+    runs = [r[kind] for r in ranks]
+    r = runs[0]
+    assert all(x["incompatible"] == "<All keys matched successfully>" for x in runs)
+    # The tables moved on while the save was written ...
+    assert any(not torch.equal(r["want"][k][t]["values"], r["moved_on"][k][t]["values"])
+               for k in range(len(r["want"])) for t in H.TABLES)
+    # ... and the checkpoint holds them as they were at the call.
+    H.assert_same_entries(r["want"], r["loaded"], min(x["saved_ns"] for x in runs),
+                          max(x["loaded_ns"] for x in runs))
+
+
+def test_get_and_set_model_state_dict_carry_the_tables(ranks):
+    runs = [r["dsd"] for r in ranks]
+    r = runs[0]
+    for x in runs:  # every rank's entries of every table, as state_dict() names them
+        assert x["dynamic"] and x["dynamic"] == x["of_state_dict"]
+        assert x["incompatible"] == "<All keys matched successfully>"
+    assert {k.split(".")[-3] for k in r["dynamic"]} == set(H.TABLES)
+    H.assert_same_entries(r["want"], r["loaded"], min(x["saved_ns"] for x in runs),
+                          max(x["loaded_ns"] for x in runs))
