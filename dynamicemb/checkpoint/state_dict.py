@@ -354,13 +354,19 @@ def _route(ref, cols: dict, pg, rank: int, world: int) -> dict:
     return out
 
 
+def _few(slots: List[int]) -> str:
+    return f"{slots[:8]}{'...' * (len(slots) > 8)}"
+
+
 def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_keys: list) -> None:
     """The pre-hook of our sharded collections' load_state_dict(): takes the
     dynamic tables' slots out of `state_dict` and loads them, each row on
     the rank that owns its key, replacing what the tables held. A collective:
     every rank of the collection's process group calls it. A failed check on
     any rank raises on all of them with the model unchanged; a table whose
-    slots are all absent is reported missing (and left as it is)."""
+    slots are all absent is reported missing (and left as it is). A rank
+    given every slot of a table (a whole state dict, as dcp_to_torch_save
+    writes one) reads its share of them, s % world == rank."""
     tables = model_tables(module, check=False)
     if not tables:
         return
@@ -373,6 +379,11 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
         if sep and name in given:
             given[name][rest] = state_dict.pop(key)
     names = sorted(tables)
+    every = {f"slot{s}" for s in range(slots)}
+    for name in names:
+        if world > 1 and given[name].keys() == every:
+            # A whole state dict on this rank (every rank's slots: dcp_to_torch_save's file, say): its share.
+            given[name] = {k: v for k, v in given[name].items() if int(k[4:]) % world == rank}
     # 1. This rank's slots against the model; every rank learns which slots were given.
     found, error = {}, None
     try:
@@ -392,11 +403,12 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             continue
         if held != list(range(slots)):
             absent = sorted(set(range(slots)) - set(held))
-            twice = " (and some twice)" if len(held) > len(set(held)) else ""
-            raise CheckpointError(f"table {name!r} in the state dict: slots {absent[:8]}{'...' * (len(absent) > 8)} "
-                                  f"of {slots} are absent{twice}; "
-                                  f"a state dict of dynamic tables must come whole from model.state_dict() on every "
-                                  f"rank (dcp.save / dcp.load); the model is unchanged")
+            twice = sorted({s for s in held if held.count(s) > 1})
+            wrong = ([f"slots {_few(absent)} of {slots} are absent"] if absent else []) + \
+                ([f"slots {_few(twice)} of {slots} are on more than one rank"] if twice else [])
+            raise CheckpointError(f"table {name!r} in the state dict: {' and '.join(wrong)}; a state dict of "
+                                  f"dynamic tables must come whole from model.state_dict() on every rank (dcp.save / "
+                                  f"dcp.load), or whole on each rank; the model is unchanged")
         todo.append(name)
         saved[name] = [i[name][1:] for i in infos if name in i]
     # 2. Each row to its owner, then every check that needs no change to the model.

@@ -12,6 +12,9 @@ model.state_dict()):
 - torch's distributed state-dict API: get_model_state_dict of the model DMP
   wraps (that of DMP itself fails for native tables too: its keys name no
   attribute of DMP), dcp.save / dcp.load, then set_model_state_dict.
+- DCP's dcp_to_torch_save: the 2-rank checkpoint made one file (every
+  slot of every table), torch.load(weights_only=True) and load_state_dict
+  on 1 and on 3 ranks, each rank given the whole file.
 
 Each loaded model must hold exactly the entries read from the hash tables
 of the saved one (not through the export that saves use).
@@ -98,4 +101,41 @@ def test_get_and_set_model_state_dict_carry_the_tables(ranks):
         assert x["incompatible"] == "<All keys matched successfully>"
     assert {k.split(".")[-3] for k in r["dynamic"]} == set(H.TABLES)
     H.assert_same_entries(r["want"], r["loaded"], min(x["saved_ns"] for x in runs),
+                          max(x["loaded_ns"] for x in runs))
+
+
+def _save_two_ranks(rank, world, path):
+    pg = dist.GroupMember.WORLD
+    a = D.build(pg, D.OPTIMIZERS["adam"])
+    H.train(a, pg, [1, 2, 3])
+    want = H.gathered_entries(a, pg)
+    saved_ns = H.now_ns()
+    D.save(a, path, pg)
+    return dict(want=want, saved_ns=saved_ns)
+
+
+def _load_whole_file(rank, world, path):
+    pg = dist.GroupMember.WORLD
+    b = D.build(pg, D.OPTIMIZERS["adam"])
+    H.train(b, pg, [9])
+    state = torch.load(path, weights_only=True)
+    return dict(incompatible=repr(b.load_state_dict(state)), loaded_ns=H.now_ns(), loaded=H.gathered_entries(b, pg))
+
+
+@pytest.fixture(scope="module")
+def consolidated():
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = tempfile.mkdtemp(prefix="dynamicemb-dcp-whole-")
+    saved = H.run_ranks(_save_two_ranks, 2, os.path.join(root, "ckpt"))
+    dcp_to_torch_save(os.path.join(root, "ckpt"), os.path.join(root, "whole.pt"))
+    return saved, {w: H.run_ranks(_load_whole_file, w, os.path.join(root, "whole.pt")) for w in (1, 3)}
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_checkpoint_made_one_file_loads_on_any_world_size(consolidated, world):
+    saved, loads = consolidated
+    runs = loads[world]
+    assert all(x["incompatible"] == "<All keys matched successfully>" for x in runs)
+    H.assert_same_entries(saved[0]["want"], runs[0]["loaded"], min(x["saved_ns"] for x in saved),
                           max(x["loaded_ns"] for x in runs))
