@@ -34,6 +34,7 @@ from dynamicemb.admission import CounterNotCheckpointable
 from dynamicemb.checkpoint.dump import counter_parts, shard_parts
 from dynamicemb.checkpoint.format import CheckpointError
 from dynamicemb.checkpoint.load import build_counter, check_table, restore_rows
+from dynamicemb.checkpoint.native_rows import WEIGHT, check_cover, weight_rows
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables
 from dynamicemb.routing import owners
@@ -366,7 +367,9 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
     any rank raises on all of them with the model unchanged; a table whose
     slots are all absent is reported missing (and left as it is). A rank
     given every slot of a table (a whole state dict, as dcp_to_torch_save
-    writes one) reads its share of them, s % world == rank."""
+    writes one) reads its share of them, s % world == rank. A native
+    table's `weight` given for a dynamic table loads instead of slots
+    (dynamicemb.checkpoint.native_rows: key i gets row i)."""
     tables = model_tables(module, check=False)
     if not tables:
         return
@@ -379,6 +382,7 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
         if sep and name in given:
             given[name][rest] = state_dict.pop(key)
     names = sorted(tables)
+    weights = {n: state_dict.pop(f"{head}{n}.{WEIGHT}") for n in names if f"{head}{n}.{WEIGHT}" in state_dict}
     every = {f"slot{s}" for s in range(slots)}
     for name in names:
         if world > 1 and given[name].keys() == every:
@@ -388,8 +392,13 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
     found, error = {}, None
     try:
         for name in names:
+            if given[name] and name in weights:
+                raise CheckpointError(f"table {name!r} in the state dict: both its dynamic slots and a native "
+                                      f"weight; give one of them")
             if given[name]:
                 found[name] = _rows_of(name, tables[name], given[name], slots)
+            elif name in weights:
+                found[name] = weight_rows(name, tables[name], weights[name], _template(tables[name]), rank, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
         error = e
     info = {n: (f["slots"], f["meta"]["step"], f["meta"]["optimizer_step"], f["meta"]["custom_score"])
@@ -397,7 +406,19 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
     infos = _agree(error, info, pg, world, "; the model is unchanged")
     todo, saved = [], {}
     for name in names:
-        held = sorted(s for i in infos for s in i.get(name, ([],))[0])
+        covers = [i[name][0] for i in infos if name in i]
+        if any(isinstance(c, dict) for c in covers):  # a native weight (on some rank)
+            try:
+                if not all(isinstance(c, dict) for c in covers):
+                    raise CheckpointError(f"table {name!r} in the state dict: dynamic slots on some ranks and a "
+                                          f"native weight on others")
+                check_cover(name, covers, world)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; the model is unchanged") from None
+            todo.append(name)
+            saved[name] = [i[name][1:] for i in infos if name in i]
+            continue
+        held = sorted(s for c in covers for s in c)
         if not held:
             missing_keys.append(f"{head}{name}.{KEY}")
             continue
