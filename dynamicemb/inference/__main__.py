@@ -17,6 +17,8 @@ package compiles the same program with AOTInductor into a package that a
 C++ program serves with libtorch and dynamicemb's ops library, no Python
 (examples/serve_cpp). requests writes sample batches of the dump's keys
 for it (a safetensors file, dynamicemb.inference.request_files).
+DUMP_DIR may also be a torch.distributed.checkpoint directory of
+model.state_dict() (its dynamic tables, read in this one process).
 """
 import argparse
 import json
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
 
     def from_dump(name, help):
         e = sub.add_parser(name, help=help)
-        e.add_argument("dump")
+        e.add_argument("dump", help="a DynamicEmbDump directory, or a torch.distributed.checkpoint one")
         e.add_argument("out")
         e.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8"])
         e.add_argument("--tables", nargs="+", default=None, help="tables to export (default: all), in this order")

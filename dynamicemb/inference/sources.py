@@ -1,6 +1,8 @@
 """Where a frozen table's content comes from: a dump directory (any world
-size: every rank's files are read, and each key is in exactly one of them)
-or a live model (every rank's rows gathered over a process group)."""
+size: every rank's files are read, and each key is in exactly one of them),
+a torch.distributed.checkpoint directory of model.state_dict() (every slot
+of each dynamic table read in this process), or a live model (every rank's
+rows gathered over a process group)."""
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -14,18 +16,40 @@ from dynamicemb.storage_protocol import require_checkpoint_protocol
 from dynamicemb.inference.frozen import ZEROS_INIT, FrozenTable, packed_init
 
 
+def _entry(name: str, keys: List[torch.Tensor], values: List[torch.Tensor], meta: dict,
+           feature_names: Optional[Dict[str, List[str]]]) -> dict:
+    """A table's {"table": FrozenTable, "pooling", "seed"} from its rows (in
+    pieces) and the meta a dump's manifest, or a state-dict slot, records."""
+    dim, dtype = meta["dim"], getattr(torch, meta["dtype"])
+    feats = (feature_names or {}).get(name) or meta.get("feature_names") or [name]
+    return {
+        "table": FrozenTable(name, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
+                             torch.cat(values) if values else torch.zeros(0, dim, dtype=dtype), list(feats),
+                             packed_init(meta.get("eval_initializer", ZEROS_INIT))),
+        "pooling": meta.get("pooling", "SUM"),
+        "seed": meta.get("seed", 0),
+    }
+
+
+def _chosen(names: List[str], table_names: Optional[Sequence[str]], where: str) -> List[str]:
+    chosen = names if table_names is None else list(table_names)
+    missing = [n for n in chosen if n not in names]
+    if missing:
+        raise CheckpointError(f"table {missing[0]!r}: {where} has no such table (it has {sorted(names)})")
+    return chosen
+
+
 def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
                 feature_names: Optional[Dict[str, List[str]]] = None) -> Dict[str, dict]:
     """{table: {"table": FrozenTable, "pooling", "seed"}} from the dump at
-    `path`, every file verified (size, checksum, tensors) before it is read.
+    `path`, every file verified (size, checksum, tensors) before it is read,
+    or from the torch.distributed.checkpoint at `path` (dcp_tables).
     `feature_names` overrides the features the manifest records."""
     path = os.path.abspath(path)
+    if is_dcp_checkpoint(path):
+        return dcp_tables(path, table_names, feature_names)
     manifest = read_manifest(path)
-    names = list(manifest["tables"]) if table_names is None else list(table_names)
-    missing = [n for n in names if n not in manifest["tables"]]
-    if missing:
-        raise CheckpointError(f"table {missing[0]!r}: {os.path.join(path, 'manifest.json')} has no such table "
-                              f"(it has {sorted(manifest['tables'])})")
+    names = _chosen(list(manifest["tables"]), table_names, os.path.join(path, "manifest.json"))
     out = {}
     for name in names:
         meta = manifest["tables"][name]
@@ -38,16 +62,55 @@ def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
             part = read_tensors(path, entry, ["keys", "values"])
             keys.append(part["keys"])
             values.append(part["values"])
-        dim = meta["dim"]
-        dtype = getattr(torch, meta["dtype"])
-        feats = (feature_names or {}).get(name) or meta.get("feature_names") or [name]
-        out[name] = {
-            "table": FrozenTable(name, torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64),
-                                 torch.cat(values) if values else torch.zeros(0, dim, dtype=dtype), list(feats),
-                                 packed_init(meta.get("eval_initializer", ZEROS_INIT))),
-            "pooling": meta.get("pooling", "SUM"),
-            "seed": meta.get("seed", 0),
-        }
+        out[name] = _entry(name, keys, values, meta, feature_names)
+    return out
+
+
+def is_dcp_checkpoint(path: str) -> bool:
+    """Whether `path` is a torch.distributed.checkpoint directory (its
+    .metadata file) rather than a dump (its manifest.json)."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def dcp_tables(path: str, table_names: Optional[Sequence[str]] = None,
+               feature_names: Optional[Dict[str, List[str]]] = None) -> Dict[str, dict]:
+    """dump_tables' result from a torch.distributed.checkpoint of a model's
+    state_dict() (saved on any number of ranks, under any prefix): every
+    slot of each dynamic table, read here with no process group. The table
+    is the name before `.dynamicemb.slot<s>`; every slot must be there."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from dynamicemb.checkpoint.state_dict import FORMAT, KEY
+
+    entries: Dict[str, Dict[int, str]] = {}  # table -> {slot: the entry's name}
+    for fqn, md in FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        head, sep, slot = fqn.rpartition(f".{KEY}.")
+        if not (sep and slot.startswith("slot") and slot[4:].isdigit() and isinstance(md, BytesStorageMetadata)):
+            continue
+        name, s = head.rpartition(".")[2], int(slot[4:])
+        other = entries.setdefault(name, {}).setdefault(s, fqn)
+        if other != fqn:
+            raise CheckpointError(f"table {name!r}: {path} holds it twice ({other!r} and {fqn!r}): one model's "
+                                  f"state dict per checkpoint")
+    if not entries:
+        raise CheckpointError(f"{path}: a torch.distributed.checkpoint with no dynamic table (no "
+                              f"'<table>.{KEY}.slot<s>' entry)")
+    names = _chosen(sorted(entries), table_names, path)
+    state = {fqn: "" for n in names for fqn in entries[n].values()}  # bytes entries: replaced by what was saved
+    load(state, checkpoint_id=path, no_dist=True)
+    out = {}
+    for name in names:
+        slots = [state[entries[name][s]] for s in sorted(entries[name])]
+        bad = [d for d in slots if not isinstance(d, dict) or d.get("format") != FORMAT]
+        if bad:
+            raise CheckpointError(f"table {name!r} in {path}: an entry is a {type(bad[0]).__name__}, not a "
+                                  f"dynamicemb slot")
+        if sorted(entries[name]) != list(range(slots[0]["slots"])):
+            absent = sorted(set(range(slots[0]["slots"])) - set(entries[name]))
+            raise CheckpointError(f"table {name!r} in {path}: slots {absent[:8]} of {slots[0]['slots']} are absent")
+        out[name] = _entry(name, [d["keys"] for d in slots], [d["values"] for d in slots], slots[0]["meta"],
+                           feature_names)
     return out
 
 

@@ -168,9 +168,11 @@ class InferenceEmbeddingTable(nn.Module):
                   feature_names: Optional[Dict[str, List[str]]] = None, pooling=None, **kwargs
                   ) -> "InferenceEmbeddingTable":
         """The tables of the dump at `path` (all, or `table_names`, in that
-        order), from any number of ranks. Features, pooling, the eval
-        initializer and its seed come from the dump's manifest; `pooling`
-        and `feature_names` ({table: [features]}) override them."""
+        order), from any number of ranks, or the dynamic tables of the
+        torch.distributed.checkpoint of model.state_dict() at `path`.
+        Features, pooling, the eval initializer and its seed come from the
+        dump's manifest (the checkpoint's entries); `pooling` and
+        `feature_names` ({table: [features]}) override them."""
         found = dump_tables(path, table_names, feature_names)
         tables = [v["table"] for v in found.values()]
         seeds = {v["seed"] for v in found.values()}
