@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_torchrec as B  # noqa: E402
 from _common import default_out, env_info, format_table, loadavg, write_json  # noqa: E402
-from torchrec_batches import dynamic_counts, fused_target, id_counts, mode_label, prefill, unique_ids  # noqa: E402
+from torchrec_batches import dynamic_counts, fused_target, id_counts, mode_label, prefill, timed_counts  # noqa: E402
 
 PAIR = ("dynamic", "native")
 
@@ -65,10 +65,8 @@ def rank_main(rank, world, port, args, queue):
                     times[name].append(dt)
                     cpu[name].append(dc)
         counts.append(dynamic_counts("dynamic", models["dynamic"]))
-        counts = {"after_prefill": counts[0], "before_timed": counts[1], "end": counts[2],
-                  "unique_ids_timed": unique_ids(batches["dynamic"][args.warmup:], world)}
         dist.barrier()
-        result = {"times_s": times, "cpu_times_s": cpu, "counts": counts}
+        result = {"times_s": times, "cpu_times_s": cpu, "counts": timed_counts(counts, batches["dynamic"], args, world)}
     except Exception as e:
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     queue.put((rank, result))

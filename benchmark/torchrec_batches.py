@@ -195,6 +195,15 @@ def dynamic_counts(name, model):
     return {k: sum(v[k] for v in s.values()) for k in ("size", "capacity", "inserted", "evicted", "failed")}
 
 
+def timed_counts(counts, batches, args, world) -> dict:
+    """A rank's dynamic_counts after the pre-fill, before the timed steps and
+    at the end, with the timed batches' unique ids (over all ranks): what
+    id_counts sums over the ranks."""
+    after_prefill, before_timed, end = counts
+    return {"after_prefill": after_prefill, "before_timed": before_timed, "end": end,
+            "unique_ids_timed": unique_ids(batches[args.warmup:], world)}
+
+
 def unique_ids(batches, world):
     """Distinct (table, id) pairs of each batch over all ranks, summed over
     the batches: the keys the sharded tables see (each on one rank)."""

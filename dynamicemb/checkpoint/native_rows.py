@@ -41,7 +41,7 @@ def _local_rows(name: str, weight, dim: int, rank: int, world: int):
             rows.append(s.tensor.reshape(nr, nc))
             ranges.append((r0, r0 + nr))
         cover = {"rows": n, "ranges": ranges}
-    elif type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:
+    elif type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:  # not a subclass: a DTensor is local
         if weight.dim() != 2:
             raise CheckpointError(f"{where} has shape {tuple(weight.shape)}, not [rows, dim]")
         n, cols = weight.shape

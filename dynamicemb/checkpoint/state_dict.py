@@ -61,8 +61,18 @@ def state_dict_slots() -> int:
     return int(raw)
 
 
+def slot_name(s: int) -> str:
+    """Slot s's last name component (its key ends `<table>.{KEY}.slot<s>`)."""
+    return f"slot{s}"
+
+
+def slot_number(name: str) -> Optional[int]:
+    """s of a slot's last name component `slot<s>`; None for another name."""
+    return int(name[4:]) if name.startswith("slot") and name[4:].isdigit() else None
+
+
 def slot_key(head: str, name: str, s: int) -> str:
-    return f"{head}{name}.{KEY}.slot{s}"
+    return f"{head}{name}.{KEY}.{slot_name(s)}"
 
 
 class _EntryPath:
@@ -72,7 +82,7 @@ class _EntryPath:
     answers every `slot<s>` (the entries themselves live in state_dict())."""
 
     def __getattr__(self, name: str):
-        if name.startswith("slot") and name[4:].isdigit():
+        if slot_number(name) is not None:
             return None
         raise AttributeError(name)
 
@@ -286,7 +296,7 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
         data = value.data() if isinstance(value, TableSlot) else value
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{where}: entry {key!r} is a {type(data).__name__}, not a dynamicemb slot")
-        if data["version"] != VERSION or data["slots"] != slots or key != f"slot{data['slot']}":
+        if data["version"] != VERSION or data["slots"] != slots or key != slot_name(data["slot"]):
             raise CheckpointError(f"{where}: entry {key!r} holds slot {data['slot']} of {data['slots']} (format "
                                   f"version {data['version']}); this model reads {slots} slots ({SLOTS_ENV}) of "
                                   f"format version {VERSION}")
@@ -383,11 +393,11 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             given[name][rest] = state_dict.pop(key)
     names = sorted(tables)
     weights = {n: state_dict.pop(f"{head}{n}.{WEIGHT}") for n in names if f"{head}{n}.{WEIGHT}" in state_dict}
-    every = {f"slot{s}" for s in range(slots)}
+    every = {slot_name(s) for s in range(slots)}
     for name in names:
         if world > 1 and given[name].keys() == every:
             # A whole state dict on this rank (every rank's slots: dcp_to_torch_save's file, say): its share.
-            given[name] = {k: v for k, v in given[name].items() if int(k[4:]) % world == rank}
+            given[name] = {k: v for k, v in given[name].items() if slot_number(k) % world == rank}
     # 1. This rank's slots against the model; every rank learns which slots were given.
     found, error = {}, None
     try:

@@ -81,14 +81,15 @@ def dcp_tables(path: str, table_names: Optional[Sequence[str]] = None,
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from dynamicemb.checkpoint.state_dict import FORMAT, KEY
+    from dynamicemb.checkpoint.state_dict import FORMAT, KEY, slot_number
 
     entries: Dict[str, Dict[int, str]] = {}  # table -> {slot: the entry's name}
     for fqn, md in FileSystemReader(path).read_metadata().state_dict_metadata.items():
         head, sep, slot = fqn.rpartition(f".{KEY}.")
-        if not (sep and slot.startswith("slot") and slot[4:].isdigit() and isinstance(md, BytesStorageMetadata)):
+        s = slot_number(slot) if sep else None
+        if s is None or not isinstance(md, BytesStorageMetadata):
             continue
-        name, s = head.rpartition(".")[2], int(slot[4:])
+        name = head.rpartition(".")[2]
         other = entries.setdefault(name, {}).setdefault(s, fqn)
         if other != fqn:
             raise CheckpointError(f"table {name!r}: {path} holds it twice ({other!r} and {fqn!r}): one model's "
