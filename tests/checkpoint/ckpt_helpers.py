@@ -4,9 +4,12 @@ a plain BatchedDynamicEmbeddingTables, deterministic batches, and reading a
 table's entries back *without* the export path that dumps use (hash-table
 export for the keys, find + weights for the rows, slot scores by lookup), so
 that they are an independent reference for what a load restored."""
+import contextlib
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from typing import Dict, List, Sequence
 
@@ -55,6 +58,25 @@ def run_ranks(fn, world: int, *args, timeout: float = 300):
     may close before the parent reads it. Raises TimeoutError after `timeout` s."""
     return [torch.load(io.BytesIO(b), weights_only=False)
             for b in _run_ranks(_as_bytes, world, fn, *args, timeout=timeout)]
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str):
+    """A temporary directory for a spawned run's files, removed afterwards:
+    a checkpoint round trip writes tens of MiB, which a directory left in
+    /tmp by every test run would pile up."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_in_scratch(prefix: str, fn, world: int, *args, **kw):
+    """run_ranks(fn, world, <a scratch directory>, *args), the directory
+    removed once the ranks are done."""
+    with scratch_dir(prefix) as root:
+        return run_ranks(fn, world, root, *args, **kw)
 
 
 def once(fn):

@@ -6,7 +6,6 @@ saving it with dcp.save(model.state_dict()) and loading it as a TorchRec user
 does (dcp.load into a fresh model's state_dict(), then load_state_dict); and
 reading every table back (rows, optimizer state, scores, admission counts)."""
 import os
-import tempfile
 from typing import Dict, List
 
 import torch
@@ -199,8 +198,7 @@ def _round_trips(rank, world, root, fused, tiers=False):
 
 @H.once
 def results(optimizer: str, tiers: bool = False):
-    return H.run_ranks(_round_trips, 3, tempfile.mkdtemp(prefix="dynamicemb-dcp-"), OPTIMIZERS[optimizer], tiers,
-                       timeout=600)
+    return H.run_in_scratch("dynamicemb-dcp-", _round_trips, 3, OPTIMIZERS[optimizer], tiers, timeout=600)
 
 
 def check_round_trip(ranks, w):

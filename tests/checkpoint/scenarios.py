@@ -3,7 +3,6 @@ seconds of imports per rank on a small shared machine, so one run does the
 work of several tests and returns plain data; each test asserts its part.
 Results are cached per pytest session (tmp dirs come from the caller)."""
 import os
-import tempfile
 
 import torch.distributed as dist
 
@@ -82,5 +81,4 @@ def two_ranks():
     """[rank 0's results, rank 1's]: round trip and continuation on the world
     of 2 ranks ("world") and on rank 0 alone ("single"), incremental dumps
     and a non-blocking dump on the world."""
-    root = tempfile.mkdtemp(prefix="dynamicemb-ckpt-")
-    return H.run_ranks(_two_ranks, 2, root)
+    return H.run_in_scratch("dynamicemb-ckpt-", _two_ranks, 2)

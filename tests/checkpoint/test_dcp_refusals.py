@@ -16,7 +16,6 @@ import io
 import os
 import pickle
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -114,7 +113,7 @@ def _scenarios(rank, world, root):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return H.run_ranks(_scenarios, 2, tempfile.mkdtemp(prefix="dynamicemb-dcp-refusals-"))
+    return H.run_in_scratch("dynamicemb-dcp-refusals-", _scenarios, 2)
 
 
 def test_a_table_of_another_dim_is_refused_by_name(ranks):

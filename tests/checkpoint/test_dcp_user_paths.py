@@ -20,7 +20,6 @@ Each loaded model must hold exactly the entries read from the hash tables
 of the saved one (not through the export that saves use).
 """
 import os
-import tempfile
 
 import pytest
 import torch
@@ -77,7 +76,7 @@ def _distributed_state_dict(a, pg, path):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return H.run_ranks(_saves, 2, tempfile.mkdtemp(prefix="dynamicemb-dcp-async-"))
+    return H.run_in_scratch("dynamicemb-dcp-async-", _saves, 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -126,10 +125,10 @@ def _load_whole_file(rank, world, path):
 def consolidated():
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    root = tempfile.mkdtemp(prefix="dynamicemb-dcp-whole-")
-    saved = H.run_ranks(_save_two_ranks, 2, os.path.join(root, "ckpt"))
-    dcp_to_torch_save(os.path.join(root, "ckpt"), os.path.join(root, "whole.pt"))
-    return saved, {w: H.run_ranks(_load_whole_file, w, os.path.join(root, "whole.pt")) for w in (1, 3)}
+    with H.scratch_dir("dynamicemb-dcp-whole-") as root:
+        saved = H.run_ranks(_save_two_ranks, 2, os.path.join(root, "ckpt"))
+        dcp_to_torch_save(os.path.join(root, "ckpt"), os.path.join(root, "whole.pt"))
+        return saved, {w: H.run_ranks(_load_whole_file, w, os.path.join(root, "whole.pt")) for w in (1, 3)}
 
 
 @pytest.mark.parametrize("world", [1, 3])

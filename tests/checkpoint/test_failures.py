@@ -15,7 +15,6 @@ The spawned run has a deadline (run_ranks' timeout): a hang fails the test."""
 import errno
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -178,11 +177,7 @@ def _failures(rank, world, root):
 
 @H.once
 def _results():
-    root = tempfile.mkdtemp(prefix="dynamicemb-failures-")
-    try:
-        return H.run_ranks(_failures, 2, root, timeout=240)  # a hang fails, it does not block
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return H.run_in_scratch("dynamicemb-failures-", _failures, 2, timeout=240)  # a hang fails, it does not block
 
 
 def test_keys_over_capacity_refused_on_every_rank_model_unchanged():

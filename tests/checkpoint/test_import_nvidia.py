@@ -59,7 +59,6 @@ routes them again on any world size (the DMP tests below, 1 and 2 ranks).
 """
 import json
 import os
-import tempfile
 from typing import Dict, List, Optional
 
 import pytest
@@ -176,13 +175,13 @@ def _load_ranks(rank, world, dst):
 
 @H.once
 def _imported():
-    root = tempfile.mkdtemp(prefix="dynamicemb-nvidia-")
-    rows = write_source(os.path.join(root, "nvidia"))
-    dst = os.path.join(root, "imported")
-    import_nvidia(os.path.join(root, "nvidia"), dst,
-                  score_strategy={t: s for t, (_, _, _, s) in SRC_TABLES.items()},
-                  dist_type={t: d for t, (_, d, _, _) in SRC_TABLES.items()}, num_embeddings=H.NUM_EMB)
-    return rows, H.run_ranks(_load_ranks, 2, dst)
+    with H.scratch_dir("dynamicemb-nvidia-") as root:
+        rows = write_source(os.path.join(root, "nvidia"))
+        dst = os.path.join(root, "imported")
+        import_nvidia(os.path.join(root, "nvidia"), dst,
+                      score_strategy={t: s for t, (_, _, _, s) in SRC_TABLES.items()},
+                      dist_type={t: d for t, (_, d, _, _) in SRC_TABLES.items()}, num_embeddings=H.NUM_EMB)
+        return rows, H.run_ranks(_load_ranks, 2, dst)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -14,7 +14,6 @@ unchanged: a weight of another dim, one given on one rank only, a
 column-wise sharded one, and slots and a weight together."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -154,7 +153,7 @@ def _runs(rank, world, root):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return H.run_ranks(_runs, 2, tempfile.mkdtemp(prefix="dynamicemb-native-weights-"))
+    return H.run_in_scratch("dynamicemb-native-weights-", _runs, 2)
 
 
 @pytest.mark.parametrize("case", CASES)

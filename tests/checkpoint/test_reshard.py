@@ -4,7 +4,6 @@ continuous; plus a sequence table). Every dumped key is loaded exactly
 once, on the rank dynamicemb.routing.owners gives it, with its value, Adam
 state and score, and the eval outputs equal the original model's."""
 import os
-import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -56,7 +55,7 @@ def _reshard(rank, world, root):
 
 @H.once
 def _results():
-    return H.run_ranks(_reshard, 3, tempfile.mkdtemp(prefix="dynamicemb-reshard-"))
+    return H.run_in_scratch("dynamicemb-reshard-", _reshard, 3)
 
 
 @pytest.mark.parametrize("table", list(H.TABLES), ids=lambda t: f"{t}-{H.TABLES[t][1]}")

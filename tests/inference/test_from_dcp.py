@@ -8,7 +8,6 @@ missing, and a checkpoint without dynamic tables."""
 import os
 import pickle
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -38,9 +37,9 @@ def _save_both(rank, world, root):
 
 @pytest.fixture(scope="module")
 def saved():
-    root = tempfile.mkdtemp(prefix="dynamicemb-from-dcp-")
-    H.run_ranks(_save_both, 2, root)
-    return root
+    with H.scratch_dir("dynamicemb-from-dcp-") as root:
+        H.run_ranks(_save_both, 2, root)
+        yield root
 
 
 def _sorted(frozen):
