@@ -40,9 +40,9 @@ class DynamicEmbeddingCollectionSharder(DynamicSharderMixin, EmbeddingCollection
     def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None):
         return ShardedDynamicEmbeddingCollection(
-            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
-            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            use_index_dedup=getattr(self, "_use_index_dedup", False))
+            module=module, table_name_to_parameter_sharding=self.checked_plan(params), env=env,
+            fused_params=self.fused_params, device=device, qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn, use_index_dedup=getattr(self, "_use_index_dedup", False))
 
     @property
     def sharded_module_type(self):

@@ -7,6 +7,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
+from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
 
@@ -44,6 +45,21 @@ class DynamicSharderMixin:
     against the sharder at sharding time (only its planners' enumerators
     consult `sharding_types` / `compute_kernels`)."""
 
+    def checked_plan(self, params: Dict[str, ParameterSharding]) -> Dict[str, ParameterSharding]:
+        """params, once every table planned with our kernel carries its
+        DynamicEmbTableOptions: a plan made by TorchRec's planners or plan
+        helpers (construct_module_sharding_plan, row_wise(...)) gives the
+        kernel but not the options, which only DynamicEmbeddingShardingPlanner
+        completes (per-rank capacity, memory budget, optimizer state)."""
+        bare = sorted(n for n, ps in params.items()
+                      if ps.compute_kernel == CUSTOMIZED and getattr(ps, "dynamicemb_options", None) is None)
+        if bare:
+            raise ValueError(f"tables {bare} are planned with compute kernel {CUSTOMIZED!r} but carry no "
+                             f"DynamicEmbTableOptions: plan dynamic tables with "
+                             f"dynamicemb.planner.DynamicEmbeddingShardingPlanner (TorchRec's planners and plan "
+                             f"helpers such as construct_module_sharding_plan do not make a table dynamic)")
+        return params
+
     def planning_sharder(self, exclude=()):
         """A TorchRec sharder (the stock class this one extends, same state:
         fused_params, qcomm codecs, ...) for planning native tables; its
@@ -75,9 +91,9 @@ class DynamicEmbeddingBagCollectionSharder(DynamicSharderMixin, EmbeddingBagColl
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None):
         return ShardedDynamicEmbeddingBagCollection(
-            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
-            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+            module=module, table_name_to_parameter_sharding=self.checked_plan(params), env=env,
+            fused_params=self.fused_params, device=device, qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn, sharded_module_order_overwrite=self._sharded_module_order_overwrite)
 
     @property
     def sharded_module_type(self):

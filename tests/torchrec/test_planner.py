@@ -277,6 +277,30 @@ def test_dynamic_table_needs_our_sharder():
         planner.plan(_ebc(configs), [EmbeddingBagCollectionSharder(fused_params=models.SGD)])
 
 
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_a_plan_without_our_options_is_refused_by_table(kind):
+    # TorchRec's plan helpers give a table our kernel but not its options:
+    # TorchRec's own "Compute kernel not supported" named neither the tables
+    # nor the way out. Refused before anything is built (no process group).
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv
+
+    configs = (models.ec_configs if kind == "ec" else models.ebc_configs)(["d_table", "n_table"])
+    module = (torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta")) if kind == "ec"
+              else _ebc(configs))
+    sharder = _sharders()[1 if kind == "ec" else 0]
+    spec = {"d_table": row_wise(compute_kernel="customized_kernel"), "n_table": row_wise()}
+    params = construct_module_sharding_plan(module, spec, sharder=sharder, local_size=WORLD, world_size=WORLD,
+                                            device_type="cpu")
+    with pytest.raises(ValueError, match=r"tables \['d_table'\] are planned with compute kernel "
+                                         r"'customized_kernel' but carry no DynamicEmbTableOptions.*"
+                                         r"DynamicEmbeddingShardingPlanner"):
+        sharder.shard(module, params, ShardingEnv(world_size=WORLD, rank=0, pg=None))
+    # Our planner's plan passes the check.
+    ours = _planner(configs, models.dynamic_constraints(["d_table"])).plan(module, _sharders())
+    assert sharder.checked_plan(ours.plan[""]) is ours.plan[""]
+
+
 def test_not_enough_memory_names_the_tables():
     configs = models.ebc_configs(["d_table"], dim=64, num_embeddings=HUGE)
     msg = _error(configs, models.dynamic_constraints(["d_table"]), ddr_cap=2**30)
