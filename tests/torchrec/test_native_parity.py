@@ -5,7 +5,8 @@ table trains exactly like TorchRec's FUSED CPU kernel while nothing is evicted
 kernels lack, matches torch.optim.SparseAdam on 1 and 2 ranks, with hybrid
 tables too (rows in two parts); MEAN pooling
 on 2 ranks matches nn.EmbeddingBag(mode="mean") with SGD; a collection
-mixing a native FUSED table with dynamic tables matches the pure-native model."""
+mixing a native FUSED table with dynamic tables matches the pure-native model,
+and so does a table that feeds two features."""
 import torch
 import torchrec
 from torch import nn
@@ -192,6 +193,33 @@ def _mixed(world_pg, kind):
         _check_rows(mixed, configs, trained, world_pg, what, native={"native_table"}, kind=kind)
 
 
+def _shared_table(world_pg, kind):
+    """A table feeding two features (a_table: a_feature and c_feature, as a
+    user table serves a clicked and a viewed id list) beside a table of one,
+    against the pure-native model: each feature's output every step, and the
+    rows, which both features' gradients update."""
+    features = {"a_table": ["a_feature", "c_feature"], "b_table": ["b_feature"]}
+    if kind == "ec":
+        configs = [torchrec.EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=KEYS, feature_names=f)
+                   for n, f in features.items()]
+    else:
+        configs = [torchrec.EmbeddingBagConfig(name=n, embedding_dim=DIMS[n], num_embeddings=KEYS, feature_names=f)
+                   for n, f in features.items()]
+    what = f"shared table {kind}"
+    native, dynamic = models.native_and_dynamic(kind, configs, world_pg, FUSED[0], models.initial_weights(configs, 4))
+    for step in range(STEPS):
+        batch = models.random_batch(["a_feature", "b_feature", "c_feature"], BATCH, KEYS, seed=300 + step)
+        kjt = models.kjt(batch, models.local_samples(BATCH, world_pg), weighted=kind == "weighted_ebc")
+        ref, out = models.resolved(native(kjt)), models.resolved(dynamic(kjt))
+        for f in batch:
+            r, o = (ref[f], out[f]) if kind != "ec" else (ref[f].values(), out[f].values())
+            _close(o, r, f"{what} step {step} {f}")
+        _backward(ref, world_pg)
+        _backward(out, world_pg)
+    trained = {c.name: models.native_rows(native, models.weight_fqn(kind, c.name), world_pg) for c in configs}
+    _check_rows(dynamic, configs, trained, world_pg, what, kind=kind)
+
+
 def _parity(rank, world):
     world_pg, own_pg = models.rank_groups()
     _vs_fused(world_pg)
@@ -201,6 +229,8 @@ def _parity(rank, world):
     _mean_vs_embedding_bag(world_pg)
     _mixed(world_pg, "ebc")
     _mixed(world_pg, "ec")
+    for kind in ("ebc", "weighted_ebc", "ec"):
+        _shared_table(world_pg, kind)
     return True
 
 
