@@ -19,6 +19,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
+from dynamicemb.config_init import table_initializer
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
 from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
@@ -56,8 +57,9 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
 
 def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions, world_size: int
                      ) -> DynamicEmbTableOptions:
-    """The per-rank options of a table: dim, dtype, capacity and initializer
-    bounds from the TorchRec config. Refuses options contradicting it."""
+    """The per-rank options of a table: dim, dtype, capacity, initializer
+    (config_init.py) and its default bounds from the TorchRec config. Refuses
+    options contradicting it."""
     name = config.name
     dtype = _DTYPES.get(config.data_type)
     if dtype is None:
@@ -72,10 +74,12 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
         raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings} contradicts "
                          f"the table's num_embeddings={config.num_embeddings}")
     options.validate(name, complete=False)  # fields set since construction: named by table before the copy
+    initializer = table_initializer(config, options.initializer_args)
     max_cap = options.max_capacity or get_sharded_table_capacity(config.num_embeddings, world_size,
                                                                  options.bucket_capacity)
     out = dataclasses.replace(options, dim=config.embedding_dim, embedding_dtype=dtype, max_capacity=max_cap,
-                              num_embeddings=config.num_embeddings, num_shards=world_size)
+                              num_embeddings=config.num_embeddings, num_shards=world_size,
+                              initializer_args=initializer)
     out.validate(name)
     return out
 

@@ -21,8 +21,8 @@ LAYERS = [
     # 4: what works on modules: counters, checkpoints, serving, TorchRec sharding
     ["dynamicemb.stats", "dynamicemb.checkpoint", "dynamicemb.incremental_dump", "dynamicemb.inference",
      "dynamicemb.shard"],
-    # 5: planning over sharders
-    ["dynamicemb.planner"],
+    # 5: planning over sharders, and the options it completes from TorchRec's configs
+    ["dynamicemb.planner", "dynamicemb.config_init"],
 ]
 ENTRY_POINTS = {"dynamicemb"}  # the package root re-exports every layer; `python -m` entry points too
 
