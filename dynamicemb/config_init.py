@@ -56,6 +56,8 @@ def config_initializer(config) -> Optional[DynamicEmbInitializerArgs]:
     weight_init_min / _max when not given), or None when it is not one of
     torch's initializers above (as a function or a functools.partial of one)."""
     fn = config.init_fn
+    if fn is None:  # (TorchRec fills it in at construction; one cleared since reads as that)
+        return _uniform(config.get_weight_init_min(), config.get_weight_init_max())
     args, kwargs = (), {}
     if isinstance(fn, functools.partial):
         fn, args, kwargs = fn.func, fn.args, dict(fn.keywords)

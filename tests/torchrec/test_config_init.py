@@ -49,6 +49,15 @@ def test_torchrecs_default_keeps_the_options():
     assert table_initializer(explicit, DynamicEmbInitializerArgs(mode=Mode.DEBUG)).mode == Mode.DEBUG
 
 
+def test_an_init_fn_cleared_after_construction_reads_as_torchrecs():
+    config = _config(weight_init_min=-0.5, weight_init_max=0.25)
+    config.init_fn = None
+    assert table_initializer(config, DynamicEmbInitializerArgs()) == DynamicEmbInitializerArgs(lower=-0.5, upper=0.25)
+    config = _config()
+    config.init_fn = None
+    assert table_initializer(config, DynamicEmbInitializerArgs()) == DynamicEmbInitializerArgs()
+
+
 def test_options_agreeing_with_the_config_are_kept():
     args = DynamicEmbInitializerArgs(lower=-0.5, upper=0.25)
     assert table_initializer(_config(weight_init_min=-0.5, weight_init_max=0.25), args) is args
