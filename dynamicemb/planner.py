@@ -73,6 +73,11 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
     if options.num_embeddings is not None and options.num_embeddings != config.num_embeddings:
         raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings} contradicts "
                          f"the table's num_embeddings={config.num_embeddings}")
+    policy = getattr(config, "virtual_table_eviction_policy", None)
+    if policy is not None:
+        raise ValueError(f"table {name!r}: virtual_table_eviction_policy ({type(policy).__name__}) configures "
+                         f"TorchRec's own key-value tables; a dynamic table evicts by "
+                         f"dynamicemb_options.score_strategy (NO_EVICTION: it never evicts); leave it unset")
     options.validate(name, complete=False)  # fields set since construction: named by table before the copy
     initializer = table_initializer(config, options.initializer_args)
     max_cap = options.max_capacity or get_sharded_table_capacity(config.num_embeddings, world_size,

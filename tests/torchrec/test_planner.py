@@ -234,6 +234,17 @@ def test_options_contradicting_the_config_name_the_table(option, value, word):
     assert "d_table" in msg and word in msg and str(value) in msg
 
 
+def test_torchrecs_virtual_table_eviction_policy_is_refused_by_table():
+    # It configures TorchRec's key-value tables; silently dropped, a TTL or
+    # count policy would have been replaced by the score strategy's eviction.
+    from torchrec.modules.embedding_configs import CountBasedEvictionPolicy
+    configs = models.ebc_configs(["d_table"])
+    configs[0].virtual_table_eviction_policy = CountBasedEvictionPolicy()
+    msg = _error(configs, models.dynamic_constraints(["d_table"]))
+    assert msg.startswith("table 'd_table': virtual_table_eviction_policy (CountBasedEvictionPolicy)"), msg
+    assert "score_strategy" in msg
+
+
 def test_dynamic_table_missing_from_the_module():
     configs = models.ebc_configs(["d_table", "e_table"])
     planner = _planner(configs, models.dynamic_constraints(["d_table", "e_table"]))
