@@ -73,8 +73,10 @@ def config_initializer(config) -> Optional[DynamicEmbInitializerArgs]:
     params.pop(next(iter(params)))  # the tensor
     try:
         return to_args(**params)
-    except (TypeError, ValueError):
+    except TypeError:  # an argument that is not a number
         return None
+    except ValueError as e:  # numbers DynamicEmbInitializerArgs refuses (bounds crossed, say)
+        raise ValueError(f"table {config.name!r}: its config's init_fn: {e}") from None
 
 
 def describe(args: DynamicEmbInitializerArgs) -> str:

@@ -71,6 +71,12 @@ def test_an_init_fn_it_cannot_follow_is_refused_by_table():
             table_initializer(_config(init_fn=fn), DynamicEmbInitializerArgs())
 
 
+def test_bounds_crossed_in_the_config_are_refused_by_table():
+    with pytest.raises(ValueError, match=r"table 'd_table': its config's init_fn: .*lower bound 0.5 exceeds upper "
+                                         r"bound -0.5"):
+        table_initializer(_config(weight_init_min=0.5, weight_init_max=-0.5), DynamicEmbInitializerArgs())
+
+
 def test_options_contradicting_the_config_are_refused_by_table():
     with pytest.raises(ValueError, match=r"table 'd_table': dynamicemb_options.initializer_args \(NORMAL\(mean=0.0, "
                                          r"std_dev=0.3\)\) contradict .* \(UNIFORM in \[-0.5, 0.25\]\)"):
