@@ -346,9 +346,15 @@ class DynamicEmbeddingShardingPlanner:
         device_type = self._topology.compute_device
         for path, name, param, sharder in tables:
             ps = row_wise(compute_kernel=CUSTOMIZED)(param, local, world, device_type, sharder)
+            c = self._dynamic[name]
+            # The constraints' kernel settings travel as TorchRec's planner
+            # passes them for native tables (TorchRec adds them to the
+            # table's fused_params, which the kernel reads or refuses).
             plan.plan.setdefault(path, EmbeddingModuleShardingPlan())[name] = DynamicEmbParameterSharding(
                 sharding_type=ps.sharding_type, compute_kernel=ps.compute_kernel, ranks=ps.ranks,
-                sharding_spec=ps.sharding_spec, dynamicemb_options=self.options[name])
+                sharding_spec=ps.sharding_spec, cache_params=c.cache_params, enforce_hbm=c.enforce_hbm,
+                stochastic_rounding=c.stochastic_rounding, bounds_check_mode=c.bounds_check_mode,
+                output_dtype=c.output_dtype, dynamicemb_options=self.options[name])
         return plan
 
     def plan(self, module: torch.nn.Module, sharders: List) -> ShardingPlan:
