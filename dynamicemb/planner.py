@@ -133,6 +133,10 @@ class DynamicEmbeddingShardingPlanner:
             if c.compute_kernels and c.compute_kernels != [CUSTOMIZED]:
                 raise ValueError(f"table {name!r}: dynamic tables run CUSTOMIZED_KERNEL only, "
                                  f"constraints ask for {c.compute_kernels}")
+            if c.key_value_params is not None:
+                raise ValueError(f"table {name!r}: key_value_params configure TorchRec's SSD / key-value "
+                                 f"kernels; a dynamic table keeps rows beyond memory with "
+                                 f"dynamicemb_options caching=True and a backing store (HostStore, FileStore)")
         native = {n: c for n, c in constraints.items() if n not in self._dynamic}
         self._native = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=native,
                                                 **kwargs)

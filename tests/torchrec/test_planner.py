@@ -234,6 +234,15 @@ def test_options_contradicting_the_config_name_the_table(option, value, word):
     assert "d_table" in msg and word in msg and str(value) in msg
 
 
+def test_key_value_params_are_refused_by_table():
+    # TorchRec's SSD / key-value kernel settings: dropped silently before.
+    from torchrec.distributed.types import KeyValueParams
+    constraints = models.dynamic_constraints(["d_table"])
+    constraints["d_table"].key_value_params = KeyValueParams(ssd_storage_directory="/tmp/nowhere")
+    msg = _error(models.ebc_configs(["d_table"]), constraints)
+    assert msg.startswith("table 'd_table': key_value_params configure TorchRec's SSD") and "caching=True" in msg
+
+
 def test_torchrecs_virtual_table_eviction_policy_is_refused_by_table():
     # It configures TorchRec's key-value tables; silently dropped, a TTL or
     # count policy would have been replaced by the score strategy's eviction.
