@@ -209,9 +209,11 @@ def loss_of(out) -> torch.Tensor:
     return ((output_values(out).to(torch.float64) - 0.5) ** 2).sum()
 
 
-def native_model(configs, pg: dist.ProcessGroup, fused_params, kind: str = "ebc", sharding_type="table_wise"):
+def native_model(configs, pg: dist.ProcessGroup, fused_params, kind: str = "ebc", sharding_type="table_wise",
+                 **constraint_settings):
     """The pure-TorchRec reference: a collection of native FUSED tables,
-    planned and sharded by TorchRec's own planner and sharder."""
+    planned and sharded by TorchRec's own planner and sharder (each table's
+    ParameterConstraints also given `constraint_settings`)."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -222,8 +224,8 @@ def native_model(configs, pg: dist.ProcessGroup, fused_params, kind: str = "ebc"
     else:
         module = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
         sharders = [EmbeddingCollectionSharder(fused_params=fused_params)]
-    constraints = {c.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=["fused"])
-                   for c in configs}
+    constraints = {c.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=["fused"],
+                                                **constraint_settings) for c in configs}
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=pg.size(), compute_device="cpu"),
                                        constraints=constraints)
     return DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),

@@ -4,11 +4,7 @@ kernel as TorchRec's planner passes a native table's: before, our planner
 dropped them, and a table constrained to float16 outputs gave float32 ones."""
 import torch
 import torchrec
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner import Topology
 from torchrec.modules.embedding_configs import DataType
 
 import models
@@ -24,22 +20,6 @@ def _configs(kind):
     return (models.ec_configs if kind == "ec" else models.ebc_configs)(TABLES, dim=8, num_embeddings=KEYS)
 
 
-def _native_fp16(kind, configs, pg):
-    """TorchRec's FUSED tables, their outputs constrained to float16."""
-    if kind == "ec":
-        module = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
-        sharders = [EmbeddingCollectionSharder(fused_params=models.SGD)]
-    else:
-        module = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-        sharders = [EmbeddingBagCollectionSharder(fused_params=models.SGD)]
-    constraints = {n: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"],
-                                           output_dtype=DataType.FP16) for n in TABLES}
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=pg.size(), compute_device="cpu"),
-                                       constraints=constraints)
-    return DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
-                                    plan=planner.plan(module, sharders), sharders=sharders)
-
-
 def _fp16_outputs(rank, world):
     """Per kind: (output dtypes of the dynamic and the native model, the
     largest output difference over the steps, the largest row difference
@@ -53,7 +33,7 @@ def _fp16_outputs(rank, world):
         for c in constraints.values():
             c.output_dtype = DataType.FP16
         dynamic = models.build(kind, configs, pg, constraints, models.SGD)
-        native = _native_fp16(kind, configs, pg)
+        native = models.native_model(configs, pg, models.SGD, kind, output_dtype=DataType.FP16)
         for c in configs:
             models.set_native_rows(native, models.weight_fqn(kind, c.name), start[c.name])
             models.set_dynamic_rows(dynamic, c.name, start[c.name], pg)
