@@ -3,7 +3,8 @@ from typing import Dict, Optional
 
 import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
@@ -12,6 +13,38 @@ from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
 
 class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    def __init__(self, module, table_name_to_parameter_sharding, *args, **kwargs):
+        super().__init__(module, table_name_to_parameter_sharding, *args, **kwargs)
+        self._divide_only_row_wise_means(table_name_to_parameter_sharding)
+
+    def _divide_only_row_wise_means(self, plan: Dict[str, ParameterSharding]) -> None:
+        """A row-wise MEAN table (every dynamic MEAN table) pools as SUM on
+        each rank, and TorchRec's mean-pooling callback then divides the
+        collection's output by the bag lengths, except the features of
+        row-wise SUM tables. A table sharded otherwise (a native table-wise
+        one beside a dynamic table) would be divided too: a SUM table's
+        output silently averaged, a MEAN one's divided twice. Its features
+        join the undivided ones. A feature read by a row-wise MEAN table and
+        by another table cannot be divided for one and not the other (the
+        callback keeps one divisor per feature): refused by name."""
+        if not self._has_mean_pooling_callback:
+            return
+        configs = self._embedding_bag_configs
+        row_wise = {c.name for c in configs
+                    if plan[c.name].sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)}
+        mean = {c.name for c in configs if c.name in row_wise and c.pooling == PoolingType.MEAN}
+        divided = {f: c.name for c in configs if c.name in mean for f in c.feature_names}
+        shared = sorted({(f, divided[f], c.name) for c in configs if c.name not in mean for f in c.feature_names
+                         if f in divided})
+        if shared:
+            raise ValueError("features read by a row-wise MEAN table and by another table of the same "
+                             "EmbeddingBagCollection, which TorchRec's mean pooling cannot divide for one and not "
+                             "the other: " + ", ".join(f"{f!r} (MEAN table {m!r}, table {t!r})" for f, m, t in shared)
+                             + "; give each table its own feature, or put them in separate collections")
+        undivided = self._pooling_type_to_rs_features[PoolingType.SUM.value]
+        undivided.extend(dict.fromkeys(f for c in configs if c.name not in row_wise for f in c.feature_names
+                                       if f not in undivided))
+
     @classmethod
     def create_embedding_bag_sharding(cls, sharding_infos, env, device=None, permute_embeddings=False,
                                       qcomm_codecs_registry=None):

@@ -2,7 +2,6 @@
 or from its dump (any world size) answers as the model does in eval: a
 weighted or plain EBC mixing dynamic and native tables, SUM and MEAN, and an
 EC; missing keys, empty bags. The reference is the TorchRec model itself."""
-import os
 
 import pytest
 import torch
@@ -18,14 +17,13 @@ DYNAMIC = ["a_table", "b_table"]
 FEATURES = ["a_feature", "b_feature", "n_feature"]
 DIMS = {"a_table": 8, "b_table": 4, "n_table": 8}
 B = 6  # samples per rank
-# kind: (collection, pooling of b_table, native table n_table in it). A native
-# table does not share a collection with a MEAN table here: TorchRec 1.8
-# divides every non-row-wise feature of such a collection by its bag length
-# too (_create_mean_pooling_divisor sets the divisor to 1 only for row-wise
-# SUM features), so its SUM tables would not sum.
+# kind: (collection, pooling of b_table, native table n_table in it). TorchRec
+# 1.8's own sharded EBC would divide n_table's SUM outputs by their bag lengths
+# beside a MEAN table; ours does not ("native_mean").
 KINDS = {"weighted_mean": ("weighted_ebc", torchrec.PoolingType.MEAN, False),
          "mean": ("ebc", torchrec.PoolingType.MEAN, False),
          "native": ("weighted_ebc", torchrec.PoolingType.SUM, True),
+         "native_mean": ("ebc", torchrec.PoolingType.MEAN, True),
          "ec": ("ec", None, True)}
 
 
