@@ -41,7 +41,15 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         keys = sparse_features.keys()
         check_ids(sparse_features.values(), keys, "dynamicemb (input dist)")
         w = sparse_features.weights_or_none()
-        if w is not None and torch.is_floating_point(w):
+        if w is not None and not torch.is_floating_point(w):
+            if self._is_sequence:  # an EmbeddingCollection takes no weights: TorchRec's ignore them
+                w = None
+            else:
+                # TorchRec's kernels ignore them on one rank and fail on several;
+                # cast to float by the routing, they would weigh the ids silently.
+                raise TypeError(f"dynamicemb (input dist): per-sample weights of features {keys} must be "
+                                f"floating point, got {w.dtype}: cast them (weights.float()) or leave them out")
+        if w is not None:
             check_finite_weights(w, sparse_features.offsets(), keys, "dynamicemb (input dist)")
         lengths = contiguous_as(sparse_features.lengths(), torch.int64)
         if vbe:  # routed in the uniform layout, with empty bags (vbe.py)

@@ -1,6 +1,9 @@
 """Refused at the door under DMP (issue 35 §2): a KeyedJaggedTensor whose
-ids are not integers, or whose weights are not finite, is a named error
-before the input dist casts or routes anything; nothing is stored."""
+ids are not integers, or whose weights are not finite or not floating point
+(TorchRec's kernels ignore integer weights on one rank and fail on several;
+the routing's cast would have weighed the ids by them), is a named error
+before the input dist casts or routes anything; nothing is stored. An
+EmbeddingCollection ignores integer weights, as TorchRec's ignores any."""
 import torch
 import torchrec
 
@@ -28,6 +31,8 @@ def _refused(rank, world):
             w[-1] = float("nan")
             cases["nan weight"] = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(),
                                                              lengths=good.lengths(), weights=w)
+            cases["int weights"] = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(),
+                                                              lengths=good.lengths(), weights=good.values() % 3 + 2)
         for what, features in cases.items():
             try:
                 model(features)
@@ -37,15 +42,25 @@ def _refused(rank, world):
         got[f"{kind}/stored"] = sum(s["size"] for s in table_stats(model).values())
         models.loss_of(models.resolved(model(good))).backward()  # a good batch still trains
         got[f"{kind}/stored after a good batch"] = sum(s["size"] for s in table_stats(model).values())
+        if kind == "ec":  # integer weights ignored: the same output as without them
+            plain = models.resolved(model.eval()(good))
+            weighed = models.resolved(model(torchrec.KeyedJaggedTensor(
+                keys=FEATURES, values=good.values(), lengths=good.lengths(), weights=good.values() % 3 + 2)))
+            got["ec/int weights ignored"] = all(torch.equal(plain[f].values(), weighed[f].values()) for f in FEATURES)
+            got["ec/rows read"] = float(sum(plain[f].values().abs().sum() for f in FEATURES))
     return got
 
 
-def test_dmp_refuses_float_ids_and_nan_weights():
+def test_dmp_refuses_float_ids_and_nan_or_integer_weights():
     got = run_ranks(_refused, 1)[0]
     for kind in ("weighted_ebc", "ec"):
         assert got[f"{kind}/float ids"] == (f"TypeError: dynamicemb (input dist): ids of features {FEATURES} must "
                                             f"be int64 or int32, got torch.float32")
         assert got[f"{kind}/stored"] == 0 and got[f"{kind}/stored after a good batch"] > 0
+    assert got["weighted_ebc/int weights"] == (f"TypeError: dynamicemb (input dist): per-sample weights of "
+                                               f"features {FEATURES} must be floating point, got torch.int64: cast "
+                                               f"them (weights.float()) or leave them out")
+    assert got["ec/int weights ignored"] and got["ec/rows read"] > 0
     msg = got["weighted_ebc/nan weight"]
     assert msg.startswith("ValueError: dynamicemb (input dist): per-sample weight ") and \
         "(feature 'b_feature', bag 3) is nan; weights must be finite" in msg, msg
