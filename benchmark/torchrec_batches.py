@@ -17,6 +17,7 @@ the dynamic tables.
 """
 import math
 import time
+import warnings
 
 import torch
 
@@ -178,7 +179,8 @@ def prefill(name, model, args, rank, world):
     model.train()
     dist.barrier()
     s = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "dynamicemb: .*under torch.no_grad", RuntimeWarning)  # the point here
         for features, labels in batches:
             model(features, labels)
     dist.barrier()

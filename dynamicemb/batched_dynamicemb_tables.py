@@ -58,6 +58,25 @@ def _warn_rows_left_out(module, destination, prefix, local_metadata) -> None:
                   f"sharders, whose state_dict() carries them", RuntimeWarning, stacklevel=3)
 
 
+class _EvalOutput(torch.autograd.Function):
+    """An eval-mode output with grad enabled, hooked into autograd (as a
+    native table's output is): a backward through it updates no row (an
+    eval forward stores nothing), which it says once, where FUSED tables
+    would have trained."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, lookup):
+        ctx.module = module
+        return lookup()  # made here, not a view of an input: the caller may modify it in place
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.module._note_once("eval_backward", "a backward through a forward in eval mode updates none of their "
+                                               "rows (an eval forward only looks keys up; native FUSED tables "
+                                               "would train here): call model.train() for a training step")
+        return None, None, None
+
+
 class _LookupFunction(torch.autograd.Function):
     """Forward: gather + pool. Backward: the fused optimizer update; the only
     gradient that flows to an input is that of per_sample_weights (learned
@@ -185,6 +204,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # reporter the name of the method that counts them (keys that failed, rows not updated).
         self._counts_in_flight: list = []
         self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
+        self._noted = set()  # the _note_once warnings given
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
@@ -215,15 +235,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         indices, offsets, psw = self._check_input(indices, offsets, per_sample_weights)
-        if not self.training:  # read-only rows: no dedup needed
-            out = self.storage.lookup_forward(indices, offsets, self.feature_table_map, psw, self.pooling,
-                                              self.output_dtype)
-            if out is not None:
-                return out
         if not self.training:
-            ukeys, utids, inverse, _ = self._unique(indices, offsets)
-            rows = self.storage.find(ukeys, utids)
-            return self._gather(rows, ukeys, inverse, offsets, psw, training=False)
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                return _EvalOutput.apply(self._anchor, self, lambda: self._eval_lookup(indices, offsets, psw))
+            return self._eval_lookup(indices, offsets, psw)
         padded = {}
         if self._pads_unique(indices):
             ukeys, utids, inverse, counts, padded["key_count"], record = ops.emb_unique_padded(
@@ -237,9 +252,28 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse, **padded)
         if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come
             self.storage.batch_done(newest=True)
+            self._note_once("no_grad_train", "a forward in training mode under torch.no_grad() (or inference_mode) "
+                                             "stores its new keys and refreshes its keys' scores as a training "
+                                             "step does (new keys may evict stored ones; native tables would only "
+                                             "read): call model.eval() for a forward that only looks keys up")
         self._report_failures(res.failed, self.step)
         rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
+
+    def _eval_lookup(self, indices, offsets, psw) -> torch.Tensor:
+        """The eval forward: read-only rows, so no dedup where the storage fuses lookup and pooling."""
+        out = self.storage.lookup_forward(indices, offsets, self.feature_table_map, psw, self.pooling,
+                                          self.output_dtype)
+        if out is not None:
+            return out
+        ukeys, utids, inverse, _ = self._unique(indices, offsets)
+        return self._gather(self.storage.find(ukeys, utids), ukeys, inverse, offsets, psw, training=False)
+
+    def _note_once(self, what: str, msg: str) -> None:
+        """A RuntimeWarning naming the tables, once per module and `what`."""
+        if what not in self._noted:
+            self._noted.add(what)
+            warnings.warn(f"dynamicemb: tables {self.table_names}: {msg}", RuntimeWarning, stacklevel=3)
 
     def _pads_unique(self, indices: torch.Tensor) -> bool:
         """Whether a training step deduplicates into outputs padded to the
