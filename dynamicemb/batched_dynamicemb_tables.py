@@ -345,12 +345,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if mode == DynamicEmbCheckMode.IGNORE:  # counted only (and no budget read: on CUDA it may wait)
                 continue
             msg = (f"table {self.table_names[t]!r}: {int(failed[t])} keys could not be stored at step {step} "
-                   f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget); "
-                   f"they read their initial value")
+                   f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget)")
             if mode == DynamicEmbCheckMode.ERROR:
                 why = budget_reached(t)
+                msg = (f"{msg}; the step's other keys are stored (new keys may have evicted others, as in any "
+                       f"step) and none of its rows is trained")
                 raise RuntimeError("dynamicemb: " + msg) if why is None else \
                     DynamicEmbBudgetError(f"dynamicemb: {msg}: {why}")
+            msg += "; they read their initial value"
             # WARNING: the budget explained once per table (and asked about until then only).
             why = None if t in self._budget_warned else budget_reached(t)
             if why is not None:

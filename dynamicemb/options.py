@@ -281,6 +281,11 @@ class DynamicEmbTableOptions:
                 "optimizer state) over all ranks")
         if (self.backing_store is not None or self.storage_path is not None) and not self.caching:
             bad("backing_store and storage_path are for caching=True (rows the cache does not hold)")
+        if self.caching and not rules.may_evict(strategy_code(self.score_strategy)):
+            bad("caching=True needs a score strategy that evicts: the cache makes room by evicting its "
+                "lowest-scored rows to the backing store, and a full store evicts too; a NO_EVICTION cache would "
+                "serve every later key from the store, and the store would drop trained rows. Use a scored "
+                "strategy, or caching=False (a NO_EVICTION table then grows into its memory_budget)")
 
 
 # ---- sizing (used by the planner; importable without torchrec) -------------------------

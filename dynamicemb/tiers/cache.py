@@ -316,6 +316,10 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             except RuntimeError:
                 # The step fails: undo its placements (the evicted rows are in the
                 # store already) so that every key stays in one tier with its row.
+                if not exact:  # a forward's keys that found no place (its prefetch's fail again here)
+                    _, tables = self.groups[g]
+                    per_table = torch.bincount(local_tids[failed], minlength=len(tables)).cpu().numpy()
+                    self.tier_counters[tables, _T.FAILED] += per_table
                 placed = ~failed
                 if missing is not None:  # the others were there before
                     placed &= torch.zeros_like(placed).index_fill_(0, missing, True)

@@ -191,6 +191,7 @@ class CacheCheckpoint:
         cache_rows = self.size(table_id) - int(self._fresh[g][begin:end].sum())  # stored keys only
         s.update(size=cache_rows + store_rows, capacity=self.table_max_rows[table_id],
                  inserted=c[_T.NEW], evicted=c[_T.LOST], hits=c[_T.HITS], misses=c[_T.MISSES],
-                 write_backs=c[_T.WRITE_BACKS], bypassed=c[_T.BYPASSED], cache_rows=cache_rows, store_rows=store_rows,
+                 write_backs=c[_T.WRITE_BACKS], bypassed=c[_T.BYPASSED], failed=c[_T.FAILED],
+                 cache_rows=cache_rows, store_rows=store_rows,
                  cache_capacity=self.capacity(table_id))
         return s

@@ -5,7 +5,7 @@ which checks all again and names the table."""
 import pytest
 import torch
 
-from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbTableOptions
+from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbScoreStrategy, DynamicEmbTableOptions
 from dynamicemb.options import FrequencyAdmissionStrategy, KVCounter
 from emb_helpers import make_module
 
@@ -69,3 +69,12 @@ def test_fields_filled_later_and_the_table_named():
         o.validate("x")
     with pytest.raises(ValueError, match="table 't0': caching=True needs global_hbm_for_values > 0"):
         make_module([4], caching=True)
+
+
+def test_a_cached_table_must_evict():
+    """A NO_EVICTION cache could never make room: every later key would be
+    served from the store, and the full store would drop trained rows."""
+    with pytest.raises(ValueError, match="table 't0': caching=True needs a score strategy that evicts"):
+        make_module([4], caching=True, global_hbm_for_values=4096,
+                    score_strategy=DynamicEmbScoreStrategy.NO_EVICTION)
+    make_module([4], caching=True, global_hbm_for_values=4096)  # the default strategy evicts

@@ -86,8 +86,11 @@ def test_scores_are_those_of_an_in_memory_table(strategy, tmp_path):
 def test_bypassed_counts_the_keys_left_without_a_cache_slot(tmp_path):
     small = _small("host", tmp_path, EmbOptimType.EXACT_SGD)
     want = torch.zeros(2, dtype=torch.int64)
+    seen = [set(), set()]
     for ids, offsets in batches(5, seed=3):
         y = small(ids, offsets)
+        for t in range(2):
+            seen[t].update(ids.view(2, -1)[t].tolist())
         # independently: the step's distinct keys that the cache's table does not hold
         per_table = ids.view(2, -1)
         for t in range(2):
@@ -97,6 +100,10 @@ def test_bypassed_counts_the_keys_left_without_a_cache_slot(tmp_path):
     stats = small.table_stats()
     assert [stats["t0"]["bypassed"], stats["t1"]["bypassed"]] == want.tolist()
     assert want.min() > 0
+    # A bypassed key is stored (in the store): not a failure (it was counted as one).
+    for t in range(2):
+        s = stats[f"t{t}"]
+        assert s["failed"] == 0 and s["evicted"] == 0 and s["size"] == s["inserted"] == len(seen[t]), s
 
 
 def test_warning_mode_warns_once_per_table_with_the_size_needed(tmp_path):

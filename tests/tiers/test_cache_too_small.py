@@ -82,8 +82,11 @@ def test_a_failed_step_leaves_every_row_where_it_was():
     m.flush()  # every row is in the store now
     before = all_rows(m, 0)
     ids = torch.cat([stored, torch.arange(1000, 1100), torch.arange(4)])
+    assert m.table_stats()["t0"]["failed"] == 0
     with pytest.raises(RuntimeError, match="cannot hold"):
         step(m, (ids, torch.tensor([0, 120, 124])))
+    # The keys that found no slot are counted (at most the 120 distinct keys of t0; the cache holds 32).
+    assert 120 - 2 * BUCKET <= m.table_stats()["t0"]["failed"] <= 120
     after = all_rows(m, 0)
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
