@@ -167,6 +167,13 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
             meta["dist_type"] != "continuous" or meta["num_embeddings"] == ref.options.num_embeddings)
         plan.files[name] = [e for e in meta["files"]
                             if not (same and e["rank"] != rank) and (e["kind"] != "counter" or counter)]
+    if table_names is None:  # every table of the dump has a place: none is left behind unsaid
+        left = sorted(set(manifest["tables"]) - set(tables))
+        if left:
+            raise CheckpointError(f"{os.path.join(path, 'manifest.json')} holds tables {left} that the model has "
+                                  f"no dynamic table for; name the tables to load (table_names={sorted(tables)}) "
+                                  f"to leave them out")
+    _check_shared_counters(tables, manifest, optim)
     # Every file this rank reads is verified (size, checksum streamed 8 MiB at
     # a time, tensors against the manifest) before any row is loaded.
     for name, entries in plan.files.items():
@@ -230,9 +237,33 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
         ref.storage.custom_scores[ref.index] = meta.get("custom_score", 0)
         steps.setdefault(id(ref.module), (ref.module, meta))
     for module, meta in steps.values():
-        module.step = meta["step"]
-        if optim:
-            module.optimizer_step = meta["optimizer_step"]
+        module.step, module.optimizer_step = _counters(meta, optim)
+
+
+def _counters(meta: dict, optim: bool):
+    """The module's (step, optimizer_step) after loading a table of `meta`:
+    the dump's; without its optimizer state (optim=False) the update count
+    restarts with it."""
+    return meta["step"], meta["optimizer_step"] if optim else 0
+
+
+def _check_shared_counters(tables: dict, manifest: dict, optim: bool) -> None:
+    """A module's step counters serve all its tables (STEP scores, Adam's
+    bias correction): a load that sets them for some tables would change
+    them for the module's other tables that hold keys. Refused, naming
+    them, unless the counters already agree."""
+    by_module: dict = {}
+    for name, ref in tables.items():
+        by_module.setdefault(id(ref.module), (ref.module, set(), manifest["tables"][name]))[1].add(ref.index)
+    for module, loaded, meta in by_module.values():
+        others = [module.table_names[i] for i in range(module.num_tables)
+                  if i not in loaded and module.storage.stats(i)["size"] > 0]
+        want, now = _counters(meta, optim), (module.step, module.optimizer_step)
+        if others and want != now:
+            raise CheckpointError(f"tables {sorted(module.table_names[i] for i in loaded)} share their step counters "
+                                  f"(step, optimizer_step) with tables {others} of the same module, which this load "
+                                  f"leaves as they are; the load would set them from {now} to {want}: load those "
+                                  f"tables too (or into a module that holds only the loaded ones)")
 
 
 def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequence[str]] = None,

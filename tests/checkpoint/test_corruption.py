@@ -163,3 +163,53 @@ def test_rows_per_rank_that_do_not_match_the_files(copy):
         json.dump(m, f)
     _refused_unchanged(copy, r"table 'b' in .*manifest.json: the part files hold \[\d+\] rows per rank, "
                              r"rows_per_rank says")
+
+
+def test_a_dumped_table_the_model_lacks_is_refused_unless_left_out_by_name(dumped):
+    """A dump of tables a and b loaded into a model of table a alone: b's rows
+    would be dropped unsaid. Refused by name; table_names=["a"] loads a."""
+    path, want = dumped
+    m = H.plain_module(dims=(8,), strategies=(H.S.STEP,), names=("a",))
+    with pytest.raises(CheckpointError, match=r"holds tables \['b'\] that the model has no dynamic table for; "
+                                              r"name the tables to load \(table_names=\['a'\]\)"):
+        DynamicEmbLoad(path, m)
+    assert m.storage.size(0) == 0
+    DynamicEmbLoad(path, m, table_names=["a"])
+    got = H.entries(m)
+    assert sorted(got["a"]["keys"].tolist()) == sorted(want["a"]["keys"].tolist())
+
+
+def test_a_load_of_some_tables_keeps_the_step_counters_of_the_others(dumped):
+    """The module's step counters serve all its tables. Loading table a of a
+    3-step dump into a module trained 5 steps would set them back for table b,
+    which holds keys: refused, the model unchanged. Into a module whose b is
+    empty, the counters are the dump's."""
+    path, _ = dumped
+    trained = H.plain_module()
+    H.plain_train(trained, [4, 5, 6, 7, 8])
+    before = H.entries(trained)
+    with pytest.raises(CheckpointError, match=r"tables \['a'\] share their step counters .* with tables \['b'\] .* "
+                                              r"from \(5, 5\) to \(3, 3\)"):
+        DynamicEmbLoad(path, trained, table_names=["a"])
+    assert (trained.step, trained.optimizer_step) == (5, 5)
+    assert torch.equal(H.entries(trained)["a"]["values"], before["a"]["values"])
+    fresh = H.plain_module()
+    DynamicEmbLoad(path, fresh, table_names=["a"])
+    assert (fresh.step, fresh.optimizer_step) == (3, 3)
+
+
+def test_optim_false_restarts_the_update_count_of_a_trained_model(dumped):
+    """optim=False zeroes the optimizer state, so Adam's update count restarts
+    with it, whatever the model held before: the next step equals that of a
+    fresh model loaded the same way (it kept the trained model's count)."""
+    path, _ = dumped
+    trained, fresh = H.plain_module(), H.plain_module()
+    H.plain_train(trained, [4, 5, 6, 7, 8])
+    for m in (trained, fresh):
+        DynamicEmbLoad(path, m, optim=False)
+        assert (m.step, m.optimizer_step) == (3, 0)
+        H.plain_train(m, [9])
+    a, b = H.entries(trained), H.entries(fresh)
+    for t in ("a", "b"):
+        rows = [dict(zip(e[t]["keys"].tolist(), e[t]["values"])) for e in (a, b)]
+        assert rows[0].keys() == rows[1].keys() and all(torch.equal(rows[0][k], rows[1][k]) for k in rows[0])
