@@ -462,6 +462,7 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
         error = e
     _agree(error, None, pg, world, "; the model is unchanged")
     # 3. Each table's content replaced by the state dict's.
+    name = None
     try:
         steps: Dict[int, list] = {}
         for name in todo:
@@ -482,6 +483,9 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             entry[2] = max([entry[2]] + [s[1] for s in saved[name]])
         for m, step, optimizer_step in steps.values():
             m.step, m.optimizer_step = step, optimizer_step
-    except Exception as e:  # noqa: BLE001
-        error = e
+    except Exception as e:  # noqa: BLE001 - what phase 2 cannot see (keys of one bucket that do not fit)
+        error = CheckpointError(f"table {name!r}: loading its rows from the state dict on rank {rank} of {world} "
+                                f"failed: {e}; this rank's tables are now partly loaded: load the model again "
+                                f"(e.g. into one with more capacity)")
+        error.__cause__ = e
     _agree(error, None, pg, world, " while loading: that rank's tables are partly loaded; load the model again")

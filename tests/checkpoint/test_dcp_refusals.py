@@ -64,6 +64,16 @@ def _scenarios(rank, world, root):
     H.train(other_opt, pg, [9])
     res["optimizer"] = _load_refused(other_opt, path, pg)
 
+    # Keys that pass the capacity check but not one bucket of 16 slots: the
+    # last phase's error, a CheckpointError naming the table on every rank.
+    big = D.build(pg, ADAM)
+    H.train(big, pg, range(10, 40))
+    D.save(big, os.path.join(root, "big"), pg)
+    n = torch.tensor(H.entries(big)["t_hash"]["keys"].numel())
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=pg)
+    tight = D.build(pg, ADAM, t_hash=dict(bucket_capacity=16, max_capacity=-(-int(n) // 16) * 16))
+    res["bucket_overflow"] = dict(msg=_refused(D.load, tight, os.path.join(root, "big"), pg), keys=int(n))
+
     os.environ[SLOTS_ENV] = "64"  # the save used the default (128)
     res["slots"] = _load_refused(D.build(pg, ADAM), path, pg)
     del os.environ[SLOTS_ENV]
@@ -127,6 +137,16 @@ def test_a_table_of_another_optimizer_is_refused_by_name(ranks):
         msg = r["optimizer"]["msg"]
         assert "CheckpointError" in msg and "table 't_" in msg and "optimizer" in msg, msg
         assert r["optimizer"]["unchanged"]
+
+
+def test_keys_that_overflow_a_bucket_at_load_raise_a_checkpoint_error_by_name(ranks):
+    """What the checks before any change cannot see raises in the last phase:
+    a CheckpointError naming the table on every rank, saying the tables are
+    partly loaded (it was the storage's bare RuntimeError)."""
+    for r in ranks:
+        msg = r["bucket_overflow"]["msg"]
+        assert r["bucket_overflow"]["keys"] > 64, r["bucket_overflow"]  # enough keys to overflow a bucket of 16
+        assert msg.startswith("CheckpointError: ") and "table 't_hash'" in msg and "partly loaded" in msg, msg
 
 
 def test_another_slot_count_is_refused(ranks):
