@@ -246,9 +246,13 @@ class InferenceEmbeddingTable(nn.Module):
                             f"got {values.dtype} and {offsets.dtype} (features {self.feature_names})")
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(torch.float32)
-            if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):  # data-dependent: eager only
+            if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
                 check_finite_weights(per_sample_weights, offsets, self.feature_names, f"InferenceEmbeddingTable "
                                      f"{self.table_names}")
+            else:  # data-dependent: a runtime assertion of the program (eager names the weight and its bag)
+                torch._assert_async(torch.isfinite(per_sample_weights).all(),
+                                    f"InferenceEmbeddingTable {self.table_names}: per-sample weights must be finite "
+                                    f"(features {self.feature_names})")
         out = ops.emb_lookup_forward([self.slot_keys], [self.slot_digests], [self.table_buckets],
                                       [self.bucket_capacity], [0] * len(self.dims), list(range(len(self.dims))),
                                       self.weights(), values.to(torch.int64), offsets.to(torch.int64),

@@ -88,3 +88,20 @@ def test_cli_export_and_serve(tmp_path):
     # The module in eval: equal within int8 rounding.
     torch.testing.assert_close(got, module.eval()(torch.tensor(batch["values"]), torch.tensor(batch["offsets"])),
                                rtol=0, atol=0.02)
+
+
+def test_exported_program_and_package_refuse_non_finite_weights(tmp_path):
+    """The eager module refuses a NaN / inf weight (naming it); the program and
+    the package did not (data-dependent): they served NaN rows. A runtime
+    assertion of the program refuses them now."""
+    m = _module(weighted=True)
+    x = _inputs(True)[2]
+    loaded = torch._inductor.aoti_load_package(package(m, x, str(tmp_path / "lookup.pt2")))
+    for serve in (export(m).module(), loaded):
+        assert torch.equal(serve(*x), m(*x))
+        for bad in (float("nan"), float("inf")):
+            w = x[2].clone()
+            w[1] = bad
+            with pytest.raises(RuntimeError, match=r"InferenceEmbeddingTable \['a', 'b'\]: per-sample weights "
+                                                   r"must be finite \(features \['a_f', 'b_f'\]\)"):
+                serve(x[0], x[1], w)
