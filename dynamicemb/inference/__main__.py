@@ -74,11 +74,22 @@ def _requests(args) -> None:
           + (", per-id weights" if m.is_weighted else "") + f") to {args.out}")
 
 
+def _integers(path: str, raw: dict, field: str) -> torch.Tensor:
+    """raw[field] as int64, refusing what is not a list of integers (a float id
+    would be truncated into another key, as the Python API refuses it)."""
+    items = raw[field]
+    bad = next((v for v in items if not isinstance(v, int) or isinstance(v, bool)), None) \
+        if isinstance(items, list) else items
+    if bad is not None:
+        raise SystemExit(f"{path}: {field!r} must be a list of integers, got {bad!r}")
+    return torch.tensor(items, dtype=torch.int64)
+
+
 def _read_batch(path: str) -> tuple:
     if path.endswith(".json"):
         with open(path) as f:
             raw = json.load(f)
-        batch = (torch.tensor(raw["values"], dtype=torch.int64), torch.tensor(raw["offsets"], dtype=torch.int64))
+        batch = tuple(_integers(path, raw, field) for field in ("values", "offsets"))
         return batch + ((torch.tensor(raw["weights"], dtype=torch.float32),) if "weights" in raw else ())
     return tuple(torch.load(path))
 

@@ -57,13 +57,23 @@ def kjt_dynamic_shapes(kjt, name: str = "kjt"):
             {0: F * batch + 1} if kjt._offsets is not None else None, None, None]
 
 
+def _is_kjt(a) -> bool:
+    return type(a).__name__ == "KeyedJaggedTensor"
+
+
+def request_form(args: tuple) -> tuple:
+    """`args` with each KeyedJaggedTensor as a request builds it: its keys,
+    values, weights and lengths, nothing cached. A program's input structure
+    records which of a KJT's fields are set, so an example that went through
+    a model (its offsets cached) would refuse every KJT built from lengths
+    (from_lengths_sync, or the constructor) with an error that names nothing."""
+    return tuple(type(a)(keys=a.keys(), values=a.values(), weights=a.weights_or_none(), lengths=a.lengths())
+                 if _is_kjt(a) and not a.variable_stride_per_key() else a for a in args)
+
+
 def model_dynamic_shapes(args: tuple):
     """Per argument: a KeyedJaggedTensor's dynamic shapes, None (static) for anything else."""
-    shapes = []
-    for i, a in enumerate(args):
-        is_kjt = type(a).__name__ == "KeyedJaggedTensor"
-        shapes.append(kjt_dynamic_shapes(a, f"arg{i}") if is_kjt else None)
-    return tuple(shapes)
+    return tuple(kjt_dynamic_shapes(a, f"arg{i}") if _is_kjt(a) else None for i, a in enumerate(args))
 
 
 def export_model(model: torch.nn.Module, args: tuple, dynamic_shapes=None) -> torch.export.ExportedProgram:
@@ -72,7 +82,10 @@ def export_model(model: torch.nn.Module, args: tuple, dynamic_shapes=None) -> to
     inputs (exported programs with KJT inputs need torchrec imported to
     load); `dynamic_shapes` (torch.export's) for other inputs. Shapes are
     size-oblivious, so a dynamic batch of one runs too."""
-    return _export(model, args, model_dynamic_shapes(args) if dynamic_shapes is None else dynamic_shapes)
+    if dynamic_shapes is None:
+        args = request_form(args)
+        dynamic_shapes = model_dynamic_shapes(args)
+    return _export(model, args, dynamic_shapes)
 
 
 def _export(model, inputs, shapes) -> torch.export.ExportedProgram:
@@ -100,9 +113,11 @@ def package(model: torch.nn.Module, example: tuple, path: str, dynamic_shapes=No
     default to dynamic_shapes(), for another model to model_dynamic_shapes().
     `metadata` (str -> str) goes into the package (the loader's
     get_metadata()). Returns the package's path."""
-    if dynamic_shapes is None:
-        dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2) \
-            if isinstance(model, InferenceEmbeddingTable) else model_dynamic_shapes(example)
+    if dynamic_shapes is None and isinstance(model, InferenceEmbeddingTable) and not any(map(_is_kjt, example)):
+        dynamic_shapes = globals()["dynamic_shapes"](model, len(example) > 2)
+    elif dynamic_shapes is None:
+        example = request_form(example)
+        dynamic_shapes = model_dynamic_shapes(example)
     program = _export(model, example, dynamic_shapes)
     configs = {"aot_inductor.metadata": dict(metadata)} if metadata else None
     return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)

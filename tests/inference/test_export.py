@@ -88,6 +88,11 @@ def test_cli_export_and_serve(tmp_path):
     # The module in eval: equal within int8 rounding.
     torch.testing.assert_close(got, module.eval()(torch.tensor(batch["values"]), torch.tensor(batch["offsets"])),
                                rtol=0, atol=0.02)
+    # Float ids are refused by name (they were truncated into other keys: 1.7 served as key 1).
+    (tmp_path / "floats.json").write_text(json.dumps({"values": [1.7, 2], "offsets": [0, 1, 1, 1, 2]}))
+    bad = subprocess.run(cli + ["serve", str(tmp_path / "p.pt2"), "--input", str(tmp_path / "floats.json")],
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "floats.json: 'values' must be a list of integers, got 1.7" in bad.stderr, bad
 
 
 def test_exported_program_and_package_refuse_non_finite_weights(tmp_path):
@@ -105,3 +110,30 @@ def test_exported_program_and_package_refuse_non_finite_weights(tmp_path):
             with pytest.raises(RuntimeError, match=r"InferenceEmbeddingTable \['a', 'b'\]: per-sample weights "
                                                    r"must be finite \(features \['a_f', 'b_f'\]\)"):
                 serve(x[0], x[1], w)
+
+
+def test_a_kjt_example_that_went_through_a_model_serves_kjts_built_from_lengths(tmp_path):
+    """A program's input structure records which fields of an example KJT are
+    set. An example that went through a model has its offsets cached, and its
+    program refused every request built from lengths (from_lengths_sync), with
+    errors that named nothing; the example is now taken as a request builds it."""
+    import torchrec
+
+    from dynamicemb.inference.export import export_model
+    m = _module()
+    features = m.feature_names
+
+    def kjt(lengths, seed):
+        g = torch.Generator().manual_seed(seed)
+        values = torch.randint(0, 1200, (int(sum(lengths)),), generator=g)
+        return torchrec.KeyedJaggedTensor.from_lengths_sync(features, values, torch.tensor(lengths))
+
+    example = kjt([2, 0, 1, 3], seed=0)
+    m(example)
+    example.offsets()  # cached, as any TorchRec model call leaves it
+    requests = [kjt([1, 2, 0, 0, 3, 1], seed=1), kjt([2, 1], seed=2)]  # batch 3, batch 1
+    loaded = torch._inductor.aoti_load_package(package(m, (example,), str(tmp_path / "kjt.pt2")))
+    for serve in (export_model(m, (example,)).module(), loaded):
+        for r in requests:
+            got = serve(r)
+            assert torch.equal(got.values() if hasattr(got, "values") else got, m(r).values())
