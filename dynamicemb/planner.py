@@ -127,12 +127,13 @@ class DynamicEmbeddingShardingPlanner:
                 raise ValueError(f"constraints name table {name!r}, which is not among the eb_configs")
             if count[name] > 1:
                 raise ValueError(f"the eb_configs hold {count[name]} tables named {name!r}; {_UNIQUE_NAMES}")
-            if c.sharding_types and c.sharding_types != [ShardingType.ROW_WISE.value]:
+            # Constraints list what a table may get (TorchRec's planner picks among them).
+            if c.sharding_types and ShardingType.ROW_WISE.value not in c.sharding_types:
                 raise ValueError(f"table {name!r}: dynamic tables are sharded ROW_WISE only, "
-                                 f"constraints ask for {c.sharding_types}")
-            if c.compute_kernels and c.compute_kernels != [CUSTOMIZED]:
+                                 f"constraints allow {c.sharding_types}")
+            if c.compute_kernels and CUSTOMIZED not in c.compute_kernels:
                 raise ValueError(f"table {name!r}: dynamic tables run CUSTOMIZED_KERNEL only, "
-                                 f"constraints ask for {c.compute_kernels}")
+                                 f"constraints allow {c.compute_kernels}")
             if c.key_value_params is not None:
                 raise ValueError(f"table {name!r}: key_value_params configure TorchRec's SSD / key-value "
                                  f"kernels; a dynamic table keeps rows beyond memory with "

@@ -199,6 +199,19 @@ def test_dynamic_table_must_run_our_kernel():
     assert "d_table" in msg and "CUSTOMIZED_KERNEL" in msg and "fused" in msg
 
 
+def test_constraints_that_allow_row_wise_and_our_kernel_among_others_plan_them():
+    """TorchRec's constraints list what a table may get: a list holding
+    ROW_WISE and CUSTOMIZED_KERNEL among others is satisfied by them."""
+    configs = models.ebc_configs(["d_table"])
+    c = DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=["table_wise", "row_wise"],
+                                       compute_kernels=["fused", "customized_kernel"])
+    planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=2, compute_device="cpu"),
+                                              constraints={"d_table": c})
+    ps = planner.plan(torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta")),
+                      [DynamicEmbeddingBagCollectionSharder()]).plan[""]["d_table"]
+    assert (ps.sharding_type, ps.compute_kernel) == ("row_wise", "customized_kernel")
+
+
 def test_torchrecs_planner_refuses_a_dynamic_table_instead_of_folding_its_ids():
     # TorchRec's own planner cannot make a table dynamic: given our
     # constraints it used to plan the table FUSED (a static table of
