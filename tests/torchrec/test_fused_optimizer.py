@@ -6,7 +6,8 @@ exactly like the native model under the same schedule, on 2 ranks, for
 EmbeddingBagCollection and EmbeddingCollection; set_optimizer_step and
 update_hyper_parameters reach the tables, the latter as FBGEMM's does (until the
 next step() sets the group's rate again). The optimizer adds nothing to a
-checkpoint: the rows and their state are in model.state_dict()."""
+checkpoint but its groups' rates (save_param_groups), which load back group
+by group: the rows and their state are in model.state_dict()."""
 import torch
 import torchrec
 from torchrec.distributed.planner import ParameterConstraints
@@ -141,6 +142,32 @@ def _update_then_step(pg):
     assert seen[0] == seen[1] == [{0.02}, {models.SGD["learning_rate"]}], seen
 
 
+def _saved_rates(pg):
+    """Two dynamic groups (a SUM and a MEAN table) whose rates a schedule
+    made differ: a saved optimizer (save_param_groups) loads each group's
+    rate back into a fresh model. KeyedOptimizer matches groups by their
+    parameters' names; the dynamic groups had none, so all got one rate."""
+    configs = [torchrec.EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=KEYS, feature_names=[f],
+                                           pooling=p)
+               for n, f, p in (("s_table", "s_feature", torchrec.PoolingType.SUM),
+                               ("m_table", "m_feature", torchrec.PoolingType.MEAN))]
+    saved = None
+    for rates in ((0.3, 0.07), None):
+        model = models.build("ebc", configs, pg, models.dynamic_constraints([c.name for c in configs]), models.SGD)
+        opt = CombinedOptimizer([model.fused_optimizer])
+        opt.save_param_groups(True)
+        assert len(opt.param_groups) == 2 and len(list(dynamic_modules(model))) == 2
+        if rates is not None:
+            for group, lr in zip(opt.param_groups, rates):
+                group["lr"] = lr
+            saved = opt.state_dict()
+        else:
+            opt.load_state_dict(saved)
+    opt.step()  # the groups' rates reach the tables
+    assert sorted(m.get_learning_rate() for m in dynamic_modules(model)) == [0.07, 0.3]
+    assert [g["lr"] for g in opt.param_groups] == [0.3, 0.07]
+
+
 def _ranks(rank, world):
     pg = models.rank_groups()[0]
     for kind, fused in (("ebc", models.SGD), ("ebc", ROWWISE), ("ec", models.SGD)):
@@ -148,6 +175,7 @@ def _ranks(rank, world):
     _warmup_mixed(pg)
     _hyper_parameters(pg)
     _update_then_step(pg)
+    _saved_rates(pg)
     return True
 
 
