@@ -390,7 +390,9 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
     for key in [k for k in state_dict if k.startswith(head)]:
         name, sep, rest = key[len(head):].rpartition(f".{KEY}.")
         if sep and name in given:
-            given[name][rest] = state_dict.pop(key)
+            value = state_dict.pop(key)
+            if value is not None:  # DCP's partial load (allow_partial_load) leaves what it did not find as None
+                given[name][rest] = value
     names = sorted(tables)
     weights = {n: state_dict.pop(f"{head}{n}.{WEIGHT}") for n in names if f"{head}{n}.{WEIGHT}" in state_dict}
     every = {slot_name(s) for s in range(slots)}

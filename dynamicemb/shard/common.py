@@ -33,9 +33,17 @@ def check_row_wise(sharding_infos) -> bool:
     return bool(dynamic)
 
 
-def reset_native_parameters(module, configs: Iterable, weights) -> None:
-    """TorchRec's reset_parameters for the native tables only (dynamic tables
-    own their rows and initialise keys as they arrive)."""
+def reset_tables(module, configs: Iterable, weights) -> None:
+    """TorchRec's reset_parameters: each native table's init_fn again; each
+    dynamic table emptied, since it initialises keys as they arrive (a key's
+    initial row is a function of the seed, table and key: every key reads
+    it again when it next comes). Left as they were, a user's reset of a
+    trained model kept every dynamic row, silently."""
+    from dynamicemb.stats import dynamic_modules
+    for m in dynamic_modules(module):
+        for t in range(m.num_tables):
+            if m.storage.stats(t)["size"] > 0:
+                m.storage.clear_table(t)
     if module._device and module._device.type == "meta":
         return
     for config in configs:

@@ -6,7 +6,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEm
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
+from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_tables
 from dynamicemb.shard.embeddingbag import DynamicSharderMixin
 from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
 
@@ -26,7 +26,7 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
             register_dynamic_state(self, "embeddings")
 
     def reset_parameters(self) -> None:
-        reset_native_parameters(self, self._embedding_configs, self.embeddings)
+        reset_tables(self, self._embedding_configs, self.embeddings)
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -7,7 +7,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_native_parameters
+from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_tables
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
@@ -60,7 +60,7 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             register_dynamic_state(self, "embedding_bags")
 
     def reset_parameters(self) -> None:
-        reset_native_parameters(self, self._embedding_bag_configs, self.embedding_bags)
+        reset_tables(self, self._embedding_bag_configs, self.embedding_bags)
 
     def train(self, mode: bool = True):
         super().train(mode)
