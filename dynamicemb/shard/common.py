@@ -1,4 +1,5 @@
 """What the sharded EBC and EC with dynamic tables share."""
+import contextlib
 import functools
 from typing import Iterable, List
 
@@ -33,6 +34,18 @@ def check_row_wise(sharding_infos) -> bool:
     return bool(dynamic)
 
 
+@contextlib.contextmanager
+def building(module):
+    """While TorchRec builds a sharded collection (_initialize_torch_state,
+    which calls reset_parameters): its dynamic tables are not a user's to
+    reset then (one reopened on its FileStore holds the rows it resumes)."""
+    module._dynamicemb_building = True
+    try:
+        yield
+    finally:
+        module._dynamicemb_building = False
+
+
 def reset_tables(module, configs: Iterable, weights) -> None:
     """TorchRec's reset_parameters: each native table's init_fn again; each
     dynamic table emptied, since it initialises keys as they arrive (a key's
@@ -40,10 +53,11 @@ def reset_tables(module, configs: Iterable, weights) -> None:
     it again when it next comes). Left as they were, a user's reset of a
     trained model kept every dynamic row, silently."""
     from dynamicemb.stats import dynamic_modules
-    for m in dynamic_modules(module):
-        for t in range(m.num_tables):
-            if m.storage.stats(t)["size"] > 0:
-                m.storage.clear_table(t)
+    if not getattr(module, "_dynamicemb_building", False):
+        for m in dynamic_modules(module):
+            for t in range(m.num_tables):
+                if m.storage.stats(t)["size"] > 0:
+                    m.storage.clear_table(t)
     if module._device and module._device.type == "meta":
         return
     for config in configs:

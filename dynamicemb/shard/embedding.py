@@ -6,7 +6,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEm
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_tables
+from dynamicemb.shard.common import building, check_row_wise, lookups_train, register_dynamic_state, reset_tables
 from dynamicemb.shard.embeddingbag import DynamicSharderMixin
 from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
 
@@ -21,7 +21,8 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
         return super().create_embedding_sharding(sharding_type, sharding_infos, env, device, qcomm_codecs_registry)
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        super()._initialize_torch_state(skip_registering)
+        with building(self):
+            super()._initialize_torch_state(skip_registering)
         if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
             register_dynamic_state(self, "embeddings")
 

@@ -7,7 +7,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from dynamicemb.shard.common import check_row_wise, lookups_train, register_dynamic_state, reset_tables
+from dynamicemb.shard.common import building, check_row_wise, lookups_train, register_dynamic_state, reset_tables
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
@@ -55,7 +55,8 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                                                      qcomm_codecs_registry)
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
-        super()._initialize_torch_state(skip_registering)
+        with building(self):
+            super()._initialize_torch_state(skip_registering)
         if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
             register_dynamic_state(self, "embedding_bags")
 
