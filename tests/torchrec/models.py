@@ -29,6 +29,11 @@ def ec_configs(names, dim=8, num_embeddings=4096):
                                      feature_names=[n.replace("table", "feature")]) for n in names]
 
 
+def configs_of(kind: str, names, **kw):
+    """ec_configs for kind "ec", else ebc_configs (an EBC, weighted or not)."""
+    return (ec_configs if kind == "ec" else ebc_configs)(names, **kw)
+
+
 def dynamic_constraints(names, **options):
     options.setdefault("initializer_args", DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.DEBUG))
     return {n: DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=DynamicEmbTableOptions(**options))

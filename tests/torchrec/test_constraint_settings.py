@@ -17,7 +17,7 @@ KEYS, BATCH, STEPS = 48, 8, 3
 
 
 def _configs(kind):
-    return (models.ec_configs if kind == "ec" else models.ebc_configs)(TABLES, dim=8, num_embeddings=KEYS)
+    return models.configs_of(kind, TABLES, dim=8, num_embeddings=KEYS)
 
 
 def _fp16_outputs(rank, world):

@@ -318,7 +318,7 @@ def test_a_plan_without_our_options_is_refused_by_table(kind):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingEnv
 
-    configs = (models.ec_configs if kind == "ec" else models.ebc_configs)(["d_table", "n_table"])
+    configs = models.configs_of(kind, ["d_table", "n_table"])
     module = (torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta")) if kind == "ec"
               else _ebc(configs))
     sharder = _sharders()[1 if kind == "ec" else 0]

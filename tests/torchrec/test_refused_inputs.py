@@ -19,7 +19,7 @@ def _refused(rank, world):
     pg = models.rank_groups()[0]
     got = {}
     for kind in ("weighted_ebc", "ec"):
-        configs = (models.ec_configs if kind == "ec" else models.ebc_configs)(TABLES, dim=8, num_embeddings=64)
+        configs = models.configs_of(kind, TABLES, dim=8, num_embeddings=64)
         model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
         batch = models.random_batch(FEATURES, 4, 64, seed=0)
         good = models.kjt(batch, weighted=kind == "weighted_ebc")

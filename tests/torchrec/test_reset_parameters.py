@@ -17,7 +17,7 @@ def _reset(rank, world):
     pg = models.rank_groups()[0]
     out = {}
     for kind in ("ebc", "ec"):
-        configs = (models.ec_configs if kind == "ec" else models.ebc_configs)(TABLES, dim=4, num_embeddings=64)
+        configs = models.configs_of(kind, TABLES, dim=4, num_embeddings=64)
         trained, fresh = (models.build(kind, configs, pg, models.dynamic_constraints(TABLES),
                                        models.SGD) for _ in range(2))
         for step in range(2):
