@@ -236,7 +236,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         indices, offsets, psw = self._check_input(indices, offsets, per_sample_weights)
         if not self.training:
-            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if torch.is_grad_enabled():
                 return _EvalOutput.apply(self._anchor, self, lambda: self._eval_lookup(indices, offsets, psw))
             return self._eval_lookup(indices, offsets, psw)
         padded = {}

@@ -71,3 +71,18 @@ def test_an_eval_output_with_grad_on_can_be_modified_in_place():
     out = m(*bags([[1], [2]]))
     out.mul_(2)  # not a view made inside the autograd function
     assert torch.equal(out, torch.zeros(2, 4))  # missing keys read zeros in eval
+
+
+def test_a_compiled_eval_forward_says_so_too():
+    """Under torch.compile the eval output is hooked into autograd as in
+    eager: the backward warns (it was left out when compiling)."""
+    m = _module()
+    idx, off = bags([[1, 2], [3, 7]])
+    m(idx, off).sum().backward()
+    trained = m.storage.weights()[0].clone()
+    m.eval()
+    run = torch.compile(m, backend="aot_eager")
+    out, _ = _notes(lambda: run(idx, off))
+    _, said = _notes(lambda: out.sum().backward())
+    assert len(said) == 1 and "eval mode updates none of their rows" in said[0], said
+    assert torch.equal(m.storage.weights()[0], trained)

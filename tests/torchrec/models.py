@@ -133,6 +133,19 @@ def stored_rows(model, table: str, keys: torch.Tensor, pg: dist.ProcessGroup):
     return values, torch.where(holders == 1, owner, -1)
 
 
+def every_row(model, tables, pg: dist.ProcessGroup) -> Dict[str, Dict[int, list]]:
+    """{table: {key: value row}} of dynamic tables, from every tier (a cache
+    and its store) of every rank of `pg`."""
+    local: Dict[str, Dict[int, list]] = {}
+    for m in dynamic_modules(model):
+        for t, name in enumerate(m.table_names):
+            for b in m.storage.export_rows(t):
+                local.setdefault(name, {}).update(zip(b.keys.tolist(), b.values.tolist()))
+    gathered = [None] * pg.size()
+    dist.all_gather_object(gathered, local, group=pg)
+    return {t: {k: v for g in gathered for k, v in g.get(t, {}).items()} for t in tables}
+
+
 def local_scores(model, table: str) -> Dict[int, int]:
     """{key: score} of the keys this rank's storage holds for a dynamic table,
     read from the kernel's storage."""

@@ -40,19 +40,6 @@ def test_reset_parameters_empties_dynamic_tables_so_keys_read_their_initial_rows
             assert got["diff"] == 0.0 and got["norm"] > 0, (kind, got)  # the initial rows, as a fresh model reads them
 
 
-def _all_rows(model, pg):
-    """{table: {key: value row}} of every tier of every rank."""
-    from dynamicemb.stats import dynamic_modules
-    local = {}
-    for m in dynamic_modules(model):
-        for t, name in enumerate(m.table_names):
-            for b in m.storage.export_rows(t):
-                local.setdefault(name, {}).update(zip(b.keys.tolist(), b.values.tolist()))
-    gathered = [None] * pg.size()
-    torch.distributed.all_gather_object(gathered, local, group=pg)
-    return {t: {k: v for g in gathered for k, v in g.get(t, {}).items()} for t in TABLES}
-
-
 def _reopened(rank, world, root):
     """A cached table on a FileStore, trained, closed, then built again on
     the same storage_path: TorchRec's reset_parameters while it builds the
@@ -65,11 +52,11 @@ def _reopened(rank, world, root):
     for step in range(2):
         batch = models.kjt(models.random_batch(FEATURES, 4, 64, seed=step), models.local_samples(4, pg))
         models.loss_of(first(batch)).backward()
-    want = _all_rows(first, pg)
+    want = models.every_row(first, TABLES, pg)
     for m in dynamic_modules(first):
         m.close()
     again = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES, **options), models.SGD)
-    return want, _all_rows(again, pg)
+    return want, models.every_row(again, TABLES, pg)
 
 
 def test_a_table_reopened_on_its_file_store_keeps_its_rows_through_the_build(tmp_path):

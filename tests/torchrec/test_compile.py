@@ -1,0 +1,56 @@
+"""torch.compile of a whole DMP model with dynamic tables trains as the
+eager model does, for tables that grow (init_capacity < max_capacity) and
+cached ones. Under dynamo, a tensor compared with an IntEnum member
+(`results == InsertResult.FAILED`) gave the bool False instead of a tensor:
+the compiled step failed inside the storage ("bincount only supports 1-d
+non-negative integral inputs"); the storage compares with ints now."""
+import pytest
+import torch
+
+import dynamicemb
+import models
+from multiprocess import run_ranks
+
+TABLES = ["a_table", "b_table"]
+FEATURES = [t.replace("table", "feature") for t in TABLES]
+KEYS, BATCH, STEPS, DIM = 200, 16, 3, 4
+ROW_BYTES = dynamicemb.get_table_value_bytes(1, DIM, optimizer=models.SGD["optimizer"])
+OPTIONS = {"growing": dict(init_capacity=128, max_capacity=1024),
+           "cached": dict(caching=True, global_hbm_for_values=256 * ROW_BYTES)}
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return ((self.ebc(kjt).values() - 0.5) ** 2).sum()
+
+
+def _compiled_against_eager(rank, world, kind):
+    """Per mode (eager, compiled): each step's loss and the tables' rows after them (plain values)."""
+    pg = models.rank_groups()[0]
+    configs = models.ebc_configs(TABLES, dim=DIM, num_embeddings=KEYS)
+    batches = [models.kjt(models.random_batch(FEATURES, BATCH, KEYS, seed=40 + s)) for s in range(STEPS)]
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = models.build("ebc", configs, pg, models.dynamic_constraints(TABLES, **OPTIONS[kind]), models.SGD,
+                             wrap=_Loss)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        losses = []
+        for kjt in batches:
+            loss = run(kjt)
+            loss.backward()
+            losses.append(float(loss))
+        out[compiled] = (losses, models.every_row(model, TABLES, pg))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(OPTIONS))
+def test_a_compiled_model_trains_as_the_eager_one(kind):
+    out = run_ranks(_compiled_against_eager, 1, kind)[0]
+    (eager_losses, eager_rows), (losses, rows) = out[False], out[True]
+    assert losses == eager_losses
+    assert all(rows[t] for t in TABLES) and rows == eager_rows
