@@ -239,6 +239,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             if torch.is_grad_enabled():
                 return _EvalOutput.apply(self._anchor, self, lambda: self._eval_lookup(indices, offsets, psw))
             return self._eval_lookup(indices, offsets, psw)
+        return self._train_forward(indices, offsets, psw)
+
+    # The training step's host-side work (dedup, insert, counters) runs
+    # eagerly under torch.compile: traced, dynamo guarded on the step
+    # counters and recompiled the model's graph every step. (It and the
+    # decorator's wrapper are two frames between a warning and the caller.)
+    @torch.compiler.disable
+    def _train_forward(self, indices: torch.Tensor, offsets: torch.Tensor, psw) -> torch.Tensor:
         padded = {}
         if self._pads_unique(indices):
             ukeys, utids, inverse, counts, padded["key_count"], record = ops.emb_unique_padded(
@@ -247,7 +255,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             ukeys, utids, inverse, counts = self._unique(indices, offsets)
         self.step += 1  # (a batch refused above is no step)
         if padded:
-            self._report_counts("_check_offsets", record, self.step, stacklevel=6)
+            self._report_counts("_check_offsets", record, self.step, stacklevel=8)
         # The keys come back in the order of their rows on the CPU: the backward then updates rows in that order.
         res = self.storage.find_or_insert(ukeys, utids, counts, self.step, inverse, **padded)
         if not torch.is_grad_enabled():  # a training-mode forward under no_grad: no backward will come
@@ -313,7 +321,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         On CUDA the counts reach the host without stopping the step: a warning
         comes a step or so later (naming its step), or at table_stats(); a
         table in ERROR mode makes every step wait for them, to raise in it."""
-        self._report_counts("_count_failures", failed, step, stacklevel=7)
+        self._report_counts("_count_failures", failed, step, stacklevel=9)  # (the training forward's two frames)
 
     def _report_counts(self, reporter: str, counts: torch.Tensor, step: int, stacklevel: int) -> None:
         """Has the method named `reporter` count `counts` of `step`: at once,
