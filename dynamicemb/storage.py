@@ -497,7 +497,7 @@ class HashTableStorage(EmbeddingStorage):
         while True:
             retry = []  # every table evicts: nothing to grow and retry (no count: no wait for the device)
             if not all(full):
-                failed = res == int(InsertResult.FAILED)
+                failed = res == InsertResult.FAILED
                 per_table = torch.bincount(local_tids[failed], minlength=len(tables)).tolist()
                 retry = [lt for lt, n in enumerate(per_table) if n and not full[lt]]
             if not retry:
@@ -591,8 +591,8 @@ class HashTableStorage(EmbeddingStorage):
         keys = batch.keys.to(device=self.device, dtype=torch.int64).contiguous()
         lts = torch.full_like(keys, lt)
         out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
-        failed = int((out.results == int(InsertResult.FAILED)).sum())
-        displaced = int((out.results == int(InsertResult.EVICTED)).sum())  # (insert_growing lists no evicted keys)
+        failed = int((out.results == InsertResult.FAILED).sum())
+        displaced = int((out.results == InsertResult.EVICTED).sum())  # (insert_growing lists no evicted keys)
         if failed or displaced:
             msg = (f"dynamicemb: table {self.names[table_id]!r}: {failed + displaced} of the loaded "
                    f"keys do not fit (capacity {ht.capacity(lt)} of at most {self.limit_caps[table_id]} rows on this "

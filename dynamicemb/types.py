@@ -55,9 +55,7 @@ def strategy_label(code: int) -> str:
 
 
 class InsertResult(enum.IntEnum):
-    """Per-key outcome of ScoredHashTable.insert (table_rules.h: InsertResult).
-    Compare results tensors with int(InsertResult.X): under torch.compile a
-    tensor compared with an IntEnum member gives the bool False."""
+    """Per-key outcome of ScoredHashTable.insert (table_rules.h: InsertResult)."""
 
     INSERTED = 0  # stored in a free slot
     ASSIGNED = 1  # already present

@@ -37,11 +37,11 @@ def pack_keys(tables: Sequence[FrozenTable], bucket_capacity: int, load_factor: 
         ht = ScoredHashTable(caps, bucket_capacity=bucket_capacity, score_strategy=DynamicEmbScoreStrategy.STEP,
                              num_tables=len(tables), device=device, table_names=[t.name for t in tables])
         res = ht.insert(keys, tids, scores=0, evict=False).results
-        dup = res == int(InsertResult.ASSIGNED)
+        dup = res == InsertResult.ASSIGNED
         if bool(dup.any()):
             i = int(dup.nonzero()[0])
             raise ValueError(f"table {tables[int(tids[i])].name!r}: key {int(keys[i])} is given twice")
-        failed = torch.bincount(tids[res == int(InsertResult.FAILED)].cpu(), minlength=len(tables)).tolist()
+        failed = torch.bincount(tids[res == InsertResult.FAILED].cpu(), minlength=len(tables)).tolist()
         if not any(failed):
             return ht
         caps = [c + bucket_capacity * max(1, c // bucket_capacity // 4) if f else c for c, f in zip(caps, failed)]

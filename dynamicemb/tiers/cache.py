@@ -310,7 +310,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         idx, res = out.indices, out.results
         failed = None
         if ht.get_counters()["failed"] != failures:
-            failed = res == int(InsertResult.FAILED)
+            failed = res == InsertResult.FAILED
             try:
                 self._too_small(g, keys, local_tids, failed)
             except RuntimeError:
@@ -337,7 +337,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                     else:
                         self._overflow(g, t, keys, local_tids, scores, pos.index_select(0, o), rows.index_select(0, o),
                                        stored.index_select(0, o))
-                        res.index_fill_(0, pos.index_select(0, o), int(InsertResult.ASSIGNED))  # fetched, slot -1
+                        res.index_fill_(0, pos.index_select(0, o), InsertResult.ASSIGNED)  # fetched, slot -1
                     keep = where_true(~off)
                     pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
             slot = idx.index_select(0, pos)
@@ -350,10 +350,10 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                     ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
             elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
                 ht.slot_scores.index_add_(0, slot, stored)
-            res.index_fill_(0, pos, int(InsertResult.ASSIGNED))  # not new: no initial value
+            res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
         self.times.keep(g, ht, idx)
         if failed is not None and not exact:
-            new = failed & (res == int(InsertResult.FAILED))  # failed and not fetched: new keys
+            new = failed & (res == InsertResult.FAILED)  # failed and not fetched: new keys
             _, tables = self.groups[g]
             for lt in torch.unique(local_tids[new]).tolist():
                 self._overflow(g, tables[lt], keys, local_tids, scores, where_true(new & (local_tids == lt)))
@@ -417,7 +417,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             if self._init_in_forward:  # the keys the prefetch made new get their initial rows now
                 res = (~made_new).view(torch.int8)  # ASSIGNED (1), INSERTED (0) where made new
             else:
-                res = torch.full(keys.shape, int(InsertResult.ASSIGNED), dtype=torch.int8, device=keys.device)
+                res = torch.full(keys.shape, InsertResult.ASSIGNED, dtype=torch.int8, device=keys.device)
             e = torch.zeros(0, dtype=torch.int64, device=keys.device)
             evicted = EvictedKeys(e, e, e, e)
         else:
@@ -426,13 +426,13 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             held = slots.index_select(0, where_true(slots >= 0))
             slots, res, evicted = self._place(g, keys, local_tids, scores, held=held, exact=False, missing=missing)
             kind.index_copy_(0, missing,
-                             torch.where(res.index_select(0, missing) == int(InsertResult.ASSIGNED), 1, 2))
+                             torch.where(res.index_select(0, missing) == InsertResult.ASSIGNED, 1, 2))
             if self._init_in_forward:
-                res.masked_fill_(kind == 2, int(InsertResult.INSERTED))
+                res.masked_fill_(kind == 2, InsertResult.INSERTED)
         pinned = slots
         if self._step_block.has(tables):  # keys in the step's overflow block, their rows written: not new, not failed
             over = slots < 0
-            res.masked_fill_(over, int(InsertResult.ASSIGNED))
+            res.masked_fill_(over, InsertResult.ASSIGNED)
             pinned = slots.index_select(0, where_true(~over))
         # No key of the step is provisional any more (a key found unfresh stays so).
         fresh.index_fill_(0, pinned, False)
@@ -561,13 +561,13 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             # stored ones): LFU counts no access yet, the others score as usual.
             scores = self.tables.insert_scores(g, lt, torch.zeros_like(k), ht.step)
             idx, res, _ = self._place(g, k, lt, scores, held=None, exact=True)
-            placed = res != int(InsertResult.FAILED)
+            placed = res != InsertResult.FAILED
             if not bool(placed.all()):  # the cache holds only some: the forward places the others
                 keep = where_true(placed)
                 idx, res, k, lt = idx[keep], res[keep], k[keep], lt[keep]
                 pin[g] = torch.cat([pin[g], idx])
                 slots = None
-            new = res != int(InsertResult.ASSIGNED)
+            new = res != InsertResult.ASSIGNED
             self._fresh[g].index_copy_(0, idx, new)
             if not self._init_in_forward:
                 self.tables.init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))

@@ -78,7 +78,7 @@ class KeyIndex:
             return
         for b in old.export(batch_size=1 << 20):
             out = self.ht.insert(b.keys, b.table_ids, scores=b.scores, evict=False)
-            if bool((out.results == int(InsertResult.FAILED)).any()):  # cannot happen (see above)
+            if bool((out.results == InsertResult.FAILED).any()):  # cannot happen (see above)
                 raise RuntimeError(f"the key index of tables {self.names} overflowed while rebuilt")
             self.pos.index_copy_(0, out.indices, old_pos.index_select(0, b.indices))
 
@@ -127,7 +127,7 @@ class KeyIndex:
         if ht.get_counters()["failed"] == failures:  # the usual case: every key found a free slot
             scatter_rows(self.pos.view(-1, 1), out.indices, positions.view(-1, 1))
             return _empty_entries()
-        failed = out.results == int(InsertResult.FAILED)
+        failed = out.results == InsertResult.FAILED
         ok = where_true(~failed)
         self.pos[out.indices[ok]] = positions[ok]
         all_tids = torch.zeros_like(keys) if tids is None else tids
@@ -140,7 +140,7 @@ class KeyIndex:
             sel = where_true(failed)
             out = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=False,
                             same_call=True)
-            ok = out.results != int(InsertResult.FAILED)
+            ok = out.results != InsertResult.FAILED
             self.pos[out.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
             failed[sel[ok]] = False
@@ -150,7 +150,7 @@ class KeyIndex:
             last = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=True)
             ev = last.evicted
             evicted.append(Entries(ev.keys, self.pos[ev.indices].clone(), ev.scores, ev.table_ids))
-            ok = last.results != int(InsertResult.FAILED)
+            ok = last.results != InsertResult.FAILED
             self.pos[last.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
             failed[sel[ok]] = False

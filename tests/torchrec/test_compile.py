@@ -1,11 +1,10 @@
 """torch.compile of a whole DMP model with dynamic tables trains as the
 eager model does, for tables that grow (init_capacity < max_capacity) and
-cached ones. Under dynamo, a tensor compared with an IntEnum member
-(`results == InsertResult.FAILED`) gave the bool False instead of a tensor:
-the compiled step failed inside the storage ("bincount only supports 1-d
-non-negative integral inputs"); the storage compares with ints now. The
-training forward's host-side work runs eagerly, so the graphs are not
-compiled again every step."""
+cached ones. A training forward's host-side work (dedup, insert, counters)
+runs eagerly, at a graph break: traced, it failed inside the storage (under
+dynamo, `results == InsertResult.FAILED` gave the bool False: "bincount only
+supports 1-d non-negative integral inputs"), and dynamo guarded on the step
+counters, compiling the graphs again every step."""
 import pytest
 import torch
 
