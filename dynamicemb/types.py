@@ -48,6 +48,12 @@ def strategy_of(code: int):
     return _PAIR if code == TIMESTAMP_LFU else DynamicEmbScoreStrategy(code)
 
 
+def strategy_name(code: int) -> str:
+    """A kernel code's strategy as messages name it: "LFU", "(TIMESTAMP, LFU)"."""
+    s = strategy_of(code)
+    return f"({', '.join(m.name for m in s)})" if isinstance(s, tuple) else s.name
+
+
 def strategy_label(code: int) -> str:
     """A strategy code for people: TIMESTAMP, ..., (TIMESTAMP, LFU)."""
     s = strategy_of(code)

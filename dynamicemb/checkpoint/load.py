@@ -29,6 +29,7 @@ from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage_protocol import RowBatch
+from dynamicemb.types import strategy_name
 
 
 def check_table(where: str, ref, meta: dict, optim: bool) -> None:
@@ -47,8 +48,8 @@ def check_table(where: str, ref, meta: dict, optim: bool) -> None:
                                   f"{meta['optimizer_state_width']}) does not match the model's {mine['optimizer']} "
                                   f"(state width {mine['optimizer_state_width']}); load with optim=False to skip it")
     if meta["score_strategy"] != mine["score_strategy"]:
-        raise CheckpointError(f"{where}: score strategy {meta['score_strategy']} does not match the model's "
-                              f"{mine['score_strategy']}")
+        raise CheckpointError(f"{where}: score strategy {strategy_name(meta['score_strategy'])} does not match the "
+                              f"model's {strategy_name(mine['score_strategy'])}")
 
 
 def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], optim: bool) -> None:

@@ -11,6 +11,7 @@ from dynamicemb import rules
 from dynamicemb._ops import ops
 from dynamicemb.positions import where_true
 from dynamicemb.storage_protocol import RowBatch
+from dynamicemb.types import strategy_name
 
 _T = rules.TierCounter
 
@@ -73,6 +74,15 @@ class CacheCheckpoint:
                 f"{layout['num_shards']} by {layout['dist_type']!r}, so keys would be looked up on ranks that do "
                 f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
                 f"DynamicEmbLoad (any world size)")
+        saved_strategy = state.get("score_strategy")
+        if saved_strategy is not None and int(saved_strategy) != self.strategy(t):
+            # Scores mean what the strategy says (a clock reading, a step, a count): read under
+            # another, every stored row would be evicted too early or never.
+            raise ValueError(
+                f"table {self.names[t]!r}: its backing store holds rows scored by "
+                f"{strategy_name(int(saved_strategy))}; the table is now scored by {strategy_name(self.strategy(t))}, "
+                f"which would read those scores as something else (a count as a clock reading, say) and evict "
+                f"the wrong rows. Reopen it with the same score_strategy (DynamicEmbLoad refuses the change too)")
         self.custom_scores[t] = int(state.get("custom_score", 0))
         if rules.score_is_clock(self.strategy(t)) and "clock" in state:
             self.store.shift_scores(self.names[t], self.now(t) - int(state["clock"]))
@@ -113,7 +123,7 @@ class CacheCheckpoint:
                 self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores, ts)
             self.tables.clear_table(t)
             saved = {"module": state or {}, "custom_score": self.custom_scores[t], "clock": self.now(t),
-                     "layout": self._layout(t)}
+                     "layout": self._layout(t), "score_strategy": self.strategy(t)}
             if self.times.cols[t]:  # the clock the stored access times are readings of
                 saved["timestamp_clock"] = self.now(t) - self.times.shift[t]
             self.store.save_state(self.names[t], saved)

@@ -94,7 +94,7 @@ def test_missing_or_invalid_manifest(copy):
     (lambda: H.plain_module(dims=(8, 6)), r"table 'b' in .*manifest.json: dim is 4, the model's is 6"),
     (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer"),
     (lambda: H.plain_module(dist_type="roundrobin"), r"table 'a' in .*manifest.json: dist_type is 'hash_roundrobin'"),
-    (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy"),
+    (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy LFU does not match the model's TIMESTAMP"),
     (lambda: H.plain_module(names=("a", "c")), r"table 'c': .*manifest.json has no table 'c'"),
     (lambda: H.plain_module(embedding_dtype=torch.float16), r"table 'a' in .*manifest.json: dtype is 'float32', "
                                                              r"the model's is 'float16'"),

@@ -424,6 +424,24 @@ def test_a_store_reopened_by_another_sharding_is_refused(tmp_path):
     assert m.table_stats()["t"]["size"] == 100
 
 
+def test_a_store_reopened_by_another_score_strategy_is_refused(tmp_path):
+    """Stored scores mean what the table's strategy says: an LFU count read as
+    a TIMESTAMP clock reading (or the reverse) would evict the wrong rows."""
+    opts = dict(dim=4, max_capacity=4096, bucket_capacity=BUCKET, caching=True, global_hbm_for_values=512 * 4 * 4)
+    lfu = DynamicEmbTableOptions(storage_path=str(tmp_path), score_strategy=S.LFU, **opts)
+    m = BatchedDynamicEmbeddingTables([lfu], ["t"])
+    step(m, (torch.arange(100), torch.tensor([0, 100])))
+    m.flush()
+    m.storage.store.close()
+    for other in (S.TIMESTAMP, S.STEP):  # ((TIMESTAMP, LFU) rows are wider: refused by their width)
+        with pytest.raises(ValueError, match=r"table 't'.*scored by LFU; .*now scored by.*same score_strategy"):
+            BatchedDynamicEmbeddingTables(
+                [DynamicEmbTableOptions(storage_path=str(tmp_path), score_strategy=other, **opts)], ["t"])
+    m = BatchedDynamicEmbeddingTables([lfu], ["t"])
+    assert m.table_stats()["t"]["size"] == 100
+    assert {s for b in m.storage.export_rows(0) for s in b.scores.tolist()} == {1}  # the counts, as stored
+
+
 def test_a_refused_reopen_releases_the_store(tmp_path):
     """A module that fails to open over a storage_path closes the FileStore
     it made (its locks and maps), even while the error is still held."""
