@@ -581,16 +581,20 @@ class HashTableStorage(EmbeddingStorage):
                 values, state = values.materialize(), state.materialize()
             yield RowBatch(b.keys, values, state, b.scores, ts)
 
-    def load_rows(self, table_id: int, batch: RowBatch) -> None:
+    def load_rows(self, table_id: int, batch: RowBatch, own_slots: bool = False) -> None:
         """Stores entries exactly as exported (values, optimizer state or a
         fresh one when None (state_init), scores), growing the table as needed. Raises, naming the
         table, when a key cannot be stored or displaces another: a load never
-        drops keys silently."""
+        drops keys silently. own_slots: in this storage's slots as they are,
+        not through its placement and never evicting (a cache's share of a
+        cached table's load)."""
         g, lt = self.group_of[table_id]
         ht, _ = self.groups[g]
         keys = batch.keys.to(device=self.device, dtype=torch.int64).contiguous()
         lts = torch.full_like(keys, lt)
-        out = self._store(g, keys, lts, self.insert_scores(g, lts, torch.ones_like(keys), 0))
+        scores = self.insert_scores(g, lts, torch.ones_like(keys), 0)
+        out = (ht.insert(keys, lts, scores=scores, evict=False, list_evicted=False) if own_slots
+               else self._store(g, keys, lts, scores))
         failed = int((out.results == InsertResult.FAILED).sum())
         displaced = int((out.results == InsertResult.EVICTED).sum())  # (insert_growing lists no evicted keys)
         if failed or displaced:

@@ -62,6 +62,21 @@ def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], op
                                               if optim else None, scores, ts))
 
 
+def check_distinct(name: str, keys: List[torch.Tensor], source: str, rank: int, world: int) -> int:
+    """The number of keys of table `name` that a load gives this rank;
+    refuses a key given twice (a table holds each key once: a load would
+    keep one of its rows and drop the other unsaid)."""
+    k = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+    distinct, counts = torch.unique(k, return_counts=True)
+    if distinct.numel() != k.numel():
+        twice = distinct[counts > 1]
+        raise CheckpointError(f"table {name!r}: {int((counts - 1).sum())} of the {k.numel()} keys of {source} that "
+                              f"go to rank {rank} of {world} repeat keys given before (key {int(twice[0])}, "
+                              f"{int(counts.max())} times); a checkpoint holds each key once, so it is damaged or "
+                              f"merged from overlapping ones")
+    return k.numel()
+
+
 def build_counter(name: str, adm, keys: torch.Tensor, counts: torch.Tensor, source: str, rank: int, world: int,
                   fix: str):
     """The admission count table of `keys` (distinct) and `counts` that a
@@ -187,16 +202,16 @@ def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
     for name, ref in tables.items():
         meta, same = manifest["tables"][name], plan.same_layout[name]
         num_embeddings = ref.options.num_embeddings
-        rows = 0
-        ckeys, ccounts = [], []
+        keys, ckeys, ccounts = [], [], []
         for entry in plan.files[name]:
             if entry["kind"] == "part":
-                rows += _mine(read_tensors(path, entry, ["keys"]), same, meta, world, rank,
-                              num_embeddings)["keys"].numel()
+                keys.append(_mine(read_tensors(path, entry, ["keys"]), same, meta, world, rank,
+                                  num_embeddings)["keys"])
             else:
                 c = _mine(read_tensors(path, entry, ["keys", "counts"]), same, meta, world, rank, num_embeddings)
                 ckeys.append(c["keys"])
                 ccounts.append(c["counts"])
+        rows = check_distinct(name, keys, f"the dump at {path}", rank, world)
         cap = ref.storage.max_rows(ref.index)
         if cap is not None and rows > cap:
             raise CheckpointError(f"table {name!r}: {rows} keys of the dump at {path} go to rank {rank} of {world}, "

@@ -33,7 +33,7 @@ from dynamicemb import rules
 from dynamicemb.admission import CounterNotCheckpointable
 from dynamicemb.checkpoint.dump import counter_parts, shard_parts
 from dynamicemb.checkpoint.format import CheckpointError
-from dynamicemb.checkpoint.load import build_counter, check_table, restore_rows
+from dynamicemb.checkpoint.load import build_counter, check_distinct, check_table, restore_rows
 from dynamicemb.checkpoint.native_rows import WEIGHT, check_cover, weight_rows
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables
@@ -291,7 +291,7 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
     model's empty template, then each slot's, as DCP loaded them)."""
     where = f"table {name!r} in the state dict"
     cols = {c: [t] for c, t in _template(ref).items()}
-    got, meta = [], None
+    got, meta, given = [], None, []
     for key, value in entries.items():
         data = value.data() if isinstance(value, TableSlot) else value
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -300,6 +300,10 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
             raise CheckpointError(f"{where}: entry {key!r} holds slot {data['slot']} of {data['slots']} (format "
                                   f"version {data['version']}); this model reads {slots} slots ({SLOTS_ENV}) of "
                                   f"format version {VERSION}")
+        given.append(data)
+    # In slot order, which is the save's export order on each rank (a cached
+    # table's load relies on it: its store's rows come first, see load_rows).
+    for data in sorted(given, key=lambda d: d["slot"]):
         check_table(where, ref, data["meta"], True)
         if data.get("counter_keys") is not None and "counter_keys" not in cols:
             raise CheckpointError(f"{where}: it holds admission counts, but the model's table has no admission "
@@ -451,7 +455,7 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
     try:
         for name in todo:
             ref, rows = tables[name], routed[name]
-            cap, n = ref.storage.max_rows(ref.index), sum(k.shape[0] for k in rows["keys"])
+            cap, n = ref.storage.max_rows(ref.index), check_distinct(name, rows["keys"], "the state dict", rank, world)
             if cap is not None and n > cap:
                 raise CheckpointError(f"table {name!r}: {n} keys of the state dict go to rank {rank} of {world}, "
                                       f"more than the table's maximum capacity there ({cap} rows)")

@@ -134,8 +134,10 @@ class CacheCheckpoint:
             self.store.close()
 
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
+        """A cached table's store rows, then its cache's: a load in this order
+        places each key where it was (load_rows), so that a full table's
+        checkpoint fits it again."""
         self._settle()
-        yield from self.tables.export_rows(table_id, batch_size, lazy)
         if self.cached[table_id]:
             dim = self.dims[table_id]
             width = self.widths[table_id]
@@ -143,6 +145,7 @@ class CacheCheckpoint:
                 rows, ts = self.times.split(table_id, rows)
                 yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:width], scores.to(self.device),
                                None if ts is None else ts.to(self.device))
+        yield from self.tables.export_rows(table_id, batch_size, lazy)
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
         self._settle()
@@ -168,10 +171,23 @@ class CacheCheckpoint:
         rows = torch.cat([batch.values.cpu(), state.cpu().to(batch.values.dtype)], 1)
         if self.times.cols[table_id]:  # with their access times (none given: now)
             rows = self.times.join(table_id, rows.to(self.dtype), batch.timestamps, self.now(table_id))
-        lost = self.store.put(self.names[table_id], batch.keys.cpu(), rows, batch.scores.cpu().to(torch.int64))
+        # Into the store while it has room, then the rest into the cache: in
+        # export_rows' order (the store's rows first), a full table's own
+        # checkpoint puts every key back in the tier it came from.
+        left_out, lost = self.store.put_if_room(self.names[table_id], batch.keys.cpu(), rows,
+                                                batch.scores.cpu().to(torch.int64))
         if lost:
             raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {lost} of the loaded keys do not fit "
-                               f"(at most {self.table_max_rows[table_id]} rows on this rank)")
+                               f"(at most {self.max_rows(table_id)} rows on this rank)")
+        if bool(left_out.any()):
+            at = where_true(left_out)
+            pick = (lambda x: None if x is None else x.index_select(0, at.to(x.device)))
+            try:
+                self.tables.load_rows(table_id, RowBatch(*(pick(x) for x in batch)), own_slots=True)
+            except RuntimeError as e:
+                raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {int(at.numel())} of the loaded "
+                                   f"keys fit neither its store nor its cache (at most {self.max_rows(table_id)} rows "
+                                   f"on this rank, both tiers full): {e}") from None
 
     def clear_table(self, table_id: int) -> int:
         self._settle()
@@ -184,7 +200,11 @@ class CacheCheckpoint:
         return removed
 
     def max_rows(self, table_id: int) -> int:
-        return self.table_max_rows[table_id] if self.cached[table_id] else self.tables.max_rows(table_id)
+        """A cached table's: its store's room and its cache's rows."""
+        if not self.cached[table_id]:
+            return self.tables.max_rows(table_id)
+        room = self.store.room(self.names[table_id])
+        return max(room or 0, self.table_max_rows[table_id]) + self.tables.max_rows(table_id)
 
     def budget_reached(self, table_id: int):
         """A cache never grows: only an uncached table can reach its budget."""

@@ -121,12 +121,41 @@ class KeyIndex:
         if not keys.numel():
             return _empty_entries()
         tids = self._tids(tids)
+        failed = self._place(keys, positions, scores, tids)
+        if failed is None:
+            return _empty_entries()
+        ht = self.ht
+        evicted = []
+        while bool(failed.any()):  # at the maximum: evict (a new call, so this add's own keys may go too)
+            sel = where_true(failed)
+            last = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=True)
+            ev = last.evicted
+            evicted.append(Entries(ev.keys, self.pos[ev.indices].clone(), ev.scores, ev.table_ids))
+            ok = last.results != InsertResult.FAILED
+            self.pos[last.indices[ok]] = positions[sel[ok]]
+            failed = failed.clone()
+            failed[sel[ok]] = False
+        if not evicted:
+            return _empty_entries()
+        return Entries(*(torch.cat(parts) for parts in zip(*evicted)))
+
+    def add_if_room(self, keys: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor,
+                    tids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """add, evicting nothing: the keys that find no slot (their bucket
+        full with the table at its maximum) are left out; returns a mask of them."""
+        failed = self._place(keys, positions, scores, self._tids(tids)) if keys.numel() else None
+        return torch.zeros(keys.shape, dtype=torch.bool) if failed is None else failed
+
+    def _place(self, keys, positions, scores, tids) -> Optional[torch.Tensor]:
+        """Inserts the keys with their positions, growing (doubling) tables
+        below their maximum as their buckets fill; returns a mask of the keys
+        left without a slot (None: none was)."""
         ht = self.ht
         failures = ht.get_counters()["failed"]  # read, not a pass over the results
         out = ht.insert(keys, tids, scores=scores, evict=False)
         if ht.get_counters()["failed"] == failures:  # the usual case: every key found a free slot
             scatter_rows(self.pos.view(-1, 1), out.indices, positions.view(-1, 1))
-            return _empty_entries()
+            return None
         failed = out.results == InsertResult.FAILED
         ok = where_true(~failed)
         self.pos[out.indices[ok]] = positions[ok]
@@ -144,19 +173,7 @@ class KeyIndex:
             self.pos[out.indices[ok]] = positions[sel[ok]]
             failed = failed.clone()
             failed[sel[ok]] = False
-        evicted = []
-        while bool(failed.any()):  # at the maximum: evict (a new call, so this add's own keys may go too)
-            sel = where_true(failed)
-            last = ht.insert(keys[sel], None if tids is None else tids[sel], scores=scores[sel], evict=True)
-            ev = last.evicted
-            evicted.append(Entries(ev.keys, self.pos[ev.indices].clone(), ev.scores, ev.table_ids))
-            ok = last.results != InsertResult.FAILED
-            self.pos[last.indices[ok]] = positions[sel[ok]]
-            failed = failed.clone()
-            failed[sel[ok]] = False
-        if not evicted:
-            return _empty_entries()
-        return Entries(*(torch.cat(parts) for parts in zip(*evicted)))
+        return failed
 
     def _grow(self, caps: Sequence[int]) -> None:
         slots = sum(caps)

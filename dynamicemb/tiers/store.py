@@ -211,6 +211,19 @@ class BackingStore(abc.ABC):
         """Stores distinct keys that are not in the store; returns how many
         keys (these or others) it evicted to stay within max_rows."""
 
+    def put_if_room(self, name: str, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
+                    ) -> Tuple[torch.Tensor, int]:
+        """put for a checkpoint load, which must not displace keys: (a mask of
+        the keys left out for want of room, how many keys it evicted). A
+        store that can leave keys out stores the others and evicts none (the
+        cache then takes those keys); by default: put, evicting."""
+        return torch.zeros(keys.shape, dtype=torch.bool), self.put(name, keys, rows, scores)
+
+    def room(self, name: str) -> Optional[int]:
+        """The most keys table `name` holds (at least open_table's max_rows,
+        where a store rounds it up); None where the store cannot tell."""
+        return None
+
     @abc.abstractmethod
     def items(self, name: str, batch_size: int = 1 << 16) -> Iterator[Rows]:
         """Every (keys, rows, scores) of a table, in batches."""
@@ -345,6 +358,19 @@ class IndexedStore(BackingStore):
 
     def put(self, name, keys, rows, scores):
         return self.put_group([name], {0: (keys, rows, scores)})[0]
+
+    def put_if_room(self, name, keys, rows, scores):
+        t = self._table(name)
+        if not keys.numel():
+            return torch.zeros(0, dtype=torch.bool), 0
+        positions = self._write(name, rows)
+        left_out = self._index.add_if_room(keys, positions, scores, torch.full_like(keys, t))
+        if bool(left_out.any()):
+            self._drop(name, positions[left_out])
+        return left_out, 0
+
+    def room(self, name):
+        return self._index.max_slots[self._table(name)]
 
     def put_group(self, names, parts):
         lost = {j: 0 for j in parts}

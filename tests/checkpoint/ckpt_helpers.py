@@ -236,7 +236,8 @@ def entries(model) -> dict:
         w = rows_of(t).index_select(0, rows) if rows_of is not None else st.weights()[t][rows].clone()
         dim = ref.options.dim
         out[name] = dict(keys=keys, values=w[:, :dim], state=w[:, dim:], scores=ht.slot_scores[slots].clone(),
-                         ts=ht.slot_timestamps[slots].clone() if ht.slot_timestamps.numel() else None)
+                         ts=ht.slot_timestamps[slots].clone() if ht.slot_timestamps.numel() else None,
+                         slots=slots - sum(ht.capacities()[:lt]))  # in the logical table
     out["_modules"] = sorted((tuple(m.table_names), m.step, m.optimizer_step) for m in dynamic_modules(model))
     return out
 

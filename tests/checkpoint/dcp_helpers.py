@@ -208,6 +208,12 @@ def check_round_trip(ranks, w):
     assert len(saved["entries"]) == w
     assert all(e[t]["keys"].numel() >= 3 for e in saved["entries"] for t in ROWS), "a rank holds too few keys"
     H.assert_same_entries(saved["entries"], loaded["entries"], saved["ns"], loaded["ns"])
+    if "slots" in saved["entries"][0][ROWS[0]]:
+        # Each key in its slot again, so that eviction breaks ties as it would have (the
+        # lowest slot of equal scores): the slots load in slot order, not DCP's order of them.
+        for a, b in zip(saved["entries"], loaded["entries"]):
+            for t in ROWS:
+                assert torch.equal(a[t]["slots"], b[t]["slots"]), f"{t}: keys in other slots after the load"
     assert_same_counters(saved["entries"], loaded["entries"])
     assert [e["_modules"] for e in loaded["entries"]] == [e["_modules"] for e in saved["entries"]]
     H.assert_same_outputs(loaded["out"], saved["out"], exact=True)

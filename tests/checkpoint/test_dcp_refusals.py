@@ -15,6 +15,7 @@ import copy
 import io
 import os
 import pickle
+import re
 import sys
 
 import pytest
@@ -37,10 +38,10 @@ def _refused(fn, *args, **kwargs) -> str:
     return ""
 
 
-def _load_refused(model, path, pg) -> dict:
-    """A refused load leaves the model as it was."""
+def _load_refused(model, path, pg, load=None) -> dict:
+    """A refused load (D.load of path, or `load`) leaves the model as it was."""
     before = H.entries(model)
-    msg = _refused(D.load, model, path, pg)
+    msg = _refused(D.load, model, path, pg) if load is None else _refused(load)
     after = H.entries(model)
     unchanged = all(torch.equal(before[t][c], after[t][c]) for t in H.TABLES for c in ("keys", "values", "state"))
     return dict(msg=msg, unchanged=unchanged and before["_modules"] == after["_modules"])
@@ -73,6 +74,21 @@ def _scenarios(rank, world, root):
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=pg)
     tight = D.build(pg, ADAM, t_hash=dict(bucket_capacity=16, max_capacity=-(-int(n) // 16) * 16))
     res["bucket_overflow"] = dict(msg=_refused(D.load, tight, os.path.join(root, "big"), pg), keys=int(n))
+
+    # A key given twice (one slot on rank 0 tampered with): refused on every
+    # rank, naming the table and the key, before any row is loaded.
+    import torch.distributed.checkpoint as dcp
+    dup = D.build(pg, ADAM)
+    H.train(dup, pg, [9])
+    sd = dup.state_dict()
+    dcp.load(sd, checkpoint_id=path, process_group=pg)
+    if rank == 0:
+        k = next(k for k, v in sd.items() if k.startswith("ebc.embedding_bags.t_hash.dynamicemb.") and
+                 v["keys"].numel())
+        res["twice_key"] = int(sd[k]["keys"][0])
+        for c in ("keys", "values", "optimizer_state", "scores"):
+            sd[k][c] = torch.cat([sd[k][c], sd[k][c][:1]])
+    res["twice"] = _load_refused(dup, path, pg, load=lambda: dup.load_state_dict(sd))
 
     os.environ[SLOTS_ENV] = "64"  # the save used the default (128)
     res["slots"] = _load_refused(D.build(pg, ADAM), path, pg)
@@ -124,6 +140,14 @@ def _scenarios(rank, world, root):
 @pytest.fixture(scope="module")
 def ranks():
     return H.run_in_scratch("dynamicemb-dcp-refusals-", _scenarios, 2)
+
+
+def test_a_key_given_twice_is_refused_on_every_rank(ranks):
+    key = ranks[0]["twice_key"]
+    for r in ranks:
+        assert r["twice"]["unchanged"]
+        assert re.search(rf"CheckpointError: table 't_hash': 1 of the \d+ keys of the state dict .*\(key {key}, "
+                         rf"2 times\)", r["twice"]["msg"]), r["twice"]["msg"]
 
 
 def test_a_table_of_another_dim_is_refused_by_name(ranks):

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 import ckpt_helpers as H
 from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbScoreStrategy, DynamicEmbTableOptions, EmbOptimType
-from dynamicemb.checkpoint import DynamicEmbLoad
+from dynamicemb.checkpoint import CheckpointError, DynamicEmbLoad
 from dynamicemb.checkpoint.__main__ import main as checkpoint_main
 from dynamicemb.checkpoint.nvidia import NvidiaImportError, import_nvidia
 from dynamicemb.routing import owners
@@ -343,3 +343,25 @@ def test_command_line(tmp_path, capsys):
     assert "checksums ok" in capsys.readouterr().out
     assert checkpoint_main(["import-nvidia", src, dst]) == 1  # never over an existing path
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_is_refused_before_any_row_loads(tmp_path):
+    """A dump holding a key twice (here two rank files of theirs, both with
+    it): a load would keep one of its rows and drop the other unsaid, so it
+    refuses, naming the table and the key, and the model keeps its rows."""
+    rows = source_rows(4, S.STEP, seed=8)
+    twice = int(rows["keys"][0])
+    parts = split_by_owner(rows, "hash_roundrobin", 2)
+    other = next(p for p in parts if twice not in p["keys"].tolist())
+    for col in ("keys", "values", "scores", "opt"):
+        other[col] = torch.cat([other[col], rows[col][:1]])
+    write_dump(str(tmp_path / "src"), "a", parts, ADAM_ARGS)
+    import_nvidia(str(tmp_path / "src"), str(tmp_path / "dst"), score_strategy="STEP")
+    m = _plain(EmbOptimType.ADAM, dim=4)
+    m(torch.tensor([1, 2]), torch.tensor([0, 2])).sum().backward()
+    before = H.entries(m)["a"]
+    n = rows["keys"].numel() + 1
+    with pytest.raises(CheckpointError, match=rf"table 'a': 1 of the {n} keys .* \(key {twice}, 2 times\)"):
+        DynamicEmbLoad(str(tmp_path / "dst"), m)
+    after = H.entries(m)["a"]
+    assert all(torch.equal(before[c], after[c]) for c in ("keys", "values", "state", "scores"))

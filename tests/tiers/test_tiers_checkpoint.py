@@ -15,7 +15,7 @@ from dynamicemb.incremental_dump import incremental_dump
 from dynamicemb.inference import InferenceEmbeddingTable
 from dynamicemb.inference.convert import to_inference
 from dynamicemb.tiers import FileStore
-from tier_helpers import BUCKET, all_rows, batches, module, step
+from tier_helpers import BUCKET, all_rows, batches, make_store, module, step
 
 ADAM = EmbOptimType.ADAM
 
@@ -82,6 +82,37 @@ def test_dump_and_load_round_trip_through_cached_modules(tmp_path):
     plain = module(ADAM, strategy=S.STEP)
     DynamicEmbLoad(str(tmp_path / "from_cached"), plain)
     _assert_same_tables(fresh, plain)
+
+
+def _tiers(m, t):
+    s = m.table_stats()[f"t{t}"]
+    return s["cache_rows"], s["store_rows"]
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_a_full_cached_tables_own_dump_loads_back_whole(tmp_path, kind):
+    """Trained past its maximum, a cached table holds its store's room plus
+    its cache's rows (more than max_capacity). Its dump loads back into the
+    same module: the store's rows first while it has room, the rest into the
+    cache (a load used to put every row into the store, and refused the
+    table's own dump)."""
+    def fresh(name):
+        store = make_store(kind, tmp_path / name)
+        return module(ADAM, store, cache_rows=256, strategy=S.STEP, max_capacity=1024)
+    m = fresh("a")
+    for b in batches(40, seed=5):
+        step(m, b)
+    before = [(all_rows(m, t), _scores(m, t), _tiers(m, t)) for t in range(2)]
+    for rows, _, (cache, store) in before:
+        assert cache == 256 and store > 1000 and len(rows) == cache + store  # both tiers full: > max_capacity
+    DynamicEmbDump(str(tmp_path / "dump"), m)
+    n = fresh("b")
+    DynamicEmbLoad(str(tmp_path / "dump"), n)
+    for t, (rows, scores, tiers) in enumerate(before):
+        got = all_rows(n, t)
+        assert got.keys() == rows.keys() and all(torch.equal(got[k], rows[k]) for k in rows), f"t{t}"
+        cache, store = _tiers(n, t)
+        assert _scores(n, t) == scores and cache <= 256 and cache + store == sum(tiers), f"t{t}"
 
 
 @pytest.mark.parametrize("strategy", [S.STEP, S.TIMESTAMP])

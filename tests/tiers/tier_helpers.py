@@ -77,9 +77,11 @@ def module(optimizer=EmbOptimType.EXACT_SGD, store=None, cache_rows: int = 256, 
     keeps cache_rows rows in its cache; `options`: more table options."""
     width = DIM * (3 if optimizer == EmbOptimType.ADAM else 1) + (1 if optimizer ==
                                                                    EmbOptimType.EXACT_ROWWISE_ADAGRAD else 0)
-    extra = dict(options) if strategy is None else {"score_strategy": strategy, **options}
+    extra = {"max_capacity": 1 << 15, **options}
+    if strategy is not None:
+        extra["score_strategy"] = strategy
     cached = store is not None or storage_path is not None
-    opts = [DynamicEmbTableOptions(dim=DIM, max_capacity=1 << 15, bucket_capacity=BUCKET, caching=cached,
+    opts = [DynamicEmbTableOptions(dim=DIM, bucket_capacity=BUCKET, caching=cached,
                                    global_hbm_for_values=cache_rows * width * 4 if cached else 0,
                                    backing_store=store, storage_path=storage_path, **extra) for _ in range(tables)]
     return BatchedDynamicEmbeddingTables(opts, table_names=[f"t{i}" for i in range(tables)], optimizer=optimizer,
