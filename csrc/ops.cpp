@@ -133,7 +133,9 @@ TORCH_LIBRARY(dynamicemb, m) {
   // With skip_nonfinite, a row whose summed gradient is not finite (a NaN /
   // inf reached it, or its sum overflowed) is left as it was; the result
   // counts those rows per table (int64 [num_tables], zeros without it), on
-  // the rows' device: no host synchronisation.
+  // the rows' device: no host synchronisation. max_gradient > 0: FBGEMM's
+  // gradient_clipping, each element of grad_output clamped to
+  // [-max_gradient, max_gradient] before it is summed per key.
   m.def(
       "emb_backward_update(Tensor grad_output, Tensor(a!)[] weights, Tensor rows, "
       "Tensor unique_table_ids, Tensor inverse, Tensor offsets, int[] feature_table, int[] dims, "

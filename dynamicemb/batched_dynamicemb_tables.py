@@ -15,6 +15,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
+from dynamicemb import rules
 from dynamicemb._ops import ops
 from dynamicemb.aliases import renamed
 from dynamicemb.contiguous import contiguous_as
@@ -122,8 +123,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             or DECOUPLE; NONE by default, as the TBE's), EXACT_SGD and
             EXACT_ADAGRAD take no weight decay.
         gradient_clipping, max_gradient: FBGEMM's; with clipping, each
-            element of a row's reduced gradient is clamped to
-            [-max_gradient, max_gradient] before the update (any optimizer).
+            element of the output gradient is clamped to [-max_gradient,
+            max_gradient] before it is summed per key (any optimizer).
         initial_accumulator_value: where the Adagrad accumulators
             (EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD) of a new row start
             (torch.optim.Adagrad's name; 0 by default); refused for others.
@@ -193,6 +194,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")
         self.embedding_dtype = dtypes.pop()
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
+        if self.embedding_dtype != torch.float32 and any(widths):
+            warnings.warn(
+                f"dynamicemb: tables {self.table_names}: {rules.optimizer(self.optimizer).name}'s state is kept in "
+                f"the tables' {self.embedding_dtype} (a row holds [value | state]), where FBGEMM's TBE keeps it in "
+                f"float32: in float16 an Adagrad accumulator saturates at 65504 (its row then stops training) and "
+                f"Adam's second moment underflows below 6e-8 (its steps grow); in bfloat16 it keeps 8 bits of "
+                f"mantissa. Use float32 tables (or EXACT_SGD) where that matters", RuntimeWarning, stacklevel=2)
         self.storage = storage or make_storage(self.table_names, self.table_options, widths, self.embedding_dtype,
                                                self.device, seed, init_streams, [state_init] * self.num_tables)
         # A reopened persistent store (storage_path) resumes the counters of its last flush.

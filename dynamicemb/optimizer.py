@@ -94,8 +94,9 @@ def _finite(name: str, value) -> float:
 
 def clipping_bound(gradient_clipping: bool, max_gradient: float) -> float:
     """FBGEMM's gradient_clipping / max_gradient as the kernels take it: each
-    element of a row's reduced gradient is clamped to [-max_gradient,
-    max_gradient] before the update (every optimizer); 0 = no clipping."""
+    element of the output gradient is clamped to [-max_gradient,
+    max_gradient] before it is summed per key (every optimizer); 0 = no
+    clipping."""
     if not gradient_clipping:
         return 0.0
     bound = _finite("max_gradient", max_gradient)

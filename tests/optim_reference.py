@@ -5,10 +5,11 @@ the spec where its CPU TBE has no kernel), for tests to compare against.
 Rows are kept per key as [weights (D) | optimizer state] in our layout
 (ADAGRAD: D sums; ROWWISE_ADAGRAD: 1; ADAM: m1 (D), m2 (D);
 PARTIAL_ROWWISE_ADAM: m1 (D), v (1); LAMB: m1 (D), m2 (D)). A step takes each key's gradient
-summed over the batch (as a TBE reduces it), clamps it with FBGEMM's
-gradient_clipping when given, and applies the rule. Decay modes: NONE only
+summed over the batch (as a TBE reduces it) and applies the rule. FBGEMM's
+gradient_clipping clamps the output gradient before that sum (each bag's
+pooled gradient): callers sum clip(output gradient). Decay modes: NONE only
 (weight_decay is the ADAM family's decoupled-in-update term)."""
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
@@ -25,11 +26,9 @@ ACCUMULATORS = ("EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD")
 
 class ReferenceOptimizer:
     def __init__(self, name: str, dim: int, lr: float = 0.01, eps: float = 1e-8, beta1: float = 0.9,
-                 beta2: float = 0.999, weight_decay: float = 0.0, max_gradient: Optional[float] = None,
-                 initial_accumulator_value: float = 0.0):
+                 beta2: float = 0.999, weight_decay: float = 0.0, initial_accumulator_value: float = 0.0):
         self.name, self.D = name, dim
         self.lr, self.eps, self.b1, self.b2, self.wd = lr, eps, beta1, beta2, weight_decay
-        self.max_gradient = max_gradient
         self.init_acc = initial_accumulator_value if name in ACCUMULATORS else 0.0
         self.rows: Dict[int, torch.Tensor] = {}
         self.t = 0  # updates so far (the module's optimizer_step: one per backward)
@@ -44,8 +43,6 @@ class ReferenceOptimizer:
         self.t += 1
         for key, g in grads.items():
             g = g.to(torch.float64)
-            if self.max_gradient is not None:
-                g = g.clamp(-self.max_gradient, self.max_gradient)
             self.rows[key] = self._update(self.rows[key].clone(), g)
 
     def _update(self, row: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

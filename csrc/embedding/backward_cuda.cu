@@ -186,8 +186,7 @@ Tensor backward_update_cuda(const Tensor& grad_output, TensorList weights, const
               "dynamicemb: grad_output must be a contiguous float32 2-D tensor on ", dev);
   const GradColumns cols = check_backward(grad_output, n, bags.B, bags.table, R.dim, R.stride, pooling, optimizer,
                                           weight_decay_mode, max_gradient);
-  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode,
-                                               max_gradient);
+  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode);
   Tensor skipped = at::zeros({R.num_tables()}, rows.options());
   if (U == 0) return skipped;
 
@@ -205,7 +204,7 @@ Tensor backward_update_cuda(const Tensor& grad_output, TensorList weights, const
   }
   const Tensor tabs = upload(table_facts(R, {}), dev, stream);
   const Tensor feats = upload(feature_facts(bags, cols.col), dev, stream);
-  const GradSource src{grad_output.data_ptr<float>(),
+  const GradSource src{cols.grad.data_ptr<float>(),
                        occ.data_ptr<int64_t>(),
                        bag.data_ptr<int64_t>(),
                        bags.off,

@@ -5,6 +5,7 @@
 // device kernel); the verdict on what was read is here.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/clamp.h>
 #include <c10/util/ArrayRef.h>
 
 #include <limits>
@@ -85,16 +86,23 @@ inline void check_optimizer(int64_t optimizer, int64_t weight_decay_mode) {
 }
 
 // Where each feature's gradient is in grad_output: col[f] its first column
-// (pooled; col[F] = width), width the row width of grad_output.
+// (pooled; col[F] = width), width the row width of grad_output; grad, the
+// output gradient the backward reads (grad_output, clipped).
 struct GradColumns {
   std::vector<int64_t> col;
   int64_t width;
+  at::Tensor grad;
 };
 
 // emb_backward_update's checks once its tensors' own are done: the codes,
 // max_gradient,
 // each table's room for its optimizer state (rows [rows, stride]) and the
 // shape of grad_output for n indices in bags of B per feature.
+// FBGEMM's gradient_clipping (max_gradient > 0), as its TBE backward does
+// it on both devices: each element of the output gradient (a bag's pooled
+// gradient; an index's row without pooling) is clamped to [-max_gradient,
+// max_gradient] before per-sample weights and MEAN's 1 / L scale it and the
+// occurrences of a key are summed. A NaN stays a NaN (skip_nonfinite's).
 inline GradColumns check_backward(const at::Tensor& grad_output, int64_t n, int64_t B,
                                   const std::vector<int64_t>& feature_table, const std::vector<int64_t>& dim,
                                   const std::vector<int64_t>& stride, int64_t pooling, int64_t optimizer,
@@ -106,7 +114,8 @@ inline GradColumns check_backward(const at::Tensor& grad_output, int64_t n, int6
     TORCH_CHECK(stride[t] >= dim[t] + optim::state_width(optimizer, dim[t]), "dynamicemb: table ", t,
                 " rows have no room for the optimizer state");
   const int64_t F = static_cast<int64_t>(feature_table.size());
-  GradColumns g{std::vector<int64_t>(F + 1, 0), 0};
+  GradColumns g{std::vector<int64_t>(F + 1, 0), 0,
+                max_gradient > 0.0 ? grad_output.clamp(-max_gradient, max_gradient) : grad_output};
   for (int64_t f = 0; f < F; ++f) g.col[f + 1] = g.col[f] + dim[feature_table[f]];
   g.width = pooling == kNone ? dim[feature_table[0]] : g.col[F];
   TORCH_CHECK(grad_output.size(1) == g.width && grad_output.size(0) == (pooling == kNone ? n : B),

@@ -520,12 +520,11 @@ Tensor backward_update_cpu(const Tensor& grad_output, TensorList weights, const 
                                           weight_decay_mode, max_gradient);
   const std::vector<int64_t>& doff = cols.col;
   const int64_t total_d = cols.width;
-  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode,
-                                               max_gradient);
+  const optim::Params p = optim::make_params(optimizer, lr, eps, beta1, beta2, weight_decay, step, weight_decay_mode);
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* ut = unique_table_ids.data_ptr<int64_t>();
-  const float* grad = grad_output.data_ptr<float>();
+  const float* grad = cols.grad.data_ptr<float>();
   // Each unique key's occurrences as (gradient slice, scale), in input order
   // (deterministic sums): a counting sort by unique id. Each thread owns a
   // range of unique ids and scans every index, so there are no per-thread

@@ -47,22 +47,13 @@ struct Params {
   int64_t step;               // the module's update count, >= 1 at the first update
   int64_t weight_decay_mode;  // WeightDecayMode
   float derived[2];           // per-call constants of the rule (its prepare()), computed on the host
-  float max_gradient;         // > 0: FBGEMM's gradient_clipping, every rule (see clip); 0: off
 };
 
-// FBGEMM's gradient_clipping / max_gradient: each element of a row's reduced
-// gradient (the sum over the batch's occurrences of its key) is clamped to
-// [-max_gradient, max_gradient] before any rule sees it.
-// kClip is the call's (max_gradient > 0), decided once per row by
-// update_row: no branch per element in the update loops.
-template <bool kClip>
-DE_HD float clip(float g, const Params& p) {
-  if constexpr (kClip) return fminf(fmaxf(g, -p.max_gradient), p.max_gradient);
-  return g;
-}
+// (FBGEMM's gradient_clipping clamps the output gradient before it is
+// reduced per key: bag_checks.h's check_backward.)
 
 // emb_backward_update's skip_nonfinite: a row takes its update only if every
-// element of its reduced gradient is finite (before clipping); else a NaN /
+// element of its reduced gradient is finite (after clipping); else a NaN /
 // inf reached the row, or its sum overflowed. g - g is exactly 0 for a
 // finite g and NaN for an inf or a NaN (the CPU sums it in vectors).
 DE_HD bool finite(float g) { return g - g == 0.0f; }
@@ -267,7 +258,7 @@ inline int64_t state_width(int64_t code, int64_t dim) {
 
 // The kernels' parameters of one update call (emb_backward_update's arguments).
 inline Params make_params(int64_t code, double lr, double eps, double beta1, double beta2, double weight_decay,
-                          int64_t step, int64_t weight_decay_mode, double max_gradient) {
+                          int64_t step, int64_t weight_decay_mode) {
   Params p{static_cast<float>(lr),
            static_cast<float>(eps),
            static_cast<float>(beta1),
@@ -275,8 +266,7 @@ inline Params make_params(int64_t code, double lr, double eps, double beta1, dou
            static_cast<float>(weight_decay),
            step,
            weight_decay_mode,
-           {1.0f, 1.0f},
-           max_gradient > 0.0 ? static_cast<float>(max_gradient) : 0.0f};
+           {1.0f, 1.0f}};
   dispatch(code, [&](auto r) { decltype(r)::prepare(p); });
   return p;
 }
@@ -304,11 +294,10 @@ DE_HD void on_element(W* row, int64_t D, int64_t d, Fn fn) {
 // elements with their gradients: walk.for_each(fn) calls fn(d, g) for every
 // element d; walk.sum(term) is the sum of term(d, g) over the elements in
 // element order, rounded per step (a sequential loop's result); walk.once(fn)
-// runs fn once, after every element has been visited. Every gradient goes
-// through clip() first. A row-wise rule's sums read each element's weight and
-// state as they were before the update.
-template <class Rule, bool kClip, class W, class Walk>
-DE_HD void update_row_as(W* row, int64_t D, Walk& walk, const Params& p) {
+// runs fn once, after every element has been visited. A row-wise rule's sums
+// read each element's weight and state as they were before the update.
+template <class Rule, class W, class Walk>
+DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
   constexpr int64_t S = Rule::kStatePerDim;
   if constexpr (Rule::kRowwise) {
     constexpr int64_t R = Rule::kStateFixed;
@@ -318,31 +307,22 @@ DE_HD void update_row_as(W* row, int64_t D, Walk& walk, const Params& p) {
       sums[k] = walk.sum([&](int64_t d, float g) {
         float s[S > 0 ? S : 1];
         load_state<S>(row, D, d, s);
-        return Rule::term(k, clip<kClip>(g, p), static_cast<float>(row[d]), s, p);
+        return Rule::term(k, g, static_cast<float>(row[d]), s, p);
       });
     }
     float rs[R > 0 ? R : 1];
     for (int64_t j = 0; j < R; ++j) rs[j] = static_cast<float>(row_state[j]);
     const typename Rule::Step step = Rule::row(rs, sums, D, p);
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, clip<kClip>(g, p), step, p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::apply(w, s, g, step, p); });
     });
     walk.once([&] {
       for (int64_t j = 0; j < R; ++j) row_state[j] = static_cast<W>(rs[j]);
     });
   } else {
     walk.for_each([&](int64_t d, float g) {
-      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, clip<kClip>(g, p), p); });
+      on_element<S>(row, D, d, [&](float& w, float* s) { Rule::element(w, s, g, p); });
     });
-  }
-}
-
-template <class Rule, class W, class Walk>
-DE_HD void update_row(W* row, int64_t D, Walk& walk, const Params& p) {
-  if (p.max_gradient > 0.0f) {
-    update_row_as<Rule, true>(row, D, walk, p);
-  } else {
-    update_row_as<Rule, false>(row, D, walk, p);
   }
 }
 

@@ -99,6 +99,26 @@ def check_fused_params(fused: Dict[str, Any], tables: Sequence) -> None:
                       f"effect on these tables", stacklevel=3)
 
 
+def torch_names(fused: Dict[str, Any], tables: Sequence) -> Dict[str, Any]:
+    """fused_params with torch.optim's `betas` (set on a parameter with
+    apply_optimizer_in_backward(torch.optim.Adam, ..., {"betas": ...}),
+    which TorchRec passes on as given) as FBGEMM's beta1 / beta2."""
+    if "betas" not in fused:
+        return fused
+    out = dict(fused)
+    betas = out.pop("betas")
+    names = [t.name for t in tables]
+    try:
+        beta1, beta2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"dynamic tables {names}: betas={betas!r} is not a pair of numbers (beta1, beta2)") from None
+    for key, value in (("beta1", beta1), ("beta2", beta2)):
+        if key in out and float(out[key]) != value:
+            raise ValueError(f"dynamic tables {names}: betas={betas!r} and {key}={out[key]!r} disagree")
+        out[key] = value
+    return out
+
+
 def _output_dtype(fused_params) -> torch.dtype:
     dt = fused_params.get("output_dtype", SparseType.FP32)
     return dt.as_dtype() if isinstance(dt, SparseType) else dt
@@ -118,8 +138,8 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
         super().__init__()
         self._config = config
         self._pg = pg
-        fused = dict(config.fused_params or {})
         tables = config.embedding_tables
+        fused = torch_names(dict(config.fused_params or {}), tables)
         check_fused_params(fused, tables)
         extra = {k: fused[k] for k in _HYPER if k in fused}
         options = []

@@ -8,7 +8,8 @@ nothing), and the padding is dropped again where TorchRec expects the VBE
 layout (the routed lengths before the all-to-all; the pooled embeddings
 before the reduce-scatter, rank by rank, feature by feature, sample by
 sample: FBGEMM's VBE output). On gloo, the reduce-scatter of uneven chunks
-gets a backward that gloo can run."""
+(a VBE batch's, or ranks' batches of different sizes) gets a backward that
+gloo can run."""
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -130,8 +131,19 @@ class GlooVariableBatchReduceScatter(torch.nn.Module):
 
 
 class DynamicRwPooledEmbeddingDist(RwPooledEmbeddingDist):
-    """TorchRec's RW output dist, with a VBE batch's reduce-scatter on gloo
-    that can train (GlooVariableBatchReduceScatter)."""
+    """TorchRec's RW output dist, with reduce-scatters of uneven chunks on
+    gloo that can train: a VBE batch's (GlooVariableBatchReduceScatter), and
+    a batch whose ranks have different batch sizes (a short last batch),
+    whose TorchRec backward all-gathers uneven chunks (NCCL only)."""
+
+    def forward(self, local_embs: torch.Tensor, sharding_ctx=None):
+        if (sharding_ctx is not None and not sharding_ctx.variable_batch_per_feature and self._codecs is None
+                and len(set(sharding_ctx.batch_size_per_rank)) > 1 and dist.get_backend(self._pg) == dist.Backend.GLOO):
+            width = local_embs.shape[1]
+            splits = [b * width for b in sharding_ctx.batch_size_per_rank]
+            out = _ReduceScatterV.apply(local_embs.contiguous().view(-1), splits, self._pg)
+            return PooledEmbeddingsAwaitable(NoWait(out.view(-1, width)))
+        return super().forward(local_embs, sharding_ctx)
 
     def _create_output_dist_module(self, sharding_ctx=None) -> None:
         if (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature and self._codecs is None

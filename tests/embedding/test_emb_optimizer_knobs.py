@@ -49,7 +49,7 @@ def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, we
                     initializer_args=DEBUG_INIT, device=device, module_kwargs=mk)
     clip = knobs.get("max_gradient") if knobs.get("gradient_clipping") else None
     refs = [ReferenceOptimizer(optimizer.name, d, lr=mk["learning_rate"], eps=mk["eps"], beta1=mk["beta1"],
-                               beta2=mk["beta2"], weight_decay=weight_decay, max_gradient=clip,
+                               beta2=mk["beta2"], weight_decay=weight_decay,
                                initial_accumulator_value=knobs.get("initial_accumulator_value", 0.0)) for d in dims]
     gen = torch.Generator().manual_seed(11)
     clipped = 0
@@ -60,14 +60,16 @@ def _train_against_reference(optimizer, dims, device, pooling="SUM", steps=4, we
         probe = torch.randn(B, sum(dims[t] for t in FTM), generator=gen)
         out = m(indices.to(device), offsets.to(device))
         (out * probe.to(device)).sum().backward()
-        grads = _key_grads(indices, offsets, probe, dims, pooling == "MEAN")
+        # FBGEMM's clipping: each bag's output gradient, before the sums per key.
+        grads = _key_grads(indices, offsets, probe if clip is None else probe.clamp(-clip, clip), dims,
+                           pooling == "MEAN")
         for (t, k) in grads:
             if k not in refs[t].rows:
                 refs[t].add(k, debug_rows([k], dims[t])[0])
         for t, ref in enumerate(refs):
             ref.step({k: g for (tt, k), g in grads.items() if tt == t})
         if clip is not None:
-            clipped += sum(int((g.abs() > clip).sum()) for g in grads.values())
+            clipped += int((probe.abs() > clip).sum())
         for t, ref in enumerate(refs):
             keys = sorted(ref.rows)
             found, rows = stored(m, t, keys)
@@ -122,11 +124,11 @@ NUM_KEYS, DIMS = [40, 30], [4, 8]
 TBE_FTM = [0, 0, 1]
 
 
-def _tbe(optimizer, accumulator=0.0):
+def _tbe(optimizer, accumulator=0.0, **kw):
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(NUM_KEYS, DIMS)],
         feature_table_map=TBE_FTM, optimizer=optimizer, learning_rate=HYPER["learning_rate"], eps=HYPER["eps"],
-        pooling_mode=PoolingMode.SUM)
+        pooling_mode=PoolingMode.SUM, **kw)
     with torch.no_grad():
         for t, w in enumerate(tbe.split_embedding_weights()):
             w.copy_(debug_rows(range(NUM_KEYS[t]), DIMS[t]))  # our DEBUG initial rows
@@ -149,19 +151,19 @@ def _check_against_tbe(tbe, m, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", FBGEMM_CPU)
-def test_gradient_clipping_equals_fbgemm_fed_clamped_gradients(optimizer):
-    """Each key once per batch (one key per bag, distinct keys): the reduced
-    gradient is the output gradient, so FBGEMM fed it clamped is the reference."""
-    tbe = _tbe(optimizer)
+def test_gradient_clipping_equals_fbgemms(optimizer):
+    """FBGEMM's own gradient_clipping, keys repeated within and across bags:
+    it clamps each bag's output gradient before the sums per key (a key's
+    summed gradient may exceed max_gradient)."""
+    tbe = _tbe(optimizer, gradient_clipping=True, max_gradient=0.2)
     m = make_module(DIMS, optimizer=optimizer, feature_table_map=TBE_FTM, initializer_args=DEBUG_INIT,
                     module_kwargs=dict(HYPER, gradient_clipping=True, max_gradient=0.2))
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
-        keys = [torch.randperm(NUM_KEYS[t], generator=gen)[:2 * B if t == 0 else B] for t in (0, 1)]
-        indices, offsets = bags([[k] for k in keys[0].tolist() + keys[1].tolist()])
+        indices, offsets = random_batch(gen, TBE_FTM, NUM_KEYS, B, max_len=4)
         probe = torch.randn(B, sum(DIMS[t] for t in TBE_FTM), generator=gen)
         (m(indices, offsets) * probe).sum().backward()
-        (tbe(indices, offsets) * probe.clamp(-0.2, 0.2)).sum().backward()
+        (tbe(indices, offsets) * probe).sum().backward()
         _check_against_tbe(tbe, m, optimizer)
 
 

@@ -2,10 +2,13 @@
 (issue 35 §2), naming the field and the value; fields the planner fills in
 later (dim, max_capacity, num_embeddings) may be None until validate(name),
 which checks all again and names the table."""
+import warnings
+
 import pytest
 import torch
 
-from dynamicemb import DynamicEmbInitializerArgs, DynamicEmbScoreStrategy, DynamicEmbTableOptions
+from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbInitializerArgs, DynamicEmbScoreStrategy,
+                        DynamicEmbTableOptions, EmbOptimType)
 from dynamicemb.options import FrequencyAdmissionStrategy, KVCounter
 from emb_helpers import make_module
 
@@ -78,3 +81,18 @@ def test_a_cached_table_must_evict():
         make_module([4], caching=True, global_hbm_for_values=4096,
                     score_strategy=DynamicEmbScoreStrategy.NO_EVICTION)
     make_module([4], caching=True, global_hbm_for_values=4096)  # the default strategy evicts
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_tables_with_optimizer_state_warn_that_it_is_kept_in_their_dtype(dtype):
+    """FBGEMM keeps optimizer state in float32; ours sits in the row, in the
+    table's dtype (an fp16 Adagrad accumulator saturates at 65504)."""
+    def make(optimizer, d=dtype):
+        return BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64, embedding_dtype=d)],
+                                             ["t"], optimizer=optimizer)
+    with pytest.warns(RuntimeWarning, match=rf"tables \['t'\]: EXACT_ADAGRAD's state is kept in the tables' {dtype}"):
+        make(EmbOptimType.EXACT_ADAGRAD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(EmbOptimType.EXACT_SGD)  # no state
+        make(EmbOptimType.ADAM, torch.float32)

@@ -117,3 +117,17 @@ def test_options_of_another_dim_are_refused():
     config.embedding_tables[0].local_cols = 8
     with pytest.raises(ValueError, match="d_table.*dim 4, the table 8 columns"):
         kernel.BatchedDynamicEmbeddingBag(config)
+
+
+def test_torch_adams_betas_become_beta1_and_beta2():
+    """apply_optimizer_in_backward(torch.optim.Adam, ..., {"betas": ...}):
+    TorchRec passes torch's `betas` on as given (a native TBE refuses it);
+    they were an unknown key here, and Adam ran with 0.9 / 0.999."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = _kernel({"optimizer": EmbOptimType.ADAM, "betas": (0.5, 0.6)})._emb_module
+    assert (m.beta1, m.beta2) == (0.5, 0.6)
+    with pytest.raises(ValueError, match=r"d_table.*betas=\(0.5, 0.6\) and beta2=0.7 disagree"):
+        _kernel({"optimizer": EmbOptimType.ADAM, "betas": (0.5, 0.6), "beta2": 0.7})
+    with pytest.raises(ValueError, match=r"d_table.*betas=0.5 is not a pair"):
+        _kernel({"optimizer": EmbOptimType.ADAM, "betas": 0.5})

@@ -33,7 +33,7 @@ def _reference(fused: dict, batches):
     clip = fused.get("max_gradient") if fused.get("gradient_clipping") else None
     refs = {t: ReferenceOptimizer(fused["optimizer"].name, DIM, lr=fused["learning_rate"], eps=fused.get("eps", 1e-8),
                                   beta1=fused.get("beta1", 0.9), beta2=fused.get("beta2", 0.999),
-                                  weight_decay=fused.get("weight_decay", 0.0), max_gradient=clip,
+                                  weight_decay=fused.get("weight_decay", 0.0),
                                   initial_accumulator_value=fused.get("initial_accumulator_value", 0.0))
             for t in TABLES}
     clipped, history = 0, []
@@ -45,10 +45,12 @@ def _reference(fused: dict, batches):
                     if k not in ref.rows:
                         ref.add(k, _debug_row(k))
                 out = sum((ref.rows[k][:DIM] for k in bag), torch.zeros(DIM, dtype=torch.float64))
+                g = 2 * (out - 0.5)  # the bag's output gradient, clipped before the sums per key (FBGEMM's rule)
+                if clip is not None:
+                    clipped += int((g.abs() > clip).sum())
+                    g = g.clamp(-clip, clip)
                 for k in bag:
-                    grads[k] = grads.get(k, 0) + 2 * (out - 0.5)
-            if clip is not None:
-                clipped += sum(int((g.abs() > clip).sum()) for g in grads.values())
+                    grads[k] = grads.get(k, 0) + g
             ref.step(grads)
         history.append({t: {k: r.clone() for k, r in refs[t].rows.items()} for t in TABLES})
     return history, clipped
