@@ -168,12 +168,18 @@ class KVCounter(Counter):
         self.commit(self.stage(keys, counts)[0])
 
     def stage(self, keys, counts):
-        """A new count table holding `keys` with `counts`, built aside: the
-        highest counts are placed first, so those dropped (their buckets
-        full) are the lowest of their bucket."""
+        """A new count table holding `keys` with `counts`, built aside: in
+        the given (export's slot) order when every key fits, so that a
+        resumed counter breaks ties between equal counts (the lowest slot
+        goes first) as before; else the highest counts are placed first, so
+        those dropped (their buckets full) are the lowest of their bucket."""
         table = self._empty()
         if not keys.numel():
             return table, 0
+        out = table.insert(keys.to(table.device), scores=counts.to(table.device), evict=False)
+        if bool((out.indices >= 0).all()):
+            return table, 0
+        table = self._empty()
         order = torch.argsort(counts, descending=True, stable=True)
         # One call: keys placed earlier in it are never evicted by later ones (they fail instead).
         out = table.insert(keys[order].to(table.device), scores=counts[order].to(table.device))

@@ -92,3 +92,30 @@ def test_counter_true_into_a_model_without_counters(tmp_path):
     else:
         raise AssertionError("counters loaded into a model without admission counters")
     assert all(plain.storage.size(t) == 0 for t in range(2))
+
+
+def _counter_slots(m, t):
+    """{key: (slot, count)} of table t's admission counter."""
+    return {k: (s, c) for b in m.storage.admission_counter(t).counts.export()
+            for k, s, c in zip(b.keys.tolist(), b.indices.tolist(), b.scores.tolist())}
+
+
+def test_a_resumed_counter_drops_what_the_uninterrupted_one_drops(tmp_path):
+    """Counts that fit load in their dump's order, each key in its slot
+    again: a full counter then drops the same key among equal lowest counts
+    (ties go to the lowest slot) as the counter that was never dumped."""
+    small = dict(admit_strategy=FrequencyAdmissionStrategy(threshold=3),
+                 admission_counter=KVCounter(capacity=16, bucket_capacity=16))
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.randint(0, 60, (2, 5), generator=g).tolist() for _ in range(12)]
+    a = H.plain_module(**small)
+    for keys_a, keys_b in steps[:6]:
+        _see(a, keys_a, keys_b)
+    DynamicEmbDump(str(tmp_path / "ckpt"), a, counter=True)
+    b = H.plain_module(**small)
+    DynamicEmbLoad(str(tmp_path / "ckpt"), b, counter=True)
+    assert all(_counter_slots(b, t) == _counter_slots(a, t) for t in range(2))
+    for keys_a, keys_b in steps[6:]:
+        _see(a, keys_a, keys_b)
+        _see(b, keys_a, keys_b)
+        assert all(_counter_slots(b, t) == _counter_slots(a, t) for t in range(2))
