@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
-from dynamicemb.checkpoint.format import FORMAT_VERSION, Syncer, part_name, write_manifest, write_part
+from dynamicemb.checkpoint.format import FORMAT_VERSION, MANIFEST, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.fsync import fsync_dir
@@ -123,6 +123,21 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
+def _check_replaceable(path: str, allow_overwrite: bool) -> None:
+    """A dump replaces only what a dump wrote: an existing path must be a
+    dump (its manifest.json) or an empty directory, and allow_overwrite set."""
+    if not os.path.isdir(path):
+        raise FileExistsError(f"{path} exists and is not a directory; a dump goes to a new path (nothing there is "
+                              f"replaced but an earlier dump)")
+    own = os.listdir(path)
+    if own and not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise FileExistsError(f"{path} exists and is not a dynamicemb dump (no {MANIFEST}; it holds "
+                              f"{sorted(own)[:5]}{'...' if len(own) > 5 else ''}); a dump replaces only an earlier "
+                              f"dump, so give it a path of its own")
+    if not allow_overwrite:
+        raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+
+
 def _publish(tmp: str, path: str, allow_overwrite: bool) -> None:
     """Moves the finished tmp directory to path. Replacing an existing path
     swaps the two atomically, so that a crash leaves the old or the new dump
@@ -203,6 +218,8 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     last = _BACKGROUND["last"]
     if last is not None:
         last.join()
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"DynamicEmbDump: path must name a directory, got {path!r}")
     path = os.path.abspath(path)
     rank, world = rank_world(pg)
     distributed = dist.is_initialized() and world > 1
@@ -210,8 +227,8 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # that raised alone would leave the others waiting in a collective).
     error, tables, metas = None, None, None
     try:
-        if os.path.exists(path) and not allow_overwrite:
-            raise FileExistsError(f"{path} exists; pass allow_overwrite=True to replace it")
+        if os.path.exists(path):
+            _check_replaceable(path, allow_overwrite)
         tables = model_tables(model, table_names, "DynamicEmbDump")
         if counter:  # a counter that cannot export its counts is refused before anything is written
             for ref in tables.values():

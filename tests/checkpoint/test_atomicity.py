@@ -283,3 +283,35 @@ def test_rank_killed_mid_file_in_a_two_rank_dump(tmp_path):
     # PATH is the first dump, byte for byte, and loads.
     assert _files(path) == got["before"]
     DynamicEmbLoad(path, H.plain_module())
+
+
+@pytest.mark.parametrize("kind", ["user_dir", "file", "empty_path"])
+def test_a_dump_replaces_nothing_but_an_earlier_dump(tmp_path, monkeypatch, kind):
+    """allow_overwrite replaces an earlier dump only: a directory of the
+    user's files, a plain file, or "" (the working directory) is refused and
+    left as it was (the dump used to swap itself in and delete them)."""
+    m = H.plain_module()
+    H.plain_train(m, [1])
+    if kind == "user_dir":
+        path = tmp_path / "work"
+        path.mkdir()
+        (path / "train.py").write_text("print('mine')")
+    elif kind == "file":
+        path = tmp_path / "notes.txt"
+        path.write_text("mine")
+    else:
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "keep.txt").write_text("mine")
+        path = ""
+    before = sorted(os.listdir(tmp_path))
+    match = {"user_dir": r"not a dynamicemb dump \(no manifest.json; it holds \['train.py'\]\)",
+             "file": "is not a directory", "empty_path": "path must name a directory"}[kind]
+    with pytest.raises((FileExistsError, ValueError), match=match):
+        DynamicEmbDump(str(path), m, allow_overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == before
+    if kind == "user_dir":
+        assert (path / "train.py").read_text() == "print('mine')"
+    # An empty directory is a fine place for a dump.
+    (tmp_path / "empty").mkdir()
+    DynamicEmbDump(str(tmp_path / "empty"), m, allow_overwrite=True)
+    assert os.path.isfile(tmp_path / "empty" / "manifest.json")
