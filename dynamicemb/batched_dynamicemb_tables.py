@@ -21,8 +21,9 @@ from dynamicemb.aliases import renamed
 from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.memory import DynamicEmbBudgetError
-from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, clipping_bound, hyper_parameter_updates,
-                                  optimizer_code, state_start, state_width, weight_decay_mode_code)
+from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, checked_hyper_parameters, clipping_bound,
+                                  hyper_parameter_updates, optimizer_code, state_start, state_width,
+                                  weight_decay_mode_code)
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
@@ -178,6 +179,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if self.pooling == DynamicEmbPoolingMode.NONE and len({self.dims[t] for t in self.feature_table_map}) > 1:
             raise ValueError(f"pooling NONE needs one dim for all tables, got {self.dims}")
         self.optimizer = optimizer_code(optimizer)
+        try:
+            checked_hyper_parameters(lr=learning_rate, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        except ValueError as e:
+            raise ValueError(f"dynamicemb: tables {self.table_names}: {e}") from None
         self.learning_rate, self.eps, self.beta1, self.beta2 = learning_rate, eps, beta1, beta2
         self.weight_decay = weight_decay
         self.weight_decay_mode = weight_decay_mode_code(weight_decay_mode)
@@ -561,7 +566,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
     # FBGEMM's TBE hyper-parameter calls, read by the next backward's update
     # (TorchRec's fused optimizer, dynamicemb.shard.fused_optimizer, calls them).
     def set_learning_rate(self, lr: float) -> None:
-        self.learning_rate = lr
+        try:
+            self.learning_rate = checked_hyper_parameters(lr=lr)["lr"]
+        except ValueError as e:
+            raise ValueError(f"dynamicemb: tables {self.table_names}: {e}") from None
 
     def get_learning_rate(self) -> float:
         return self.learning_rate

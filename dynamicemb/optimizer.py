@@ -86,10 +86,25 @@ def hyper_parameter_updates(code: int, decay_mode: int, params) -> dict:
     return out
 
 
+# torch.optim's ranges (a NaN or inf rate would turn every updated row to NaN unsaid).
+_RANGES = {"lr": (0.0, math.inf, "a number >= 0"), "eps": (0.0, math.inf, "a number >= 0"),
+           "beta1": (0.0, 1.0, "in [0, 1)"), "beta2": (0.0, 1.0, "in [0, 1)"),
+           "weight_decay": (0.0, math.inf, "a number >= 0")}
+
+
 def _finite(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+    lo, hi, what = _RANGES.get(name, (-math.inf, math.inf, ""))
+    if not lo <= value < hi:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
+
+
+def checked_hyper_parameters(**params) -> dict:
+    """The module's hyper-parameters (FBGEMM's names: lr, eps, beta1, beta2,
+    weight_decay) checked as update_hyper_parameters checks them."""
+    return {k: _finite(k, v) for k, v in params.items()}
 
 
 def clipping_bound(gradient_clipping: bool, max_gradient: float) -> float:

@@ -96,3 +96,23 @@ def test_half_tables_with_optimizer_state_warn_that_it_is_kept_in_their_dtype(dt
         warnings.simplefilter("error")
         make(EmbOptimType.EXACT_SGD)  # no state
         make(EmbOptimType.ADAM, torch.float32)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(learning_rate=float("nan")), "lr must be a finite number, got nan"),
+    (dict(learning_rate=float("inf")), "lr must be a finite number"),
+    (dict(learning_rate=-1.0), r"lr must be a number >= 0, got -1.0"),
+    (dict(beta1=2.0), r"beta1 must be in \[0, 1\), got 2.0"),
+    (dict(beta2=-0.5), r"beta2 must be in \[0, 1\)"),
+    (dict(eps=float("nan")), "eps must be a finite number"),
+])
+def test_hyper_parameters_out_of_range_are_refused_naming_the_tables(kw, match):
+    """A NaN or inf learning rate (or eps) turned every updated row into NaN
+    with nothing counted; torch.optim's ranges are refused as torch refuses them."""
+    with pytest.raises(ValueError, match=rf"tables \['t'\]: {match}"):
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64)], ["t"],
+                                      optimizer=EmbOptimType.ADAM, **kw)
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64)], ["t"])
+    with pytest.raises(ValueError, match=r"tables \['t'\]: lr must be a finite number"):
+        m.set_learning_rate(float("nan"))
+    assert m.get_learning_rate() == 0.01
