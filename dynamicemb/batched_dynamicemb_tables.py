@@ -512,8 +512,14 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         batch's forward, which then moves nothing. The new keys stay
         provisional until that forward stores them: no lookup, counter,
         export or flush sees them, and a prefetch whose forward never comes
-        stores nothing."""
+        stores nothing (the rows it wrote back to make room stay in the
+        store, which evicts as a forward's write-backs would). In eval mode
+        it does nothing: an eval forward reads both tiers and moves nothing
+        (a prefetch pipeline run under model.eval() emptied the cache into a
+        store that then evicted trained rows)."""
         indices, offsets, _ = self._check_input(indices, offsets, None)
+        if not self.training:
+            return
         side = forward_stream is not None and indices.device.type == "cuda"
         if side:
             # A prefetch on another stream (TorchRec's pipelines) changes the

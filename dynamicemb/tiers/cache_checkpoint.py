@@ -112,15 +112,19 @@ class CacheCheckpoint:
                           f"flush between steps", RuntimeWarning, stacklevel=3)
         self._forward_pins.clear()
         self._prefetch_pins.clear()
+        lost = {}
         for t in range(self.num_tables):
             if not self.cached[t]:
                 continue
             g, lt = self.group_of[t]
             w = self._weights[t]
             ht = self.groups[g][0]
+            before = int(self.tier_counters[t, _T.LOST])
             for b in ht.export(table_id=lt):
                 ts = ht.slot_timestamps.index_select(0, b.indices) if self.times.cols[t] else None
                 self._put(t, b.keys, w.index_select(0, (b.indices - self._cache_begin[t]).to(w.device)), b.scores, ts)
+            if int(self.tier_counters[t, _T.LOST]) > before:
+                lost[self.names[t]] = int(self.tier_counters[t, _T.LOST]) - before
             self.tables.clear_table(t)
             saved = {"module": state or {}, "custom_score": self.custom_scores[t], "clock": self.now(t),
                      "layout": self._layout(t), "score_strategy": self.strategy(t)}
@@ -128,6 +132,14 @@ class CacheCheckpoint:
                 saved["timestamp_clock"] = self.now(t) - self.times.shift[t]
             self.store.save_state(self.names[t], saved)
         self.store.flush()
+        if lost:
+            # A table holds up to its store's room plus its cache's rows; a flush leaves only the store.
+            warnings.warn(f"dynamicemb: flush() of tables {sorted(lost)}: their stores were full, so the cache's "
+                          f"rows written back evicted the lowest-scored stored ones ({lost}, counted in 'evicted'): "
+                          f"a cached table holds its store's rows plus its cache's, and a flush keeps only what "
+                          f"the store holds; give the store room (max_capacity) for the cache's rows too, or "
+                          f"checkpoint with DynamicEmbDump / DCP, which keep both tiers", RuntimeWarning,
+                          stacklevel=3)
 
     def close(self) -> None:
         if self.owns_store:

@@ -58,3 +58,20 @@ def test_forward_reuses_its_prefetch_dedup_only_for_the_same_batch(monkeypatch):
     forward_counts(data[4], 1)  # not the prefetched batch
     forward_counts(data[3], 0)  # its prefetch is still kept
     forward_counts(data[3], 1)  # used once
+
+
+def test_a_prefetch_in_eval_mode_moves_nothing():
+    """A prefetch pipeline run under model.eval() prefetches each eval batch:
+    that moved the cache's rows into a full store, which evicted trained rows.
+    Eval reads both tiers and moves nothing, prefetched or not."""
+    m = module(store=make_store("host"), cache_rows=128, max_capacity=1024)
+    for b in batches(30):
+        step(m, b)
+    before = m.table_stats()
+    assert all(s["evicted"] > 0 for s in before.values())  # the store is full
+    m.eval()
+    with torch.no_grad():
+        for ids, offsets in batches(3, seed=9):
+            m.prefetch(ids + 10**6, offsets)  # keys never seen
+            m(ids + 10**6, offsets)
+    assert m.table_stats() == before

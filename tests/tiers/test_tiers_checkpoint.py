@@ -148,3 +148,18 @@ def test_inference_export_reads_both_tiers(tmp_path):
     assert torch.equal(frozen(ids, offsets), want)
     cached.eval()
     assert torch.equal(cached(ids, offsets), want)
+
+
+def test_a_flush_that_makes_the_full_store_evict_warns(tmp_path):
+    """A cached table holds its store's rows plus its cache's; a flush keeps
+    only what the store holds, so with the store full it evicts (counted in
+    'evicted') and says so, naming the table and the count."""
+    m = module(ADAM, make_store("host"), cache_rows=256, strategy=S.STEP, max_capacity=1024, tables=1)
+    for b in batches(40, seed=5, tables=1):
+        step(m, b)
+    before = m.table_stats()["t0"]
+    assert before["size"] > 1024
+    with pytest.warns(RuntimeWarning, match=r"flush\(\) of tables \['t0'\]: their stores were full.*\{'t0': \d+\}"):
+        m.flush()
+    after = m.table_stats()["t0"]
+    assert after["size"] == before["size"] - (after["evicted"] - before["evicted"]) and after["cache_rows"] == 0
