@@ -5,6 +5,7 @@ our own storage estimate (their per-rank values and optimizer state, plus the
 hash table); TorchRec's planner plans the native tables unchanged, on a
 topology whose memory is reduced by what the dynamic tables take.
 """
+import copy
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,11 +20,15 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
+from dynamicemb import rules
+from dynamicemb.admission import KVCounter
 from dynamicemb.config_init import table_initializer
 from dynamicemb.optimizer import EmbOptimType, optimizer_code
 from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
+from dynamicemb.table import doubling_capacities
+from dynamicemb.types import strategy_code
 from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
 
@@ -139,8 +144,11 @@ class DynamicEmbeddingShardingPlanner:
                                  f"kernels; a dynamic table keeps rows beyond memory with "
                                  f"dynamicemb_options caching=True and a backing store (HostStore, FileStore)")
         native = {n: c for n, c in constraints.items() if n not in self._dynamic}
-        self._native = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=native,
-                                                **kwargs)
+        # Our reservation takes the dynamic tables' bytes out of the planner's
+        # topology: a copy, so that the user's (which other planners may be
+        # given) stays as it was.
+        self._native = EmbeddingShardingPlanner(topology=copy.deepcopy(topology), batch_size=batch_size,
+                                                constraints=native, **kwargs)
         self._topology = self._native._topology
         if optimizer is not None:
             optimizer_code(optimizer)  # refuses an optimizer we do not implement
@@ -159,19 +167,45 @@ class DynamicEmbeddingShardingPlanner:
 
     def dynamic_bytes_per_rank(self) -> Dict[str, int]:
         """Our storage estimate of each dynamic table on one rank: values and
-        optimizer state at max_capacity plus the hash table (a cached table:
-        its cache and backing store, see _tier_bytes). Needs the tables'
-        optimizers: call after plan() (or give the planner `optimizer=`)."""
+        optimizer state at its maximum slots plus the hash table and an
+        admission counter's (a cached table: its cache and backing store,
+        see _tier_bytes). Needs the tables' optimizers: call after plan() (or
+        give the planner `optimizer=`)."""
         return {n: sum(self._tier_bytes(n)) if o.caching else
-                self._value_bytes(n) + o.max_capacity * TABLE_BYTES_PER_SLOT for n, o in self.options.items()}
+                self._value_bytes(n) + self._table_bytes(n) for n, o in self.options.items()}
 
-    def _value_bytes(self, name: str) -> int:
+    def _row_bytes(self, name: str) -> int:
         o = self.options[name]
         optimizer = self.optimizers.get(name, self._optimizer_override)
         if optimizer is None:
             raise RuntimeError(f"table {name!r}: its optimizer (from the sharder's fused_params) is known once "
                                f"plan() or collective_plan() ran; pass optimizer= to estimate before that")
-        return get_table_value_bytes(o.max_capacity, o.dim, o.embedding_dtype, optimizer, o.training)
+        return get_table_value_bytes(1, o.dim, o.embedding_dtype, optimizer, o.training)
+
+    def _max_slots(self, name: str) -> int:
+        """The slots a (not cached) table reaches: max_capacity rounded up so
+        that its init_capacity doubles exactly into it, as the storage does."""
+        o = self.options[name]
+        return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)[1]
+
+    def _value_bytes(self, name: str) -> int:
+        return self._row_bytes(name) * self._max_slots(name)
+
+    def _slot_bytes(self, name: str) -> int:
+        """Hash table bytes per slot: the (TIMESTAMP, LFU) pair keeps an access time too."""
+        o = self.options[name]
+        return TABLE_BYTES_PER_SLOT + (8 if rules.keeps_timestamps(strategy_code(o.score_strategy)) else 0)
+
+    def _counter_bytes(self, name: str) -> int:
+        """An admission counter's bytes (a KVCounter: a hash table of its own, on the table's device)."""
+        c = self.options[name].admission_counter
+        if not isinstance(c, KVCounter):
+            return 0
+        return -(-c.capacity // c.bucket_capacity) * c.bucket_capacity * TABLE_BYTES_PER_SLOT
+
+    def _table_bytes(self, name: str) -> int:
+        """A table's hash table, and its admission counter's."""
+        return self._max_slots(name) * self._slot_bytes(name) + self._counter_bytes(name)
 
     def _tier_bytes(self, name: str) -> Tuple[int, int]:
         """(device, host) bytes per rank of a caching=True table: its cache
@@ -180,13 +214,13 @@ class DynamicEmbeddingShardingPlanner:
         position per slot) and, for the host store, its rows in host memory.
         A file store's rows are on disk and a user's store is its own."""
         o = self.options[name]
-        row = self._value_bytes(name) // o.max_capacity
+        row = self._row_bytes(name)
         cached = o.cache_rows(row, 1)
-        device = cached * (row + TABLE_BYTES_PER_SLOT)
+        device = cached * (row + self._slot_bytes(name)) + self._counter_bytes(name)
         if o.backing_store is not None or o.external_storage is not None:
             return device, 0
         index = o.max_capacity * (TABLE_BYTES_PER_SLOT + 8)
-        return device, index + (0 if o.storage_path is not None else self._value_bytes(name))
+        return device, index + (0 if o.storage_path is not None else row * o.max_capacity)
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
         """(HBM, DDR) bytes per rank of each dynamic table, as plan() charges
@@ -198,14 +232,14 @@ class DynamicEmbeddingShardingPlanner:
         on_device = self._topology.compute_device == "cuda"
         out = {}
         for n, o in self.options.items():
-            values, table = self._value_bytes(n), o.max_capacity * TABLE_BYTES_PER_SLOT
+            values, table = self._value_bytes(n), self._table_bytes(n)
             if o.caching:
                 cache, store = self._tier_bytes(n)
                 out[n] = (cache, store) if on_device else (0, cache + store)
             elif not on_device:
                 out[n] = (0, values + table)
             else:
-                row = values // o.max_capacity
+                row = self._row_bytes(n)
                 head = o.hbm_rows(row)
                 head = values if head is None else min(values, head * row)
                 out[n] = (table + head, values - head)

@@ -434,3 +434,52 @@ def test_sizing_helpers_import_without_torchrec():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["384", "160"]
+
+
+def _allocated_bytes(m) -> int:
+    """Bytes of a module's rows and hash tables (its admission counters' too)."""
+    st = m.storage
+    tables = [ht for ht, _ in st.groups]
+    tables += [st.admission_counter(t).counts for t in range(m.num_tables) if st.admission_counter(t) is not None]
+    slots = sum(getattr(ht, a).nbytes for ht in tables
+                for a in ("slot_keys", "slot_digests", "slot_scores", "slot_timestamps", "slot_epochs"))
+    return slots + sum(w.nbytes for w in st.weights())
+
+
+@pytest.mark.parametrize("case", ["init_one_bucket", "timestamp_lfu", "admission"])
+def test_the_estimate_is_what_a_table_allocates_at_its_maximum(case):
+    """The reservation is what the table allocates once grown: a small
+    init_capacity rounds the maximum up (it doubles exactly into it; 20096
+    slots became 32768), the (TIMESTAMP, LFU) pair keeps 8 bytes more per
+    slot, and an admission counter is a hash table of its own. The estimate
+    left out all three (up to 1.6x under)."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbScoreStrategy as S, FrequencyAdmissionStrategy
+    from dynamicemb.options import KVCounter
+    extra = {"init_one_bucket": dict(init_capacity=128),
+             "timestamp_lfu": dict(score_strategy=(S.TIMESTAMP, S.LFU)),
+             "admission": dict(admit_strategy=FrequencyAdmissionStrategy(threshold=1),
+                               admission_counter=KVCounter(capacity=4096))}[case]
+    configs = models.ebc_configs(["d_table"], dim=16, num_embeddings=20000)
+    planner = _planner(configs, models.dynamic_constraints(["d_table"], **extra), world=1, ddr_cap=2**40)
+    planner.plan(_ebc(configs), _sharders())
+    m = BatchedDynamicEmbeddingTables([planner.options["d_table"]], ["d_table"])
+    keys = torch.randperm(20000)
+    m(keys, torch.tensor([0, keys.numel()])).sum().backward()  # every key stored: the table at its maximum
+    assert m.table_stats()["d_table"]["size"] > 19000
+    assert _allocated_bytes(m) == planner.dynamic_bytes_per_rank()["d_table"]
+
+
+def test_planning_leaves_the_users_topology_as_it_was():
+    """Our reservation used to come out of the user's Topology object, so a
+    second planner given it reserved the dynamic tables twice."""
+    configs = models.ebc_configs(["d_table"], dim=8, num_embeddings=HUGE)
+    topology = Topology(world_size=WORLD, compute_device="cpu", ddr_cap=2**40)
+    before = [(d.storage.hbm, d.storage.ddr) for d in topology.devices]
+    constraints = models.dynamic_constraints(["d_table"], max_capacity=1 << 20)
+    taken = []
+    for _ in range(2):
+        planner = DynamicEmbeddingShardingPlanner(configs, topology, constraints=constraints)
+        planner.plan(_ebc(configs), _sharders())
+        taken.append(2**40 - planner._topology.devices[0].storage.ddr)
+        assert [(d.storage.hbm, d.storage.ddr) for d in topology.devices] == before
+    assert taken[0] == taken[1] > 0
