@@ -27,7 +27,8 @@ from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, checked_hype
 from dynamicemb.options import DynamicEmbTableOptions
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
-from dynamicemb.types import DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device, check_finite_weights
+from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device, check_finite_weights,
+                              int64_score)
 
 
 def _versions(indices: torch.Tensor, offsets: torch.Tensor):
@@ -600,8 +601,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
 
     def set_score(self, score: int, table_id: Optional[int] = None) -> None:
         """The CUSTOMIZED score given to keys accessed from now on."""
+        score = int64_score(score, f"tables {self.table_names}: set_score")
         for t in range(self.num_tables) if table_id is None else [table_id]:
-            self.storage.custom_scores[t] = int(score)
+            self.storage.custom_scores[t] = score
 
     def table_stats(self) -> dict:
         """{table_name: {size, capacity, inserted, evicted, failed, admission_rejected, nonfinite_grads}}."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dynamicemb import rules
 from dynamicemb.aliases import flat_per_table
 from dynamicemb.checkpoint.tables import model_tables, rank_world
-from dynamicemb.types import strategy_label
+from dynamicemb.types import int64_score, strategy_label
 
 __all__ = ["get_score", "incremental_dump", "set_score"]
 
@@ -34,8 +34,8 @@ def _per_table(value: Threshold, name: str, strategy: int) -> int:
                         f"incremental_dump returned (its second result), or 0 the first time (every row), or "
                         f"one int for every table")
             raise ValueError(f"no score threshold given for table {name!r}{hint}")
-        return int(value[name])
-    return int(value)
+        return int64_score(value[name], f"table {name!r}")
+    return int64_score(value, f"table {name!r}")
 
 
 def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Optional[dist.ProcessGroup] = None

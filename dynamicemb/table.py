@@ -231,7 +231,11 @@ class ScoredHashTable:
     def hold(self, indices: torch.Tensor) -> None:
         """Begins an insert call that holds the slots at ``indices`` as if it
         had placed them (it never evicts them; their scores are untouched).
-        Continue the call with ``insert(..., same_call=True)``."""
+        Continue the call with ``insert(..., same_call=True)``. ``indices``
+        are slots (>= 0): a -1 from ``lookup`` would hold the last slot, and
+        is refused for CPU tensors (on a device the check would wait for it)."""
+        if indices.device.type == "cpu" and indices.numel() and int(indices.min()) < 0:
+            raise ValueError("hold: indices must be slots (>= 0); leave out the -1 of keys lookup did not find")
         epoch = self._next_epoch()
         self.slot_epochs.index_fill_(0, indices, epoch)
 
@@ -418,7 +422,8 @@ class ScoredHashTable:
             self.counters[self._table_id(table_id)].zero_()
 
     def scores_of(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.slot_scores[indices]
+        """The scores at slots ``indices``; 0 where an index is -1 (a key lookup did not find)."""
+        return torch.where(indices >= 0, self.slot_scores[indices.clamp(min=0)], 0)
 
     def timestamps_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Access times of (TIMESTAMP, LFU) tables; for other strategies the

@@ -1,5 +1,6 @@
 """Enums and small value types of the public API (API.md §1, §6)."""
 import enum
+import operator
 
 import torch
 
@@ -119,3 +120,16 @@ def check_finite_weights(weights, offsets: torch.Tensor, features, owner: str) -
     f = min(bag // B, len(features) - 1)
     raise ValueError(f"{owner}: per-sample weight {i} (feature {features[f]!r}, bag {bag % B}) is "
                      f"{float(weights[i])}; weights must be finite")
+
+
+def int64_score(value, where: str) -> int:
+    """A score or score threshold given by the user: an int in int64's range
+    (a float or string was truncated or parsed, and an int past int64 failed
+    in the next forward, after the step had counted)."""
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or not -2**63 <= v < 2**63:
+        raise ValueError(f"{where}: a score must be an int in int64's range, got {value!r}")
+    return v

@@ -220,6 +220,8 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         last.join()
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"DynamicEmbDump: path must name a directory, got {path!r}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"DynamicEmbDump: chunk_rows must be a positive int, got {chunk_rows!r}")
     path = os.path.abspath(path)
     rank, world = rank_world(pg)
     distributed = dist.is_initialized() and world > 1

@@ -64,6 +64,9 @@ def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = 
     tables = {name: TableRef(m, i) for name, m, i in found}
     if table_names is None:
         return tables
+    if isinstance(table_names, str):  # (one name would be read letter by letter)
+        raise TypeError(f"{what}: table_names must be a list of table names, got the string {table_names!r}; "
+                        f"write [{table_names!r}]")
     table_names = flat_per_table(table_names, f"{what}(table_names=...)", "a list of table names")
     missing = [n for n in table_names if n not in tables]
     if missing:

@@ -315,3 +315,15 @@ def test_a_dump_replaces_nothing_but_an_earlier_dump(tmp_path, monkeypatch, kind
     (tmp_path / "empty").mkdir()
     DynamicEmbDump(str(tmp_path / "empty"), m, allow_overwrite=True)
     assert os.path.isfile(tmp_path / "empty" / "manifest.json")
+
+
+def test_dump_arguments_are_checked_by_name(tmp_path):
+    """One table name given as a string was read letter by letter ("no
+    dynamic tables named ['a']..."), and chunk_rows=0 was reported as
+    batch_size; both are refused before anything is written."""
+    m = H.plain_module()
+    with pytest.raises(TypeError, match=r"table_names must be a list of table names, got the string 'a'; write \['a'\]"):
+        DynamicEmbDump(str(tmp_path / "a"), m, table_names="a")
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int, got 0"):
+        DynamicEmbDump(str(tmp_path / "b"), m, chunk_rows=0)
+    assert os.listdir(tmp_path) == []

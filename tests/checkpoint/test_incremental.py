@@ -74,3 +74,18 @@ def test_get_and_set_score_step_and_customized():
     with pytest.raises(ValueError, match=r"no dynamic tables named \['typo'\]"):
         set_score(m, {"typo": 1})
     assert get_score(m) == {"s": 3, "c": 3}
+
+
+@pytest.mark.parametrize("bad", [2**70, 2.7, "5", True])
+def test_scores_and_thresholds_must_be_int64s(bad):
+    """A float or string score was truncated or parsed, and 2**70 failed in
+    the next forward after the step had counted; all are refused by name."""
+    m = H.plain_module(strategies=(H.S.STEP, H.S.CUSTOMIZED), names=("s", "c"))
+    with pytest.raises(ValueError, match=r"table '(s|c)': a score must be an int in int64's range"):
+        set_score(m, bad)
+    with pytest.raises(ValueError, match=r"set_score: a score must be an int in int64's range"):
+        m.set_score(bad)
+    with pytest.raises(ValueError, match=r"table '(s|c)': a score must be an int"):
+        incremental_dump(m, bad)
+    set_score(m, torch.tensor(7))  # an integer tensor is an int
+    assert m.storage.custom_scores[1] == 7 and m.step == 7

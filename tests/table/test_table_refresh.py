@@ -62,3 +62,16 @@ def test_refresh_rejects_a_slot_out_of_range():
         t.refresh(torch.tensor([3, 128]), 5)
     with pytest.raises(TypeError, match="1-D int64"):
         t.refresh(torch.tensor([3.0]), 5)
+
+
+def test_a_missing_keys_minus_one_is_no_slot_for_scores_of_and_hold():
+    """-1 (lookup's "not found") read the last slot's score and held it (so a
+    later same-call insert evicted another key): scores_of gives 0 there,
+    and hold refuses it."""
+    t = ScoredHashTable(16, 16, S.CUSTOMIZED)
+    t.insert(torch.arange(16), scores=torch.arange(16) + 70)
+    idx, found = t.lookup(torch.tensor([999, 3]))
+    assert idx[0] == -1 and bool(found[1])
+    assert t.scores_of(idx).tolist() == [0, 73]
+    with pytest.raises(ValueError, match=r"hold: indices must be slots \(>= 0\)"):
+        t.hold(idx)
