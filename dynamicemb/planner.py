@@ -7,6 +7,7 @@ topology whose memory is reduced by what the dynamic tables take.
 """
 import copy
 import dataclasses
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -58,6 +59,10 @@ class DynamicEmbParameterConstraints(ParameterConstraints):
             parent()
         if self.use_dynamicemb and self.compute_kernels is None:
             self.compute_kernels = [CUSTOMIZED]
+        if not self.use_dynamicemb and self.dynamicemb_options != DynamicEmbTableOptions():
+            warnings.warn("DynamicEmbParameterConstraints: dynamicemb_options given with use_dynamicemb=False: the "
+                          "table is planned as a native TorchRec table and the options are not used; set "
+                          "use_dynamicemb=True to make it dynamic", UserWarning, stacklevel=3)
 
 
 def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions, world_size: int

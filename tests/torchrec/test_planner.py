@@ -483,3 +483,16 @@ def test_planning_leaves_the_users_topology_as_it_was():
         taken.append(2**40 - planner._topology.devices[0].storage.ddr)
         assert [(d.storage.hbm, d.storage.ddr) for d in topology.devices] == before
     assert taken[0] == taken[1] > 0
+
+
+def test_options_without_use_dynamicemb_warn():
+    """Options given to a table left native (use_dynamicemb=False) were
+    dropped without a word."""
+    from dynamicemb.planner import DynamicEmbParameterConstraints
+    with pytest.warns(UserWarning, match="dynamicemb_options given with use_dynamicemb=False"):
+        DynamicEmbParameterConstraints(dynamicemb_options=DynamicEmbTableOptions(max_capacity=1024))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DynamicEmbParameterConstraints()
+        DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=DynamicEmbTableOptions(max_capacity=8))
