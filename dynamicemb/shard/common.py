@@ -6,6 +6,7 @@ from typing import Iterable, List
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynamicemb.checkpoint.state_dict import add_entry_paths, add_tables, load_tables
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
@@ -69,6 +70,25 @@ def reset_tables(module, configs: Iterable, weights) -> None:
         if ps.sharding_type == ShardingType.DATA_PARALLEL.value:
             with torch.no_grad():
                 torch.distributed.broadcast(param.data, src=0, group=module._env.process_group)
+
+
+def check_feature_order(module, features) -> None:
+    """TorchRec's sharded collections fix the order of a KJT's features at
+    the first batch and read later batches by position: a batch with its
+    features in another order would feed each feature's ids to another
+    table, unsaid (native tables too). Refused by name; features appended
+    after the first batch's (which TorchRec ignores) pass."""
+    if not isinstance(features, KeyedJaggedTensor):  # (a TensorDict is reordered by name)
+        return
+    keys = features.keys()
+    first = module.__dict__.get("_dynamicemb_first_keys")
+    if first is None:
+        module.__dict__["_dynamicemb_first_keys"] = list(keys)
+    elif list(keys[:len(first)]) != first:
+        raise ValueError(f"dynamicemb (input dist): the batch's features {list(keys)} do not start with those of "
+                         f"the first batch, {first}, in that order; TorchRec reads a KJT's features by position "
+                         f"from the first batch on, so each would feed another table: build every batch's "
+                         f"KeyedJaggedTensor with the same keys in the same order")
 
 
 def lookups_train(lookups: List, mode: bool) -> None:

@@ -6,7 +6,8 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEm
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from dynamicemb.shard.common import building, check_row_wise, lookups_train, register_dynamic_state, reset_tables
+from dynamicemb.shard.common import (building, check_feature_order, check_row_wise, lookups_train,
+                                     register_dynamic_state, reset_tables)
 from dynamicemb.shard.embeddingbag import DynamicSharderMixin
 from dynamicemb.shard.sharding import DynamicRwSequenceEmbeddingSharding
 
@@ -25,6 +26,10 @@ class ShardedDynamicEmbeddingCollection(ShardedEmbeddingCollection):
             super()._initialize_torch_state(skip_registering)
         if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
             register_dynamic_state(self, "embeddings")
+
+    def input_dist(self, ctx, features):
+        check_feature_order(self, features)
+        return super().input_dist(ctx, features)
 
     def reset_parameters(self) -> None:
         reset_tables(self, self._embedding_configs, self.embeddings)

@@ -7,7 +7,8 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from dynamicemb.shard.common import building, check_row_wise, lookups_train, register_dynamic_state, reset_tables
+from dynamicemb.shard.common import (building, check_feature_order, check_row_wise, lookups_train,
+                                     register_dynamic_state, reset_tables)
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED
 from dynamicemb.shard.sharding import DynamicRwPooledEmbeddingSharding
 
@@ -59,6 +60,10 @@ class ShardedDynamicEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             super()._initialize_torch_state(skip_registering)
         if not skip_registering:  # the dynamic tables' rows in state_dict(), for DCP (API.md §5)
             register_dynamic_state(self, "embedding_bags")
+
+    def input_dist(self, ctx, features):
+        check_feature_order(self, features)
+        return super().input_dist(ctx, features)
 
     def reset_parameters(self) -> None:
         reset_tables(self, self._embedding_bag_configs, self.embedding_bags)

@@ -64,3 +64,36 @@ def test_dmp_refuses_float_ids_and_nan_or_integer_weights():
     msg = got["weighted_ebc/nan weight"]
     assert msg.startswith("ValueError: dynamicemb (input dist): per-sample weight ") and \
         "(feature 'b_feature', bag 3) is nan; weights must be finite" in msg, msg
+
+
+def _reordered(rank, world):
+    pg = models.rank_groups()[0]
+    got = {}
+    for kind in ("ebc", "ec"):
+        configs = models.configs_of(kind, TABLES, dim=8, num_embeddings=64)
+        model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+        batch = models.random_batch(FEATURES, 4, 64, seed=0)
+        models.loss_of(models.resolved(model(models.kjt(batch)))).backward()
+        swapped = models.kjt({f: batch[f] for f in reversed(FEATURES)})
+        before = table_stats(model)
+        try:
+            model(swapped)
+            got[kind] = None
+        except ValueError as e:
+            got[kind] = str(e)
+        got[f"{kind}/unchanged"] = table_stats(model) == before
+        extra = models.kjt(dict(batch, c_feature=[[1]] * 4))  # a feature appended: ignored, as TorchRec does
+        models.loss_of(models.resolved(model(extra))).backward()
+    return got
+
+
+def test_a_batch_with_its_features_in_another_order_is_refused():
+    """TorchRec reads features by position from the first batch on: swapped,
+    a's ids went to b_table and b's to a_table, without a word."""
+    got = run_ranks(_reordered, 1)[0]
+    for kind in ("ebc", "ec"):
+        assert got[kind] == (f"dynamicemb (input dist): the batch's features {FEATURES[::-1]} do not start with "
+                             f"those of the first batch, {FEATURES}, in that order; TorchRec reads a KJT's features "
+                             f"by position from the first batch on, so each would feed another table: build every "
+                             f"batch's KeyedJaggedTensor with the same keys in the same order"), got[kind]
+        assert got[f"{kind}/unchanged"]
