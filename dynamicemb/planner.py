@@ -29,6 +29,8 @@ from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
 from dynamicemb.table import doubling_capacities
+from dynamicemb.tiers.index import _MIN_SLOTS as _STORE_MIN_SLOTS
+from dynamicemb.tiers.store import DEFAULT_BUCKET as _STORE_BUCKET, ROOM_MARGIN
 from dynamicemb.types import strategy_code
 from dynamicemb.shard import DynamicSharderMixin
 from dynamicemb.shard.parameter_sharding import CUSTOMIZED, DynamicEmbParameterSharding
@@ -224,8 +226,13 @@ class DynamicEmbeddingShardingPlanner:
         device = cached * (row + self._slot_bytes(name)) + self._counter_bytes(name)
         if o.backing_store is not None or o.external_storage is not None:
             return device, 0
-        index = o.max_capacity * (TABLE_BYTES_PER_SLOT + 8)
-        return device, index + (0 if o.storage_path is not None else row * o.max_capacity)
+        # The store's key index rounds the table's whole buckets up as an
+        # index does (tiers/index.py); its rows may pass that room by a put
+        # (at most the cache's rows) or HostStore's margin.
+        room = doubling_capacities(_STORE_MIN_SLOTS, -(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity,
+                                   _STORE_BUCKET)[1]
+        index = room * (TABLE_BYTES_PER_SLOT + 8)
+        return device, index + (0 if o.storage_path is not None else row * (room + max(room // ROOM_MARGIN, cached)))
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
         """(HBM, DDR) bytes per rank of each dynamic table, as plan() charges

@@ -65,7 +65,7 @@ from safetensors.torch import save_file
 from dynamicemb.fsync import fsync_dir, fsync_file
 from dynamicemb.tiers import prefault
 from dynamicemb.tiers.index import KeyIndex, TableView
-from dynamicemb.tiers.store import CPU, FreeList, IndexedStore, write_rows, write_rows_at
+from dynamicemb.tiers.store import CPU, DEFAULT_BUCKET, FreeList, IndexedStore, write_rows, write_rows_at
 
 FORMAT = "dynamicemb.FileStore"
 FORMAT_VERSION = 1
@@ -370,7 +370,7 @@ class FileStore(IndexedStore):
 
     puts_rows_at = True  # gathered straight into the file's map
 
-    def __init__(self, root: str, bucket_capacity: int = 128):
+    def __init__(self, root: str, bucket_capacity: int = DEFAULT_BUCKET):
         super().__init__(bucket_capacity)
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)

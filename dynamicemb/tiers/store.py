@@ -262,13 +262,16 @@ class BackingStore(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not shift scores")
 
 
+DEFAULT_BUCKET = 128  # the key index's slots per bucket, unless a store is given another
+
+
 class IndexedStore(BackingStore):
     """A store whose keys are in one KeyIndex, a logical table per table of
     the store (a take or put of several tables is one hash table call), and
     whose rows a subclass keeps per table at positions: _gather, _write and
     _drop say how."""
 
-    def __init__(self, bucket_capacity: int = 128):
+    def __init__(self, bucket_capacity: int = DEFAULT_BUCKET):
         self.bucket_capacity = bucket_capacity
         self._index: Optional[KeyIndex] = None
         self._tid: Dict[str, int] = {}  # table name -> its id in the index
@@ -404,6 +407,12 @@ class IndexedStore(BackingStore):
         self._index.shift_scores(delta, t)
 
 
+# A HostStore's rows grow past its table's room by at most 1 / ROOM_MARGIN
+# (unless one put needs more): the rows a full table's put writes before
+# its evictions free as many.
+ROOM_MARGIN = 16
+
+
 class HostStore(IndexedStore):
     """Rows in host memory (a tensor per table with a free list), keys in
     the store's KeyIndex. In front of a CUDA cache the rows are in pinned
@@ -414,7 +423,7 @@ class HostStore(IndexedStore):
 
     puts_rows_at = True
 
-    def __init__(self, bucket_capacity: int = 128):
+    def __init__(self, bucket_capacity: int = DEFAULT_BUCKET):
         super().__init__(bucket_capacity)
         self._rows: Dict[str, torch.Tensor] = {}
         self._free: Dict[str, FreeList] = {}
@@ -508,9 +517,13 @@ class HostStore(IndexedStore):
         reuse = self._free[name].pop(max(0, n - (rows.shape[0] - start)))
         fresh = n - reuse.numel()
         if start + fresh > rows.shape[0]:
+            # Doubling, but not past the table's room and a margin: a full
+            # table's put writes its rows before the index evicts (and frees)
+            # as many, which doubled the rows to twice the room.
+            room = self._index.max_slots[self._table(name)]
+            size = max(min(2 * rows.shape[0], room + room // ROOM_MARGIN), start + fresh, 1024)
             # Rows past `used` are written (put) before they are read: no zero fill.
-            grown = self._new_rows(max(2 * rows.shape[0], start + fresh, 1024), rows.shape[1], rows.dtype,
-                                   zero=False)
+            grown = self._new_rows(size, rows.shape[1], rows.dtype, zero=False)
             self._host_access()
             grown[:start] = rows[:start]
             self._rows[name] = grown

@@ -160,3 +160,18 @@ def test_a_file_store_appends_rows_handed_as_rows_at(tmp_path):
     found, rows, scores = store.read("t", keys)
     assert bool(found.all()) and torch.equal(rows, source[at]) and torch.equal(scores, keys % 7)
     store.close()
+
+
+def test_a_full_stores_rows_stay_near_its_room():
+    """Each put into a full store writes its rows before the index evicts as
+    many: the rows doubled to twice the room. They now stop at the room plus
+    a put (or 1/16 of it)."""
+    from dynamicemb.tiers.store import ROOM_MARGIN
+    store = HostStore(bucket_capacity=16)
+    store.open_table("t", 4, torch.float32, 2048)
+    room = store.room("t")
+    for step in range(12):
+        keys = torch.arange(500) + 500 * step
+        store.put("t", keys, torch.full((500, 4), float(step)), torch.full((500,), step, dtype=torch.int64))
+    assert store.size("t") > room - 200  # full: it evicted
+    assert store._rows["t"].shape[0] <= room + max(room // ROOM_MARGIN, 500)
