@@ -69,15 +69,20 @@ class DynamicEmbInitializerArgs:
         rules.INIT_ARGS order; `stream` is the table's random stream id,
         `state` the value a new row's optimizer state starts at."""
         lower, upper = self.lower, self.upper
+        default = ""  # which bound was a default, for the message
         if self.mode == DynamicEmbInitializerMode.UNIFORM:
             bound = math.sqrt(1.0 / num_embeddings) if num_embeddings else 0.0
+            what = f"the default sqrt(1 / num_embeddings {num_embeddings})"
+            default = f" ({'lower' if lower is None else 'upper'}: {what})" if (lower is None) != (upper is None) \
+                else ""
             lower = -bound if lower is None else lower
             upper = bound if upper is None else upper
         elif self.mode == DynamicEmbInitializerMode.TRUNCATED_NORMAL:
+            default = (" (the default: mean +- 2 std_dev)" if (lower is None) != (upper is None) else "")
             lower = self.mean - 2 * self.std_dev if lower is None else lower
             upper = self.mean + 2 * self.std_dev if upper is None else upper
         if lower is not None and upper is not None and lower > upper:
-            raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}")
+            raise ValueError(f"initializer lower bound {lower} exceeds upper bound {upper}{default}; give both")
         row = dict(mode=float(int(self.mode)), mean=self.mean, std_dev=self.std_dev, lower=lower or 0.0,
                    upper=upper or 0.0, value=self.value, stream=float(stream), state=float(state))
         return [row[name] for name in rules.INIT_ARGS]

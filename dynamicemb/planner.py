@@ -91,12 +91,18 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
                          f"TorchRec's own key-value tables; a dynamic table evicts by "
                          f"dynamicemb_options.score_strategy (NO_EVICTION: it never evicts); leave it unset")
     options.validate(name, complete=False)  # fields set since construction: named by table before the copy
-    initializer = table_initializer(config, options.initializer_args)
     max_cap = options.max_capacity or get_sharded_table_capacity(config.num_embeddings, world_size,
                                                                  options.bucket_capacity)
-    out = dataclasses.replace(options, dim=config.embedding_dim, embedding_dtype=dtype, max_capacity=max_cap,
-                              num_embeddings=config.num_embeddings, num_shards=world_size,
-                              initializer_args=initializer)
+    try:  # (the copy validates the options it completes: an init_capacity past the derived max_capacity, the
+        # initializer's bounds against the default ones of num_embeddings)
+        initializer = table_initializer(config, options.initializer_args)
+        out = dataclasses.replace(options, dim=config.embedding_dim, embedding_dtype=dtype, max_capacity=max_cap,
+                                  num_embeddings=config.num_embeddings, num_shards=world_size,
+                                  initializer_args=initializer)
+    except ValueError as e:
+        derived = "" if options.max_capacity else (f" (max_capacity {max_cap}: num_embeddings "
+                                                   f"{config.num_embeddings} over {world_size} ranks)")
+        raise ValueError(f"table {name!r}{derived}: {e}") from None
     out.validate(name)
     return out
 

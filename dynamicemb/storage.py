@@ -135,8 +135,13 @@ class HashTableStorage(EmbeddingStorage):
 
     def _packed(self, args, states=None) -> torch.Tensor:
         states = states or [0.0] * len(args)
-        return torch.tensor([a.packed(o.num_embeddings or o.max_capacity, s, st)
-                             for a, o, s, st in zip(args, self.options, self.streams, states)], dtype=torch.float64)
+        rows = []
+        for name, a, o, s, st in zip(self.names, args, self.options, self.streams, states):
+            try:
+                rows.append(a.packed(o.num_embeddings or o.max_capacity, s, st))
+            except ValueError as e:
+                raise ValueError(f"table {name!r}: {e}") from None
+        return torch.tensor(rows, dtype=torch.float64)
 
     def state_init(self, table_id: int) -> float:
         """Where a new row's optimizer state starts (init_params' state column)."""

@@ -116,3 +116,12 @@ def test_hyper_parameters_out_of_range_are_refused_naming_the_tables(kw, match):
     with pytest.raises(ValueError, match=r"tables \['t'\]: lr must be a finite number"):
         m.set_learning_rate(float("nan"))
     assert m.get_learning_rate() == 0.01
+
+
+def test_bounds_that_cross_a_default_bound_name_the_table_and_the_default():
+    from dynamicemb import DynamicEmbInitializerMode
+    args = DynamicEmbInitializerArgs(mode=DynamicEmbInitializerMode.UNIFORM, lower=1.0)
+    with pytest.raises(ValueError, match=r"table 't': initializer lower bound 1.0 exceeds upper bound 0.1 \(upper: "
+                                         r"the default sqrt\(1 / num_embeddings 100\)\); give both"):
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64, num_embeddings=100,
+                                                              initializer_args=args)], ["t"])

@@ -499,3 +499,11 @@ def test_options_without_use_dynamicemb_warn():
         warnings.simplefilter("error")
         DynamicEmbParameterConstraints()
         DynamicEmbParameterConstraints(use_dynamicemb=True, dynamicemb_options=DynamicEmbTableOptions(max_capacity=8))
+
+
+def test_an_init_capacity_past_the_derived_max_capacity_names_the_table():
+    from dynamicemb.planner import complete_options
+    config = models.ebc_configs(["t_table"], dim=8, num_embeddings=100)[0]
+    with pytest.raises(ValueError, match=r"table 't_table' \(max_capacity 128: num_embeddings 100 over 1 ranks\): "
+                                         r".*init_capacity 4096 must be in \(0, max_capacity=128\]"):
+        complete_options(config, DynamicEmbTableOptions(init_capacity=4096), 1)
