@@ -2,6 +2,7 @@
 feature routes by its own rule (dynamic: the table's dist_type, keys
 unchanged; native: TorchRec's block rule with local rows), then TorchRec's
 KJTAllToAll sends each rank its keys."""
+import re
 from typing import List, Optional
 
 import torch
@@ -49,16 +50,24 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
                 # cast to float by the routing, they would weigh the ids silently.
                 raise TypeError(f"dynamicemb (input dist): per-sample weights of features {keys} must be "
                                 f"floating point, got {w.dtype}: cast them (weights.float()) or leave them out")
+        n = sparse_features.values().numel()
+        if w is not None and w.numel() != n:
+            raise ValueError(f"dynamicemb (input dist): features {keys}: {w.numel()} per-sample weights for {n} "
+                             f"ids; give one weight per id")
         if w is not None:
             check_finite_weights(w, sparse_features.offsets(), keys, "dynamicemb (input dist)")
         lengths = contiguous_as(sparse_features.lengths(), torch.int64)
+        bags = max(sparse_features.stride_per_key(), default=0) if vbe else sparse_features.stride()
         if vbe:  # routed in the uniform layout, with empty bags (vbe.py)
             lengths = vbe_layout.padded_lengths(lengths, sparse_features.stride_per_key())
-        lengths, values, weights, permute = ops.route_keys(
-            lengths,
-            contiguous_as(sparse_features.values(), torch.int64),
-            None if w is None else contiguous_as(w, torch.float32),
-            self._rules, self._params, self._world_size)
+        try:
+            lengths, values, weights, permute = ops.route_keys(
+                lengths,
+                contiguous_as(sparse_features.values(), torch.int64),
+                None if w is None else contiguous_as(w, torch.float32),
+                self._rules, self._params, self._world_size)
+        except RuntimeError as e:
+            raise _named(e, keys, bags) from None
         if self._is_sequence:
             self.unbucketize_permute_tensor = permute
         if vbe:  # as TorchRec's bucketize sends a VBE batch: each rank the real bags of every feature
@@ -70,3 +79,19 @@ class DynamicRwSparseFeaturesDist(RwSparseFeaturesDist):
         routed = KeyedJaggedTensor(keys=sparse_features.keys() * self._world_size, values=values,
                                    weights=weights if w is not None else None, **layout)
         return self._dist(routed)
+
+
+def _named(error: RuntimeError, keys: List[str], bags: int) -> Exception:
+    """The routing's refusal of a batch's lengths, naming the feature (bag j
+    of the feature-major lengths is bag j % bags of feature j // bags)."""
+    msg = str(error).splitlines()[0]
+    m = re.search(r"negative length at bag (\d+)", msg)
+    if m and bags > 0 and int(m.group(1)) // bags < len(keys):
+        j = int(m.group(1))
+        return ValueError(f"dynamicemb (input dist): feature {keys[j // bags]!r} has a negative length in bag "
+                          f"{j % bags}")
+    m = re.search(r"lengths sum to (\d+) but there are (\d+) values", msg)
+    if m:
+        return ValueError(f"dynamicemb (input dist): the lengths of features {keys} sum to {m.group(1)}, but the "
+                          f"batch holds {m.group(2)} ids")
+    return error

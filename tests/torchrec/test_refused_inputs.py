@@ -97,3 +97,31 @@ def test_a_batch_with_its_features_in_another_order_is_refused():
                              f"by position from the first batch on, so each would feed another table: build every "
                              f"batch's KeyedJaggedTensor with the same keys in the same order"), got[kind]
         assert got[f"{kind}/unchanged"]
+
+
+def _bad_lengths(rank, world):
+    pg = models.rank_groups()[0]
+    configs = models.configs_of("weighted_ebc", TABLES, dim=8, num_embeddings=64)
+    model = models.build("weighted_ebc", configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+    good = models.kjt(models.random_batch(FEATURES, 4, 64, seed=1, max_len=2), weighted=True)
+    lengths = good.lengths().clone()
+    lengths[5], lengths[6] = lengths[5] + 1, -1  # bag 2 of b_feature (4 bags a feature)
+    cases = {"negative length": torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(), lengths=lengths,
+                                                           weights=good.weights()),
+             "short weights": torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(), lengths=good.lengths(),
+                                                         weights=good.weights()[:-1])}
+    got = {}
+    for what, kjt in cases.items():
+        try:
+            model(kjt)
+            got[what] = None
+        except ValueError as e:
+            got[what] = str(e)
+    return got
+
+
+def test_bad_lengths_and_weights_name_the_feature():
+    got = run_ranks(_bad_lengths, 1)[0]
+    assert got["negative length"] == "dynamicemb (input dist): feature 'b_feature' has a negative length in bag 2"
+    assert got["short weights"].startswith(f"dynamicemb (input dist): features {FEATURES}: ") and \
+        got["short weights"].endswith("give one weight per id"), got["short weights"]
