@@ -295,9 +295,17 @@ class DynamicEmbTableOptions:
 
 # ---- sizing (used by the planner; importable without torchrec) -------------------------
 
+
+def _numbers_not_a_config(what: str, first, takes: str) -> None:
+    """NVIDIA dynamicemb's sizing helpers take a table config first; ours take numbers."""
+    if not isinstance(first, numbers.Integral) and hasattr(first, "embedding_dim"):
+        raise TypeError(f"{what} takes numbers ({takes}), not a table config as NVIDIA dynamicemb's does: pass "
+                        f"its num_embeddings / embedding_dim")
+
 def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capacity: int = 128) -> int:
     """Rows per rank of a dynamic table of `num_embeddings` rows over
     `world_size` ranks: ceil(num_embeddings / world_size), in whole buckets."""
+    _numbers_not_a_config("get_sharded_table_capacity", num_embeddings, "num_embeddings, world_size, bucket_capacity")
     if num_embeddings <= 0 or world_size <= 0:
         raise ValueError(f"num_embeddings ({num_embeddings}) and world_size ({world_size}) must be positive")
     rows = -(-num_embeddings // world_size)
@@ -307,5 +315,6 @@ def get_sharded_table_capacity(num_embeddings: int, world_size: int, bucket_capa
 def get_table_value_bytes(capacity: int, dim: int, embedding_dtype: torch.dtype = torch.float32,
                           optimizer=EmbOptimType.EXACT_SGD, training: bool = True) -> int:
     """Bytes of a table's values and optimizer state at `capacity` rows."""
+    _numbers_not_a_config("get_table_value_bytes", capacity, "capacity, dim, embedding_dtype, optimizer")
     width = dim + (state_width(optimizer_code(optimizer), dim) if training else 0)
     return capacity * width * torch.empty((), dtype=embedding_dtype).element_size()

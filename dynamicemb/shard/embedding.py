@@ -1,4 +1,5 @@
 """EmbeddingCollection (sequence) with dynamic tables: a drop-in sharder."""
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -45,10 +46,18 @@ class DynamicEmbeddingCollectionSharder(DynamicSharderMixin, EmbeddingCollection
 
     def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None):
+        dedup = getattr(self, "_use_index_dedup", False)
+        if dedup and (device is None or torch.device(device).type == "cpu"):
+            # TorchRec's index dedup runs fbgemm's jagged_unique_indices, a CUDA-only op: on the CPU the
+            # first forward failed. A dynamic table deduplicates its ids itself.
+            warnings.warn("DynamicEmbeddingCollectionSharder: use_index_dedup=True is ignored on the CPU (TorchRec's "
+                          "index dedup runs a CUDA-only fbgemm op; dynamic tables deduplicate their ids anyway)",
+                          UserWarning, stacklevel=2)
+            dedup = False
         return ShardedDynamicEmbeddingCollection(
             module=module, table_name_to_parameter_sharding=self.checked_plan(params), env=env,
             fused_params=self.fused_params, device=device, qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn, use_index_dedup=getattr(self, "_use_index_dedup", False))
+            module_fqn=module_fqn, use_index_dedup=dedup)
 
     @property
     def sharded_module_type(self):

@@ -125,3 +125,15 @@ def test_bounds_that_cross_a_default_bound_name_the_table_and_the_default():
                                          r"the default sqrt\(1 / num_embeddings 100\)\); give both"):
         BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=64, num_embeddings=100,
                                                               initializer_args=args)], ["t"])
+
+
+def test_sizing_helpers_given_a_table_config_say_to_pass_numbers():
+    """NVIDIA's helpers take the table config first; given one, ours blamed
+    the optimizer (its bucket capacity in our optimizer's place)."""
+    from types import SimpleNamespace
+    from dynamicemb import get_sharded_table_capacity, get_table_value_bytes
+    config = SimpleNamespace(name="t", num_embeddings=1000, embedding_dim=8)
+    for fn, args in ((get_table_value_bytes, (config, EmbOptimType.ADAM, 2, 128)),
+                     (get_sharded_table_capacity, (config, 2, 128))):
+        with pytest.raises(TypeError, match=rf"{fn.__name__} takes numbers .*not a table config"):
+            fn(*args)

@@ -40,11 +40,12 @@ def dynamic_constraints(names, **options):
             for n in names}
 
 
-def shard(module, configs, world_size, constraints, fused_params, collective=False, env=None):
-    """DMP over `module` with our planner and sharders, on CPU (over `env`'s
+def shard(module, configs, world_size, constraints, fused_params, collective=False, env=None, ec_sharder=None):
+    """DMP over `module` with our planner and sharders (ec_sharder: the
+    EmbeddingCollection's, if not the default), on CPU (over `env`'s
     process group when given, else the world)."""
     sharders = [DynamicEmbeddingBagCollectionSharder(fused_params=fused_params),
-                DynamicEmbeddingCollectionSharder(fused_params=fused_params)]
+                ec_sharder or DynamicEmbeddingCollectionSharder(fused_params=fused_params)]
     planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=world_size, compute_device="cpu"),
                                               constraints=constraints)
     plan = (planner.collective_plan(module, sharders, env.process_group if env else None) if collective

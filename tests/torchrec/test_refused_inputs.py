@@ -125,3 +125,27 @@ def test_bad_lengths_and_weights_name_the_feature():
     assert got["negative length"] == "dynamicemb (input dist): feature 'b_feature' has a negative length in bag 2"
     assert got["short weights"].startswith(f"dynamicemb (input dist): features {FEATURES}: ") and \
         got["short weights"].endswith("give one weight per id"), got["short weights"]
+
+
+def _index_dedup(rank, world):
+    import warnings
+    from torchrec.distributed.types import ShardingEnv
+    from dynamicemb.shard import DynamicEmbeddingCollectionSharder
+    pg = models.rank_groups()[0]
+    configs = models.ec_configs(TABLES, dim=8, num_embeddings=64)
+    module = torchrec.EmbeddingCollection(tables=configs, device=torch.device("meta"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = models.shard(module, configs, 1, models.dynamic_constraints(TABLES), models.SGD,
+                             env=ShardingEnv.from_process_group(pg),
+                             ec_sharder=DynamicEmbeddingCollectionSharder(fused_params=models.SGD, use_index_dedup=True))
+    models.loss_of(models.resolved(model(models.kjt(models.random_batch(FEATURES, 4, 64, seed=0))))).backward()
+    return [str(w.message) for w in caught if "use_index_dedup" in str(w.message)]
+
+
+def test_index_dedup_is_ignored_on_the_cpu():
+    """NVIDIA's example shards with use_index_dedup=True: on the CPU the
+    first forward failed in a CUDA-only fbgemm op (jagged_unique_indices)."""
+    assert run_ranks(_index_dedup, 1)[0] == [
+        "DynamicEmbeddingCollectionSharder: use_index_dedup=True is ignored on the CPU (TorchRec's index dedup runs "
+        "a CUDA-only fbgemm op; dynamic tables deduplicate their ids anyway)"]
