@@ -29,7 +29,7 @@ from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
 from dynamicemb.table import doubling_capacities
-from dynamicemb.tiers.index import _MIN_SLOTS as _STORE_MIN_SLOTS
+from dynamicemb.tiers.index import MIN_SLOTS as _STORE_MIN_SLOTS
 from dynamicemb.tiers.store import DEFAULT_BUCKET as _STORE_BUCKET, ROOM_MARGIN
 from dynamicemb.types import strategy_code
 from dynamicemb.shard import DynamicSharderMixin

@@ -14,7 +14,7 @@ from dynamicemb.positions import scatter_rows, where_true
 from dynamicemb.table import ScoredHashTable, doubling_capacities
 from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 
-_MIN_SLOTS = 1024
+MIN_SLOTS = 1024  # where a table of the index starts (its room doubles from there)
 
 
 class Entries(NamedTuple):
@@ -46,7 +46,7 @@ class KeyIndex:
         """Declares one more table (empty, at its start); returns its id."""
         self.names.append(name)
         self.max_rows.append(max_rows)
-        lo, hi = doubling_capacities(_MIN_SLOTS, max_rows, self.bucket_capacity)
+        lo, hi = doubling_capacities(MIN_SLOTS, max_rows, self.bucket_capacity)
         self.min_slots.append(lo)
         self.max_slots.append(hi)
         caps = (self.ht.capacities() if self.ht is not None else []) + [lo]
