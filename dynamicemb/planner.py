@@ -233,12 +233,12 @@ class DynamicEmbeddingShardingPlanner:
         if o.backing_store is not None or o.external_storage is not None:
             return device, 0
         # The store's key index rounds the table's whole buckets up as an
-        # index does (tiers/index.py); its rows may pass that room by a put
-        # (at most the cache's rows) or HostStore's margin.
+        # index does (tiers/index.py); a HostStore's rows pass that room by
+        # its margin (a training step's write-backs stay within it).
         room = doubling_capacities(_STORE_MIN_SLOTS, -(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity,
                                    _STORE_BUCKET)[1]
         index = room * (TABLE_BYTES_PER_SLOT + 8)
-        return device, index + (0 if o.storage_path is not None else row * (room + max(room // ROOM_MARGIN, cached)))
+        return device, index + (0 if o.storage_path is not None else row * (room + room // ROOM_MARGIN))
 
     def tier_bytes_per_rank(self) -> Dict[str, Tuple[int, int]]:
         """(HBM, DDR) bytes per rank of each dynamic table, as plan() charges

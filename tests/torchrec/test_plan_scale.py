@@ -21,14 +21,24 @@ BUCKET = 128
 STATE = {EmbOptimType.EXACT_ROWWISE_ADAGRAD.name: lambda d: 1, EmbOptimType.ADAM.name: lambda d: 2 * d}
 
 
+def store_room(cap: int) -> int:
+    """The slots of a backing store's key index for a table of `cap` rows:
+    from 1024 slots (8 buckets), doubling exactly into its maximum, the
+    table's whole buckets rounded up to a multiple of 8 x 2^k."""
+    buckets, start, k = -(-cap // BUCKET), 1024 // BUCKET, 0
+    while buckets >> (k + 1) >= start:
+        k += 1
+    return -(-buckets // 2**k) * 2**k * BUCKET
+
+
 def account(plan, world: int, optimizer: str):
     """(HBM, host) bytes per rank of a plan, from its tables' options: a
     table keeps its hash table in HBM, and its rows (values and state) there
     up to its per-rank budget (all without one), the others in host memory;
     a cached table keeps its cache
     (budget / row bytes, whole buckets, at least one bucket, at most every
-    row) and the cache's hash table in HBM, and all its rows plus their key
-    index in host memory (a HostStore)."""
+    row) and the cache's hash table in HBM, and its store's room of rows
+    (plus the HostStore's margin of 1/16) and their key index in host memory."""
     hbm = host = 0
     for name, ps in plan.plan[""].items():
         o = ps.dynamicemb_options
@@ -39,7 +49,8 @@ def account(plan, world: int, optimizer: str):
         if o.caching:
             cached = min(cap, max(BUCKET, per_rank // row // BUCKET * BUCKET))
             hbm += cached * (row + SLOT)
-            host += cap * (HOST_INDEX_SLOT + row)
+            room = store_room(cap)
+            host += room * HOST_INDEX_SLOT + (room + room // 16) * row
         else:  # the rows that the per-rank budget holds in HBM, the others in host memory
             head = cap if o.global_hbm_for_values == 0 else min(cap, per_rank // row)
             hbm += cap * SLOT + head * row
@@ -101,7 +112,8 @@ def test_ten_billion_adam_keys_on_eight_gpus_are_refused_by_name():
     assert have == 256 * 2**30 and need > left
     cap = -(-sizes[int(name[1:])] // 8)
     cap = -(-cap // BUCKET) * BUCKET
-    assert need == cap * (HOST_INDEX_SLOT + (128 + 2 * 128) * F32)  # its rows and key index, per rank
+    room = store_room(cap)
+    assert need == room * HOST_INDEX_SLOT + (room + room // 16) * (128 + 2 * 128) * F32  # rows and key index
 
 
 def test_a_single_table_too_big_for_hbm_is_named():

@@ -386,8 +386,8 @@ def test_cached_tables_charge_their_cache_to_hbm_and_their_store_to_ddr(tmp_path
     optimizer state, in whole buckets, and their hash table); host memory the
     backing store's key index (18 bytes of hash table and an 8-byte row
     position per slot at max_capacity) plus, for the host store, every row
-    and the rows of one put past them (a full store writes a put's rows
-    before its evictions free as many: up to the cache's rows, or 1/16).
+    and its margin of 1/16 (a full store writes a put's rows before its
+    evictions free as many).
     A file store's rows are on disk; a user's store object is not ours."""
     names = ["host_table", "file_table", "user_table"]
     configs = models.ebc_configs(names, dim=16, num_embeddings=4096)
@@ -405,7 +405,7 @@ def test_cached_tables_charge_their_cache_to_hbm_and_their_store_to_ddr(tmp_path
     planner.plan(_ebc(configs), _sharders())
     device = cache * (row_bytes + 18)
     index = rows * (18 + 8)
-    host_rows = (rows + max(rows // 16, cache)) * row_bytes
+    host_rows = (rows + rows // 16) * row_bytes
     for d in planner._topology.devices:
         assert hbm - d.storage.hbm == 3 * device
         assert ddr - d.storage.ddr == (index + host_rows) + index

@@ -15,12 +15,25 @@ TABLES = ["a_table", "b_table"]
 FEATURES = [t.replace("table", "feature") for t in TABLES]
 
 
+def _model(kind, pg):
+    configs = models.configs_of(kind, TABLES, dim=8, num_embeddings=64)
+    return models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+
+
+def _message(call, *args):
+    """The message of the ValueError call(*args) raises; None if it returns."""
+    try:
+        call(*args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _refused(rank, world):
     pg = models.rank_groups()[0]
     got = {}
     for kind in ("weighted_ebc", "ec"):
-        configs = models.configs_of(kind, TABLES, dim=8, num_embeddings=64)
-        model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+        model = _model(kind, pg)
         batch = models.random_batch(FEATURES, 4, 64, seed=0)
         good = models.kjt(batch, weighted=kind == "weighted_ebc")
         bad_ids = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values().to(torch.float32),
@@ -70,17 +83,12 @@ def _reordered(rank, world):
     pg = models.rank_groups()[0]
     got = {}
     for kind in ("ebc", "ec"):
-        configs = models.configs_of(kind, TABLES, dim=8, num_embeddings=64)
-        model = models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+        model = _model(kind, pg)
         batch = models.random_batch(FEATURES, 4, 64, seed=0)
         models.loss_of(models.resolved(model(models.kjt(batch)))).backward()
         swapped = models.kjt({f: batch[f] for f in reversed(FEATURES)})
         before = table_stats(model)
-        try:
-            model(swapped)
-            got[kind] = None
-        except ValueError as e:
-            got[kind] = str(e)
+        got[kind] = _message(model, swapped)
         got[f"{kind}/unchanged"] = table_stats(model) == before
         extra = models.kjt(dict(batch, c_feature=[[1]] * 4))  # a feature appended: ignored, as TorchRec does
         models.loss_of(models.resolved(model(extra))).backward()
@@ -100,9 +108,7 @@ def test_a_batch_with_its_features_in_another_order_is_refused():
 
 
 def _bad_lengths(rank, world):
-    pg = models.rank_groups()[0]
-    configs = models.configs_of("weighted_ebc", TABLES, dim=8, num_embeddings=64)
-    model = models.build("weighted_ebc", configs, pg, models.dynamic_constraints(TABLES), models.SGD)
+    model = _model("weighted_ebc", models.rank_groups()[0])
     good = models.kjt(models.random_batch(FEATURES, 4, 64, seed=1, max_len=2), weighted=True)
     lengths = good.lengths().clone()
     lengths[5], lengths[6] = lengths[5] + 1, -1  # bag 2 of b_feature (4 bags a feature)
@@ -110,14 +116,7 @@ def _bad_lengths(rank, world):
                                                            weights=good.weights()),
              "short weights": torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values(), lengths=good.lengths(),
                                                          weights=good.weights()[:-1])}
-    got = {}
-    for what, kjt in cases.items():
-        try:
-            model(kjt)
-            got[what] = None
-        except ValueError as e:
-            got[what] = str(e)
-    return got
+    return {what: _message(model, kjt) for what, kjt in cases.items()}
 
 
 def test_bad_lengths_and_weights_name_the_feature():
