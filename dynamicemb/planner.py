@@ -234,7 +234,7 @@ class DynamicEmbeddingShardingPlanner:
             return device, 0
         # The store's key index rounds the table's whole buckets up as an
         # index does (tiers/index.py); a HostStore's rows pass that room by
-        # its margin (a training step's write-backs stay within it).
+        # its margin (puts of up to that many rows at once stay within it).
         room = doubling_capacities(_STORE_MIN_SLOTS, -(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity,
                                    _STORE_BUCKET)[1]
         index = room * (TABLE_BYTES_PER_SLOT + 8)
