@@ -14,7 +14,7 @@ from dynamicemb._ops import ops, table_arg
 from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.positions import where_true
-from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, strategy_code
+from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, int64_score, strategy_code
 
 # Insert calls are numbered 1.._MAX_EPOCH in each slot's one-byte epoch (the
 # call that last wrote it); on wrapping every slot's epoch is cleared.
@@ -196,7 +196,7 @@ class ScoredHashTable:
         if rules.scored_by_step(s):
             if isinstance(scores, torch.Tensor):
                 raise TypeError("STEP scores take one step number (an int) per call")
-            return (self.step if scores is None else int(scores)), None
+            return (self.step if scores is None else int64_score(scores, "STEP insert")), None
         if rules.scored_by_caller(s):
             if scores is None:
                 raise ValueError("the CUSTOMIZED score strategy needs scores (an int or a tensor per key)")
@@ -338,6 +338,8 @@ class ScoredHashTable:
         score is >= threshold (for (TIMESTAMP, LFU): whose access time is)."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if threshold is not None:
+            threshold = int64_score(threshold, "export")
         begin, end = (0, self.slot_keys.numel()) if table_id is None else self.table_slot_range(table_id)
         filt = None
         if threshold is not None:
@@ -362,6 +364,9 @@ class ScoredHashTable:
         Returns (old_indices, new_indices) of every entry, so that the caller
         can move its rows."""
         caps = self.capacities()
+        for c in (new_capacity if isinstance(new_capacity, (list, tuple)) else [new_capacity]):
+            if isinstance(c, bool) or not isinstance(c, int):
+                raise TypeError(f"grow: capacities are ints (slots), got {c!r}")
         if table_id is not None:
             caps[self._table_id(table_id)] = new_capacity
         elif isinstance(new_capacity, int):

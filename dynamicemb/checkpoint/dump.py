@@ -232,6 +232,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         if os.path.exists(path):
             _check_replaceable(path, allow_overwrite)
         tables = model_tables(model, table_names, "DynamicEmbDump")
+        if not tables:  # (an empty dump would load into any model as "nothing to load")
+            raise ValueError("DynamicEmbDump: the model has no dynamic tables (none of its modules is sharded with "
+                             "dynamicemb's sharders, or a BatchedDynamicEmbeddingTables); nothing would be dumped")
         if counter:  # a counter that cannot export its counts is refused before anything is written
             for ref in tables.values():
                 adm = ref.storage.admission_counter(ref.index)

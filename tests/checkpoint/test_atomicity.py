@@ -327,3 +327,9 @@ def test_dump_arguments_are_checked_by_name(tmp_path):
     with pytest.raises(ValueError, match="chunk_rows must be a positive int, got 0"):
         DynamicEmbDump(str(tmp_path / "b"), m, chunk_rows=0)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_model_without_dynamic_tables_is_not_dumped_empty(tmp_path):
+    with pytest.raises(ValueError, match="DynamicEmbDump: the model has no dynamic tables"):
+        DynamicEmbDump(str(tmp_path / "ckpt"), torch.nn.Linear(2, 2))
+    assert os.listdir(tmp_path) == []

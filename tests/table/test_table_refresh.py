@@ -75,3 +75,17 @@ def test_a_missing_keys_minus_one_is_no_slot_for_scores_of_and_hold():
     assert t.scores_of(idx).tolist() == [0, 73]
     with pytest.raises(ValueError, match=r"hold: indices must be slots \(>= 0\)"):
         t.hold(idx)
+
+
+def test_scores_thresholds_and_capacities_are_checked_by_name():
+    """A STEP insert truncated 1.7 to step 1; grow(256.0) and a float export
+    threshold failed inside the bindings."""
+    step = ScoredHashTable(16, 16, S.STEP)
+    with pytest.raises(ValueError, match="STEP insert: a score must be an int in int64's range, got 1.7"):
+        step.insert(torch.arange(4), scores=1.7)
+    with pytest.raises(TypeError, match=r"grow: capacities are ints \(slots\), got 256.0"):
+        step.grow(256.0)
+    with pytest.raises(ValueError, match="export: a score must be an int"):
+        list(step.export(threshold=1.5))
+    step.insert(torch.arange(4), scores=3)
+    assert sorted(k for b in step.export(threshold=3) for k in b.keys.tolist()) == [0, 1, 2, 3]
