@@ -28,8 +28,8 @@ from dynamicemb.optimizer import EmbOptimType, optimizer_code
 from dynamicemb.memory import TABLE_BYTES_PER_SLOT
 # The sizing helpers live in options.py (importable without torchrec); re-exported here.
 from dynamicemb.options import DynamicEmbTableOptions, get_sharded_table_capacity, get_table_value_bytes
-from dynamicemb.table import doubling_capacities
-from dynamicemb.tiers.index import MIN_SLOTS as _STORE_MIN_SLOTS
+from dynamicemb.storage import capacities_of
+from dynamicemb.tiers.index import index_capacities
 from dynamicemb.tiers.store import DEFAULT_BUCKET as _STORE_BUCKET, ROOM_MARGIN
 from dynamicemb.types import strategy_code
 from dynamicemb.shard import DynamicSharderMixin
@@ -198,8 +198,7 @@ class DynamicEmbeddingShardingPlanner:
     def _max_slots(self, name: str) -> int:
         """The slots a (not cached) table reaches: max_capacity rounded up so
         that its init_capacity doubles exactly into it, as the storage does."""
-        o = self.options[name]
-        return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)[1]
+        return capacities_of(self.options[name])[1]
 
     def _value_bytes(self, name: str) -> int:
         return self._row_bytes(name) * self._max_slots(name)
@@ -235,8 +234,7 @@ class DynamicEmbeddingShardingPlanner:
         # The store's key index rounds the table's whole buckets up as an
         # index does (tiers/index.py); a HostStore's rows pass that room by
         # its margin (puts of up to that many rows at once stay within it).
-        room = doubling_capacities(_STORE_MIN_SLOTS, -(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity,
-                                   _STORE_BUCKET)[1]
+        room = index_capacities(-(-o.max_capacity // o.bucket_capacity) * o.bucket_capacity, _STORE_BUCKET)[1]
         index = room * (TABLE_BYTES_PER_SLOT + 8)
         return device, index + (0 if o.storage_path is not None else row * (room + room // ROOM_MARGIN))
 

@@ -57,6 +57,13 @@ class Placement:
         return self.stored(g, slots) >= 0
 
 
+def capacities_of(o: DynamicEmbTableOptions) -> Tuple[int, int]:
+    """A table's (initial, maximum) capacity in slots: its init_capacity and
+    max_capacity as it allocates them (doubling_capacities; the planner
+    charges the maximum)."""
+    return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)
+
+
 class HashTableStorage(EmbeddingStorage):
     """Rows addressed by a ScoredHashTable slot: one physical hash table per
     (score strategy, bucket capacity) group of tables (usually one for all)."""
@@ -88,7 +95,7 @@ class HashTableStorage(EmbeddingStorage):
             (o.admit_strategy.get_initializer_args() if o.admit_strategy is not None else None) or o.initializer_args
             for o in options], states)
         self.eval_init_params = self._packed([o.eval_initializer_args for o in options])
-        init_caps, self.max_caps = zip(*(self._capacities(o) for o in options))
+        init_caps, self.max_caps = zip(*(capacities_of(o) for o in options))
         # Groups of tables sharing one physical hash table.
         groups: Dict[tuple, List[int]] = {}
         for t, o in enumerate(options):
@@ -146,11 +153,6 @@ class HashTableStorage(EmbeddingStorage):
     def state_init(self, table_id: int) -> float:
         """Where a new row's optimizer state starts (init_params' state column)."""
         return float(self.init_params[table_id, _STATE_COLUMN])
-
-    @staticmethod
-    def _capacities(o: DynamicEmbTableOptions) -> Tuple[int, int]:
-        """(initial, maximum) capacity in slots (doubling_capacities)."""
-        return doubling_capacities(o.init_capacity or o.max_capacity, o.max_capacity, o.bucket_capacity)
 
     def _new_rows(self, t: int, rows: int, width: int) -> TableRows:
         """Zero-filled rows of table t, split at its head rows."""

@@ -17,6 +17,13 @@ from dynamicemb.types import DynamicEmbScoreStrategy, InsertResult
 MIN_SLOTS = 1024  # where a table of the index starts (its room doubles from there)
 
 
+def index_capacities(max_rows: int, bucket_capacity: int) -> Tuple[int, int]:
+    """A table of the index for `max_rows` keys: (its starting slots, the
+    slots it reaches), from MIN_SLOTS doubling exactly into its maximum
+    (doubling_capacities; the planner charges the maximum)."""
+    return doubling_capacities(MIN_SLOTS, max_rows, bucket_capacity)
+
+
 class Entries(NamedTuple):
     keys: torch.Tensor
     positions: torch.Tensor
@@ -46,7 +53,7 @@ class KeyIndex:
         """Declares one more table (empty, at its start); returns its id."""
         self.names.append(name)
         self.max_rows.append(max_rows)
-        lo, hi = doubling_capacities(MIN_SLOTS, max_rows, self.bucket_capacity)
+        lo, hi = index_capacities(max_rows, self.bucket_capacity)
         self.min_slots.append(lo)
         self.max_slots.append(hi)
         caps = (self.ht.capacities() if self.ht is not None else []) + [lo]

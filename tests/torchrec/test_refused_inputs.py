@@ -20,6 +20,12 @@ def _model(kind, pg):
     return models.build(kind, configs, pg, models.dynamic_constraints(TABLES), models.SGD)
 
 
+def _models(kinds):
+    """(kind, a model of it over this rank, a batch) for each kind."""
+    pg = models.rank_groups()[0]
+    return [(kind, _model(kind, pg), models.random_batch(FEATURES, 4, 64, seed=0)) for kind in kinds]
+
+
 def _message(call, *args):
     """The message of the ValueError call(*args) raises; None if it returns."""
     try:
@@ -30,11 +36,8 @@ def _message(call, *args):
 
 
 def _refused(rank, world):
-    pg = models.rank_groups()[0]
     got = {}
-    for kind in ("weighted_ebc", "ec"):
-        model = _model(kind, pg)
-        batch = models.random_batch(FEATURES, 4, 64, seed=0)
+    for kind, model, batch in _models(("weighted_ebc", "ec")):
         good = models.kjt(batch, weighted=kind == "weighted_ebc")
         bad_ids = torchrec.KeyedJaggedTensor(keys=FEATURES, values=good.values().to(torch.float32),
                                              lengths=good.lengths(), weights=good.weights_or_none())
@@ -80,11 +83,8 @@ def test_dmp_refuses_float_ids_and_nan_or_integer_weights():
 
 
 def _reordered(rank, world):
-    pg = models.rank_groups()[0]
     got = {}
-    for kind in ("ebc", "ec"):
-        model = _model(kind, pg)
-        batch = models.random_batch(FEATURES, 4, 64, seed=0)
+    for kind, model, batch in _models(("ebc", "ec")):
         models.loss_of(models.resolved(model(models.kjt(batch)))).backward()
         swapped = models.kjt({f: batch[f] for f in reversed(FEATURES)})
         before = table_stats(model)
