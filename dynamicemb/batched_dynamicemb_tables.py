@@ -10,7 +10,7 @@ unique key and applies the optimizer to the rows in place (fused: no dense
 gradient, no optimizer.step()). In eval mode keys are only looked up.
 """
 import warnings
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -220,6 +220,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self._budget_warned = set()  # tables whose memory budget a WARNING has explained (once per table)
         self._noted = set()  # the _note_once warnings given
         self.nonfinite_grads = torch.zeros(self.num_tables, dtype=torch.int64)  # rows whose update was refused
+        # The global ranks that shard these tables (set by the sharder; None: not sharded over a group).
+        # Checkpoints route keys by them, so one given another group is refused.
+        self.shard_ranks: Optional[Tuple[int, ...]] = None
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
         # Prefetched batches whose forward may still come: (indices, offsets, their versions, emb_unique's result).

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dynamicemb import rules
 from dynamicemb.checkpoint.format import FORMAT_VERSION, MANIFEST, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
-from dynamicemb.checkpoint.tables import model_tables, rank_world
+from dynamicemb.checkpoint.tables import check_group, model_tables, rank_world
 from dynamicemb.fsync import fsync_dir
 
 DEFAULT_CHUNK_ROWS = 1 << 18
@@ -232,6 +232,7 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
         if os.path.exists(path):
             _check_replaceable(path, allow_overwrite)
         tables = model_tables(model, table_names, "DynamicEmbDump")
+        check_group(tables, pg, "DynamicEmbDump")
         if not tables:  # (an empty dump would load into any model as "nothing to load")
             raise ValueError("DynamicEmbDump: the model has no dynamic tables (none of its modules is sharded with "
                              "dynamicemb's sharders, or a BatchedDynamicEmbeddingTables); nothing would be dumped")

@@ -26,7 +26,7 @@ from dynamicemb import rules
 from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_tensors, dtype_code, read_manifest,
                                           read_part, read_tensors)
 from dynamicemb.checkpoint.rank_errors import raise_any, status
-from dynamicemb.checkpoint.tables import model_tables, rank_world
+from dynamicemb.checkpoint.tables import check_group, model_tables, rank_world
 from dynamicemb.routing import owners
 from dynamicemb.storage_protocol import RowBatch
 from dynamicemb.types import strategy_name
@@ -155,10 +155,11 @@ def _mine(part: Dict[str, torch.Tensor], same: bool, meta: dict, world: int, ran
     return {k: v[keep] for k, v in part.items()}
 
 
-def _prepare(path, model, table_names, optim, counter, rank, world) -> _Plan:
+def _prepare(path, model, table_names, optim, counter, pg, rank, world) -> _Plan:
     """Phase 1: every check that needs no change to the model."""
     plan = _Plan()
     plan.tables = tables = model_tables(model, table_names, "DynamicEmbLoad")
+    check_group(tables, pg, "DynamicEmbLoad")
     plan.manifest = manifest = read_manifest(path)
     # Every table is checked against the manifest before any file is read.
     for name, ref in tables.items():
@@ -292,7 +293,7 @@ def DynamicEmbLoad(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     distributed = dist.is_initialized() and world > 1
     plan, error = None, None
     try:
-        plan = _prepare(path, model, table_names, optim, counter, rank, world)
+        plan = _prepare(path, model, table_names, optim, counter, pg, rank, world)
     except Exception as e:  # noqa: BLE001 - every rank raises, after the gather
         error = e
     _gather_status(error, world, pg, distributed, "; the model is unchanged")

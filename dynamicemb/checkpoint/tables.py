@@ -79,3 +79,18 @@ def rank_world(pg: Optional[dist.ProcessGroup]):
         return 0, 1
     return dist.get_rank(pg), dist.get_world_size(pg)
 
+
+def check_group(tables: Dict[str, TableRef], pg: Optional[dist.ProcessGroup], what: str) -> None:
+    """Refuses a `pg` other than the group that shards the tables: a load
+    routes keys by pg's ranks and a dump names its shards by them, so another
+    group would drop or repeat keys unsaid."""
+    if not dist.is_initialized():
+        return
+    given = tuple(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    for m in dict.fromkeys(ref.module for ref in tables.values()):
+        if m.shard_ranks is not None and m.shard_ranks != given:
+            raise ValueError(f"{what}: tables {m.table_names} are sharded over ranks {list(m.shard_ranks)}, but "
+                             f"pg={'the default group' if pg is None else 'the group given'} has ranks "
+                             f"{list(given)}: pass the process group the model was sharded with "
+                             f"(DistributedModelParallel's env.process_group)")
+

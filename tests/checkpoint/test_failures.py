@@ -172,6 +172,20 @@ def _failures(rank, world, root):
         res["counts_tiny"] = _outcome(lambda: DynamicEmbLoad(counted, tiny, pg=own[0], counter=True))
         res["no_counter"] = _outcome(lambda: DynamicEmbLoad(counted, H.build(own[0]), pg=own[0], counter=True))
     dist.barrier()
+
+    # A group other than the one sharding the model: a load would route keys
+    # by its ranks (each rank taking every key, or half of them), a dump would
+    # name its shards by them. Refused, the model unchanged.
+    def keys_of(m):
+        return {t: e["keys"].tolist() for t, e in H.entries(m).items() if t != "_modules"}
+    before = keys_of(model)
+    res["load_own_group"] = _outcome(lambda: DynamicEmbLoad(latest, model, pg=own[rank]))
+    res["load_own_group_unchanged"] = keys_of(model) == before
+    res["dump_own_group"] = _outcome(lambda: DynamicEmbDump(os.path.join(root, f"own{rank}"), model, pg=own[rank]))
+    res["dump_own_group_written"] = os.path.exists(os.path.join(root, f"own{rank}"))
+    replica = H.build(own[rank])  # sharded over this rank alone
+    res["load_world_into_replica"] = _outcome(lambda: DynamicEmbLoad(latest, replica))
+    dist.barrier()
     return res
 
 
@@ -264,3 +278,13 @@ def test_single_process_load_replaces_content(tmp_path):
     H.assert_same_entries([want], [H.entries(m)], dist_types=H.PLAIN_DIST)
     with pytest.raises(CheckpointError):  # (nothing to load: no mistake is silent)
         DynamicEmbLoad(str(tmp_path / "nothing"), m)
+
+
+def test_a_group_other_than_the_models_is_refused():
+    for rank, r in enumerate(_results()):
+        for key, theirs, given in (("load_own_group", [0, 1], [rank]), ("dump_own_group", [0, 1], [rank]),
+                                   ("load_world_into_replica", [rank], [0, 1])):
+            kind, msg = r[key]
+            assert kind == "ValueError" and f"sharded over ranks {theirs}" in msg and f"has ranks {given}" in msg, \
+                (key, r[key])
+        assert r["load_own_group_unchanged"] and not r["dump_own_group_written"]
