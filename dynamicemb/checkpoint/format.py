@@ -9,7 +9,8 @@ Each part is a standard safetensors file (readable without dynamicemb) holding
 one chunk of one rank's shard. Scores that are clock readings (TIMESTAMP,
 NO_EVICTION, the pair's access times) are stored as ages in ns at dump time,
 so that another host's clock does not matter. The manifest lists every file
-with its row count, size and CRC-32. Every file is fsynced before the manifest
+with its row count, size and CRC-32, and carries a CRC-32 of its own
+content. Every file is fsynced before the manifest
 is written and the directory published.
 """
 import glob
@@ -192,10 +193,20 @@ def read_part(root: str, entry: dict, table: str, crc: bool = True) -> Dict[str,
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+_MANIFEST_CRC = "manifest_crc32"  # of the manifest's other fields, canonical JSON
+
+
+def _manifest_crc(manifest: dict) -> int:
+    body = {k: v for k, v in manifest.items() if k != _MANIFEST_CRC}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def write_manifest(root: str, manifest: dict) -> None:
+    """Writes the manifest with a CRC-32 of its content: a flipped digit
+    (a step, a row count) would otherwise load as a different checkpoint."""
     path = os.path.join(root, MANIFEST)
     with open(path, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+        json.dump({**manifest, _MANIFEST_CRC: _manifest_crc(manifest)}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -211,9 +222,15 @@ def read_manifest(root: str) -> dict:
             manifest = json.load(f)
     except ValueError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if manifest.get("format") != "dynamicemb" or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported format {manifest.get('format')!r} version "
-                              f"{manifest.get('format_version')!r} (expected dynamicemb {FORMAT_VERSION})")
+    if not isinstance(manifest, dict) or manifest.get("format") != "dynamicemb" \
+            or manifest.get("format_version") != FORMAT_VERSION:
+        got = manifest if isinstance(manifest, dict) else {}
+        raise CheckpointError(f"{path}: unsupported format {got.get('format')!r} version "
+                              f"{got.get('format_version')!r} (expected dynamicemb {FORMAT_VERSION})")
+    # (Dumps written before the checksum have none: they load unchecked.)
+    if _MANIFEST_CRC in manifest and manifest[_MANIFEST_CRC] != _manifest_crc(manifest):
+        raise CheckpointError(f"{path}: checksum mismatch: the manifest was changed or damaged after it was written")
+    manifest.pop(_MANIFEST_CRC, None)
     return manifest
 
 

@@ -12,6 +12,7 @@ import torch
 import ckpt_helpers as H
 from dynamicemb import EmbOptimType
 from dynamicemb.checkpoint import CheckpointError, DynamicEmbDump, DynamicEmbLoad
+from dynamicemb.checkpoint.format import write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,19 @@ def test_missing_or_invalid_manifest(copy):
         DynamicEmbLoad(copy, H.plain_module())
 
 
+@pytest.mark.parametrize("old, new", [('"optimizer_step": 3', '"optimizer_step": 7'), ('"step": 3', '"step": 2')])
+def test_a_changed_manifest_is_refused(copy, old, new):
+    """One digit of the manifest changed (a flipped bit turns 3 into 7): the
+    load would restore another step; its checksum refuses it."""
+    path = os.path.join(copy, "manifest.json")
+    text = open(path).read()
+    assert text.count(old) >= 1, text[:400]
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+    _refused_unchanged(copy, r"manifest.json: checksum mismatch")
+
+
+
 @pytest.mark.parametrize("model, message", [
     (lambda: H.plain_module(dims=(8, 6)), r"table 'b' in .*manifest.json: dim is 4, the model's is 6"),
     (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer"),
@@ -138,8 +152,7 @@ def _rewrite(path, rel, change):
     tensors = change({k: v.clone() for k, v in read_part(path, entry, "b").items()})  # not the mmapped file
     new = write_part(path, rel, tensors)
     entry.update(bytes=new["bytes"], crc32=new["crc32"])
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(m, f)
+    write_manifest(path, m)  # (its own checksum updated too)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -159,8 +172,7 @@ def test_files_that_do_not_match_the_manifest(copy, change, message):
 def test_rows_per_rank_that_do_not_match_the_files(copy):
     m = _manifest(copy)
     m["tables"]["b"]["rows_per_rank"][0] += 1
-    with open(os.path.join(copy, "manifest.json"), "w") as f:
-        json.dump(m, f)
+    write_manifest(copy, m)
     _refused_unchanged(copy, r"table 'b' in .*manifest.json: the part files hold \[\d+\] rows per rank, "
                              r"rows_per_rank says")
 
