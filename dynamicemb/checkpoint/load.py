@@ -43,13 +43,24 @@ def check_table(where: str, ref, meta: dict, optim: bool) -> None:
     if optim:
         if not meta["has_optimizer_state"]:
             raise CheckpointError(f"{where}: the dump has no optimizer state; load with optim=False")
+        if mine["optimizer_state_width"] == 0 and meta["optimizer_state_width"] > 0:
+            raise CheckpointError(f"{where}: the model's table keeps no optimizer state (training=False); load "
+                                  f"with optim=False to load its values alone")
         if meta["optimizer"] != mine["optimizer"] or meta["optimizer_state_width"] != mine["optimizer_state_width"]:
-            raise CheckpointError(f"{where}: optimizer {meta['optimizer']} (state width "
-                                  f"{meta['optimizer_state_width']}) does not match the model's {mine['optimizer']} "
-                                  f"(state width {mine['optimizer_state_width']}); load with optim=False to skip it")
+            raise CheckpointError(f"{where}: optimizer {_optimizer_name(meta['optimizer'])} (state width "
+                                  f"{meta['optimizer_state_width']}) does not match the model's "
+                                  f"{_optimizer_name(mine['optimizer'])} (state width "
+                                  f"{mine['optimizer_state_width']}); load with optim=False to skip it")
     if meta["score_strategy"] != mine["score_strategy"]:
         raise CheckpointError(f"{where}: score strategy {strategy_name(meta['score_strategy'])} does not match the "
                               f"model's {strategy_name(mine['score_strategy'])}")
+
+
+def _optimizer_name(code: int) -> str:
+    try:
+        return rules.optimizer(code).name
+    except KeyError:  # (a manifest of a newer version)
+        return f"code {code}"
 
 
 def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], optim: bool) -> None:

@@ -106,13 +106,17 @@ def test_a_changed_manifest_is_refused(copy, old, new):
 
 @pytest.mark.parametrize("model, message", [
     (lambda: H.plain_module(dims=(8, 6)), r"table 'b' in .*manifest.json: dim is 4, the model's is 6"),
-    (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer"),
+    (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer ADAM "
+                                                                   r"\(state width 16\) does not match the model's "
+                                                                   r"EXACT_ADAGRAD \(state width 8\)"),
+    (lambda: H.plain_module(training=False), r"table 'a' in .*manifest.json: the model's table keeps no optimizer "
+                                             r"state \(training=False\); load with optim=False"),
     (lambda: H.plain_module(dist_type="roundrobin"), r"table 'a' in .*manifest.json: dist_type is 'hash_roundrobin'"),
     (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy LFU does not match the model's TIMESTAMP"),
     (lambda: H.plain_module(names=("a", "c")), r"table 'c': .*manifest.json has no table 'c'"),
     (lambda: H.plain_module(embedding_dtype=torch.float16), r"table 'a' in .*manifest.json: dtype is 'float32', "
                                                              r"the model's is 'float16'"),
-], ids=["dim", "optimizer", "dist_type", "score_strategy", "missing_table", "dtype"])
+], ids=["dim", "optimizer", "training_false", "dist_type", "score_strategy", "missing_table", "dtype"])
 def test_manifest_of_another_model(dumped, model, message):
     m = model()
     with pytest.raises(CheckpointError, match=message):
