@@ -223,6 +223,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # The global ranks that shard these tables (set by the sharder; None: not sharded over a group).
         # Checkpoints route keys by them, so one given another group is refused.
         self.shard_ranks: Optional[Tuple[int, ...]] = None
+        # Per table loaded from a checkpoint: the clock thresholds incremental_dump handed out since the
+        # load (a load restores clock scores as ages before the load, so earlier thresholds do not apply).
+        self.thresholds_since_load: Dict[int, set] = {}
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
         # Prefetched batches whose forward may still come: (indices, offsets, their versions, emb_unique's result).

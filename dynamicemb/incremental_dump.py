@@ -8,6 +8,7 @@ the CPU, the GPU's global timer on CUDA), so the result is the keys touched
 since then (the returned next threshold is such a reading);
 for STEP it is a step. It also returns the threshold to pass next time.
 """
+import warnings
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -38,6 +39,25 @@ def _per_table(value: Threshold, name: str, strategy: int) -> int:
     return int64_score(value, f"table {name!r}")
 
 
+def _check_clock_threshold(name: str, since_load: Optional[set], threshold: int, now: int) -> None:
+    """A clock threshold is a reading of this process's table clock: one past
+    the clock now is not (another process's or host's: keys touched since
+    the load would be left out), and after a load one from before it does
+    not apply (the loaded rows count as touched at the load less their age
+    at the dump)."""
+    if threshold > now:
+        raise ValueError(f"incremental_dump: table {name!r}: threshold {threshold} is later than the table's clock "
+                         f"({now} ns now): it is not a reading of this process's table clock (a threshold from "
+                         f"another process does not carry over, e.g. after a load); pass 0 to get every row, then "
+                         f"the thresholds incremental_dump returns")
+    if since_load is not None and threshold > 0 and threshold not in since_load:
+        warnings.warn(f"incremental_dump: table {name!r} was loaded from a checkpoint, and threshold {threshold} "
+                      f"was not returned by incremental_dump since: a load restores access times as the rows' ages "
+                      f"at the dump before the load, so a threshold from before it selects rows by that, not by "
+                      f"the keys touched since; pass 0 once after a load to get every row", RuntimeWarning,
+                      stacklevel=3)
+
+
 def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Optional[dist.ProcessGroup] = None
                      ) -> Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Dict[str, int]]:
     """({table: (keys, values)}, {table: next threshold}), on the table's
@@ -50,6 +70,8 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
         now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
         threshold = _per_table(score_threshold, name, ref.storage.strategy(ref.index))
         storage, t = ref.storage, ref.index
+        if rules.access_time_is_clock(storage.strategy(t)):
+            _check_clock_threshold(name, ref.module.thresholds_since_load.get(t), threshold, now)
         keys, values = [], []
         for k, rows, _ in storage.export(t, threshold=threshold):
             keys.append(k)
@@ -61,6 +83,8 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
         strategy = storage.strategy(t)
         if rules.access_time_is_clock(strategy):
             nxt[name] = now
+            if t in ref.module.thresholds_since_load:
+                ref.module.thresholds_since_load[t].add(now)
         elif rules.scored_by_step(strategy):
             nxt[name] = ref.module.step + 1  # the next training step's score
         else:

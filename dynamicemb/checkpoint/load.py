@@ -68,6 +68,8 @@ def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], op
     optimizer_state, timestamps when present): clock scores and access
     times, saved as ages, become readings of the table's clock `now`."""
     scores = now - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
+    if rules.access_time_is_clock(strategy):
+        ref.module.thresholds_since_load[ref.index] = set()  # (incremental_dump: earlier ones do not apply)
     ts = now - part["timestamps"] if rules.keeps_timestamps(strategy) and part.get("timestamps") is not None else None
     ref.storage.load_rows(ref.index, RowBatch(part["keys"], part["values"], part.get("optimizer_state")
                                               if optim else None, scores, ts))

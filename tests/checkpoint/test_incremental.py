@@ -89,3 +89,39 @@ def test_scores_and_thresholds_must_be_int64s(bad):
         incremental_dump(m, bad)
     set_score(m, torch.tensor(7))  # an integer tensor is an int
     assert m.storage.custom_scores[1] == 7 and m.step == 7
+
+
+def test_clock_thresholds_across_a_load(tmp_path):
+    """A load restores access times as ages before it, so a clock threshold
+    from before the load no longer selects the keys touched since: it warns,
+    0 gets every row, and the thresholds returned after the load select the
+    keys touched after them. A threshold past the clock is not a reading of
+    it (another process's): refused."""
+    import warnings
+
+    from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
+
+    def module():
+        return H.plain_module(strategies=(H.S.TIMESTAMP, H.S.STEP))
+
+    def touch(m, keys):
+        m(torch.tensor(keys), torch.tensor([0, len(keys), len(keys)])).sum().backward()
+
+    m = module()
+    touch(m, [1, 2, 3])
+    _, before = incremental_dump(m, 0)
+    DynamicEmbDump(str(tmp_path / "d"), m)
+    loaded = module()
+    DynamicEmbLoad(str(tmp_path / "d"), loaded)
+    with pytest.warns(RuntimeWarning, match=r"table 'a' was loaded from a checkpoint, and threshold \d+ was not "
+                                            r"returned by incremental_dump since"):
+        incremental_dump(loaded, {"a": before["a"], "b": 0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows, after = incremental_dump(loaded, 0)
+        assert sorted(rows["a"][0].tolist()) == [1, 2, 3]
+        touch(loaded, [7])
+        rows, _ = incremental_dump(loaded, after)
+        assert rows["a"][0].tolist() == [7]
+    with pytest.raises(ValueError, match=r"table 'a': threshold \d+ is later than the table's clock"):
+        incremental_dump(loaded, {"a": loaded.storage.now(0) + 10**15, "b": 0})
