@@ -366,7 +366,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if not bool(failed.any()):
             return
         self.failed += failed
-        msgs = []
+        msgs, errors, at_budget = [], [], False
         budget_reached = getattr(self.storage, "budget_reached", lambda t: None)
         for t in failed.nonzero().squeeze(1).tolist():
             mode = self.table_options[t].safe_check_mode
@@ -376,10 +376,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                    f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget)")
             if mode == DynamicEmbCheckMode.ERROR:
                 why = budget_reached(t)
-                msg = (f"{msg}; the step's other keys are stored (new keys may have evicted others, as in any "
-                       f"step) and none of its rows is trained")
-                raise RuntimeError("dynamicemb: " + msg) if why is None else \
-                    DynamicEmbBudgetError(f"dynamicemb: {msg}: {why}")
+                at_budget |= why is not None
+                errors.append(msg if why is None else f"{msg}: {why}")
+                continue
             msg += "; they read their initial value"
             # WARNING: the budget explained once per table (and asked about until then only).
             why = None if t in self._budget_warned else budget_reached(t)
@@ -387,8 +386,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 self._budget_warned.add(t)
                 msg = f"{msg}: {why}"
             msgs.append(msg)
+        # The WARNING tables' warning first: an ERROR table of the same step raises, naming every one.
         if msgs:
             warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
+        if errors:
+            msg = (f"dynamicemb: {'; '.join(errors)}; the step's other keys are stored (new keys may have evicted "
+                   f"others, as in any step) and none of its rows is trained")
+            raise DynamicEmbBudgetError(msg) if at_budget else RuntimeError(msg)
 
     # ---- backward ---------------------------------------------------------------------------
 

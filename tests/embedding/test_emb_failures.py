@@ -97,3 +97,24 @@ def test_no_eviction_at_max_capacity_fails_new_keys(device):
     assert stats["failed"] == 2 and stats["evicted"] == 0
     expected = torch.cat([debug_rows(KEYS[16:18], D), debug_rows(KEYS[:2], D) - 1])
     torch.testing.assert_close(out.detach().cpu(), expected, atol=1e-5, rtol=0)
+
+
+def test_every_failing_table_of_a_step_is_reported():
+    """Tables of one module (a sharded collection's) may differ in check
+    mode: in a step where a WARNING table and two ERROR tables fail, the
+    WARNING table warns and the error names both ERROR tables, each with its
+    count."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+    modes = {"warned": DynamicEmbCheckMode.WARNING, "strict": DynamicEmbCheckMode.ERROR,
+             "stricter": DynamicEmbCheckMode.ERROR}
+    m = BatchedDynamicEmbeddingTables(
+        [DynamicEmbTableOptions(dim=D, max_capacity=16, init_capacity=16, bucket_capacity=16, safe_check_mode=mode,
+                                initializer_args=DEBUG_INIT) for mode in modes.values()],
+        table_names=list(modes), pooling_mode=DynamicEmbPoolingMode.NONE)
+    per_table = [KEYS, KEYS[:18], KEYS[:19]]  # 4, 2 and 3 keys over the one 16-slot bucket
+    with pytest.warns(RuntimeWarning, match=r"table 'warned': 4 keys could not be stored at step 1") as w, \
+            pytest.raises(RuntimeError, match=r"table 'strict': 2 keys could not be stored at step 1.*; "
+                                              r"table 'stricter': 3 keys could not be stored at step 1"):
+        m(*bags(per_table, "cpu"))
+    assert not any("strict" in str(x.message) for x in w)
+    assert {n: s["failed"] for n, s in m.table_stats().items()} == {"warned": 4, "strict": 2, "stricter": 3}
