@@ -77,13 +77,13 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
     if dtype is None:
         raise ValueError(f"table {name!r}: data_type {config.data_type} is not supported by dynamic tables")
     if options.dim is not None and options.dim != config.embedding_dim:
-        raise ValueError(f"table {name!r}: dynamicemb_options.dim={options.dim} contradicts the table's "
+        raise ValueError(f"table {name!r}: dynamicemb_options.dim={options.dim!r} contradicts the table's "
                          f"embedding_dim={config.embedding_dim}")
     if options.embedding_dtype is not None and options.embedding_dtype != dtype:
         raise ValueError(f"table {name!r}: dynamicemb_options.embedding_dtype={options.embedding_dtype} "
                          f"contradicts the table's data_type={config.data_type}")
     if options.num_embeddings is not None and options.num_embeddings != config.num_embeddings:
-        raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings} contradicts "
+        raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings!r} contradicts "
                          f"the table's num_embeddings={config.num_embeddings}")
     policy = getattr(config, "virtual_table_eviction_policy", None)
     if policy is not None:
@@ -105,6 +105,11 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
         raise ValueError(f"table {name!r}{derived}: {e}") from None
     out.validate(name)
     return out
+
+
+def _values(names) -> List[str]:
+    """Constraint names as strings (an enum, e.g. ShardingType.ROW_WISE, as its value)."""
+    return [getattr(n, "value", n) for n in names]
 
 
 class DynamicEmbeddingShardingPlanner:
@@ -145,11 +150,12 @@ class DynamicEmbeddingShardingPlanner:
                 raise ValueError(f"constraints name table {name!r}, which is not among the eb_configs")
             if count[name] > 1:
                 raise ValueError(f"the eb_configs hold {count[name]} tables named {name!r}; {_UNIQUE_NAMES}")
-            # Constraints list what a table may get (TorchRec's planner picks among them).
-            if c.sharding_types and ShardingType.ROW_WISE.value not in c.sharding_types:
+            # Constraints list what a table may get (TorchRec's planner picks among them),
+            # as strings; the enums (ShardingType.ROW_WISE) are read as their values.
+            if c.sharding_types and ShardingType.ROW_WISE.value not in _values(c.sharding_types):
                 raise ValueError(f"table {name!r}: dynamic tables are sharded ROW_WISE only, "
                                  f"constraints allow {c.sharding_types}")
-            if c.compute_kernels and CUSTOMIZED not in c.compute_kernels:
+            if c.compute_kernels and CUSTOMIZED not in _values(c.compute_kernels):
                 raise ValueError(f"table {name!r}: dynamic tables run CUSTOMIZED_KERNEL only, "
                                  f"constraints allow {c.compute_kernels}")
             if c.key_value_params is not None:

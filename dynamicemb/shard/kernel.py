@@ -151,6 +151,9 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
             if o.dim != t.local_cols:  # a plan made for another table (ROW_WISE: every rank holds whole rows)
                 raise ValueError(f"table {t.name!r}: its plan's options have dim {o.dim}, the table "
                                  f"{t.local_cols} columns")
+            if o.num_embeddings is not None and o.num_embeddings != t.num_embeddings:  # (its capacity, bounds, routing)
+                raise ValueError(f"table {t.name!r}: its plan's options have num_embeddings {o.num_embeddings}, the "
+                                 f"table {t.num_embeddings} (plan with the module's own table configs)")
             options.append(o)
         self._emb_module = BatchedDynamicEmbeddingTables(
             options,

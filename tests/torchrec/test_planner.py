@@ -199,12 +199,18 @@ def test_dynamic_table_must_run_our_kernel():
     assert "d_table" in msg and "CUSTOMIZED_KERNEL" in msg and "fused" in msg
 
 
-def test_constraints_that_allow_row_wise_and_our_kernel_among_others_plan_them():
+@pytest.mark.parametrize("as_enums", [False, True], ids=["strings", "enums"])
+def test_constraints_that_allow_row_wise_and_our_kernel_among_others_plan_them(as_enums):
     """TorchRec's constraints list what a table may get: a list holding
-    ROW_WISE and CUSTOMIZED_KERNEL among others is satisfied by them."""
+    ROW_WISE and CUSTOMIZED_KERNEL among others is satisfied by them, given
+    as strings or as the enums (ShardingType.ROW_WISE)."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel as K
+    from torchrec.distributed.types import ShardingType as S
     configs = models.ebc_configs(["d_table"])
-    c = DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=["table_wise", "row_wise"],
-                                       compute_kernels=["fused", "customized_kernel"])
+    types, kernels = [S.TABLE_WISE, S.ROW_WISE], [K.FUSED, K.CUSTOMIZED_KERNEL]
+    if not as_enums:
+        types, kernels = [t.value for t in types], [k.value for k in kernels]
+    c = DynamicEmbParameterConstraints(use_dynamicemb=True, sharding_types=types, compute_kernels=kernels)
     planner = DynamicEmbeddingShardingPlanner(configs, topology=Topology(world_size=2, compute_device="cpu"),
                                               constraints={"d_table": c})
     ps = planner.plan(torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta")),
@@ -507,3 +513,18 @@ def test_an_init_capacity_past_the_derived_max_capacity_names_the_table():
     with pytest.raises(ValueError, match=r"table 't_table' \(max_capacity 128: num_embeddings 100 over 1 ranks\): "
                                          r".*init_capacity 4096 must be in \(0, max_capacity=128\]"):
         complete_options(config, DynamicEmbTableOptions(init_capacity=4096), 1)
+
+
+def test_a_plan_made_for_another_num_embeddings_is_refused_by_table():
+    """eb_configs that give the planner another num_embeddings than the
+    module's tables: the table's capacity, initializer bounds and continuous
+    routing would follow the planner's. Refused when sharding, by table."""
+    from torchrec.distributed.types import ShardingEnv
+    configs = models.ebc_configs(["d_table"])
+    module = _ebc(configs)
+    plan = _planner(models.ebc_configs(["d_table"], num_embeddings=10),
+                    models.dynamic_constraints(["d_table"])).plan(module, _sharders())
+    with pytest.raises(ValueError, match=r"table 'd_table': its plan's options have num_embeddings 10, the table "
+                                         rf"{configs[0].num_embeddings}"):
+        _sharders()[0].shard(module, plan.plan[""], ShardingEnv(world_size=WORLD, rank=0, pg=None),
+                             device=torch.device("cpu"))
