@@ -84,6 +84,24 @@ def _bare_module(m: BatchedDynamicEmbeddingTables, dtype, pg, device, kwargs) ->
                                    output_dtype=m.output_dtype, feature_order=names, device=device, **kwargs)
 
 
+class FeatureProcessedTable(torch.nn.Module):
+    """A FeatureProcessedEmbeddingBagCollection frozen: its feature
+    processors (e.g. position weights) applied to the whole batch, then the
+    weighted InferenceEmbeddingTable."""
+
+    def __init__(self, processors: torch.nn.Module, is_collection: bool, table: InferenceEmbeddingTable):
+        super().__init__()
+        self.processors, self.is_collection, self.table = processors, is_collection, table
+
+    def forward(self, features):
+        if self.is_collection:
+            features = self.processors(features)
+        else:
+            from torchrec.modules.fp_embedding_modules import apply_feature_processors_to_kjt
+            features = apply_feature_processors_to_kjt(features, self.processors)
+        return self.table(features)
+
+
 def to_inference(model: torch.nn.Module, dtype="float32", pg: Optional[dist.ProcessGroup] = None,
                  device=None, **kwargs) -> torch.nn.Module:
     """A copy of `model` (unwrapped from DistributedModelParallel) in which
@@ -99,14 +117,20 @@ def to_inference(model: torch.nn.Module, dtype="float32", pg: Optional[dist.Proc
             root = model.module
         from torchrec.distributed.embedding import ShardedEmbeddingCollection
         from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-        sharded_types = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+        from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection as Fp
+        sharded_types, fp_types = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection), (Fp,)
     except ImportError:
-        sharded_types = ()
+        sharded_types, fp_types = (), ()
     memo = {}
     for _, sub in root.named_modules():
         if id(sub) in memo:
             continue
-        if isinstance(sub, sharded_types):
+        if isinstance(sub, fp_types):  # (its feature processors, then its sharded EBC)
+            ebc = sub._embedding_bag_collection
+            memo[id(ebc)] = _sharded_collection(ebc, dtype, pg, device, dict(kwargs))
+            memo[id(sub)] = FeatureProcessedTable(copy.deepcopy(sub._feature_processors), sub._is_collection,
+                                                  memo[id(ebc)])
+        elif isinstance(sub, sharded_types):
             memo[id(sub)] = _sharded_collection(sub, dtype, pg, device, dict(kwargs))
         elif isinstance(sub, BatchedDynamicEmbeddingTables):
             memo[id(sub)] = _bare_module(sub, dtype, pg, device, dict(kwargs))

@@ -4,7 +4,7 @@ against the unsharded TorchRec module on the global batch in one process:
 the outputs and the position weights' gradients every step (they come
 through our kernel's per-id weights), then the rows the tables' fused SGD
 trained, and the same outputs after a torch.distributed.checkpoint or a
-dump, loaded into a fresh model. TorchRec applies the position weights after the input dist, on the
+dump, loaded into a fresh model, and from to_inference's frozen copy. TorchRec applies the position weights after the input dist, on the
 rank that owns each id; on the CPU their gradients are left different on
 each rank (DDP does not reduce them: native tables alike), so the test
 averages them itself, as a synchronised DDP would, and keeps the weights
@@ -24,6 +24,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import models
 from dynamicemb import DynamicEmbDump, DynamicEmbLoad
+from dynamicemb.inference import to_inference
 from dynamicemb.planner import DynamicEmbeddingShardingPlanner
 from dynamicemb.shard import DynamicEmbeddingBagCollectionSharder, DynamicFeatureProcessedEmbeddingBagCollectionSharder
 from multiprocess import run_ranks
@@ -73,6 +74,9 @@ def _reloaded_alike(model, configs, pg, path):
         m.eval()
         outs.append(models.resolved(m(batch)).values())
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    # Frozen for serving: the position weights, then the weighted tables.
+    served = to_inference(model, pg=pg)
+    assert torch.equal(served(batch).values(), outs[0])
 
 
 def _ranks(rank, world, path):
