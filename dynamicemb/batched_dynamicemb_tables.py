@@ -223,6 +223,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # The global ranks that shard these tables (set by the sharder; None: not sharded over a group).
         # Checkpoints route keys by them, so one given another group is refused.
         self.shard_ranks: Optional[Tuple[int, ...]] = None
+        # Whether the collection the tables serve takes per-id weights (set by the sharder; None: not
+        # known). Dumps record it, so that serving from one weighs the ids as training did.
+        self.is_weighted: Optional[bool] = None
         # Per table loaded from a checkpoint: the clock thresholds incremental_dump handed out since the
         # load (a load restores clock scores as ages before the load, so earlier thresholds do not apply).
         self.thresholds_since_load: Dict[int, set] = {}

@@ -46,6 +46,7 @@ class TableRef:
             # the table feeds, its pooling as the user configured it, and what a
             # missing key reads in eval (packed initializer, seed).
             "feature_names": m.feature_names_of(self.index),
+            "is_weighted": m.is_weighted,
             "pooling": m.table_pooling_name(self.index),
             "eval_initializer": self.storage.eval_init_params[self.index].tolist(),
             "seed": m.seed,

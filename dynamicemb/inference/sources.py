@@ -28,14 +28,30 @@ def _entry(name: str, keys: List[torch.Tensor], values: List[torch.Tensor], meta
                              packed_init(meta.get("eval_initializer", ZEROS_INIT))),
         "pooling": meta.get("pooling", "SUM"),
         "seed": meta.get("seed", 0),
+        "is_weighted": meta.get("is_weighted"),  # (None: not recorded)
     }
 
 
-def _chosen(names: List[str], table_names: Optional[Sequence[str]], where: str) -> List[str]:
+def _chosen(names: List[str], table_names: Optional[Sequence[str]], where: str,
+            feature_names: Optional[Dict[str, List[str]]] = None) -> List[str]:
+    if isinstance(table_names, str):  # (one name would be read letter by letter)
+        raise TypeError(f"table_names must be a list of table names, got the string {table_names!r}; "
+                        f"write [{table_names!r}]")
     chosen = names if table_names is None else list(table_names)
+    if not chosen:
+        raise ValueError(f"table_names is empty; {where} has tables {sorted(names)}")
+    twice = sorted({n for n in chosen if chosen.count(n) > 1})
+    if twice:
+        raise ValueError(f"table_names names {twice} more than once")
     missing = [n for n in chosen if n not in names]
     if missing:
         raise CheckpointError(f"table {missing[0]!r}: {where} has no such table (it has {sorted(names)})")
+    for name, feats in (feature_names or {}).items():
+        if name not in chosen:
+            raise ValueError(f"feature_names names table {name!r}, which is not among the tables served "
+                             f"({chosen})")
+        if isinstance(feats, str) or not feats:
+            raise ValueError(f"feature_names[{name!r}] must be a non-empty list of feature names, got {feats!r}")
     return chosen
 
 
@@ -49,7 +65,7 @@ def dump_tables(path: str, table_names: Optional[Sequence[str]] = None,
     if is_dcp_checkpoint(path):
         return dcp_tables(path, table_names, feature_names)
     manifest = read_manifest(path)
-    names = _chosen(list(manifest["tables"]), table_names, os.path.join(path, "manifest.json"))
+    names = _chosen(list(manifest["tables"]), table_names, os.path.join(path, "manifest.json"), feature_names)
     out = {}
     for name in names:
         meta = manifest["tables"][name]
@@ -97,7 +113,7 @@ def dcp_tables(path: str, table_names: Optional[Sequence[str]] = None,
     if not entries:
         raise CheckpointError(f"{path}: a torch.distributed.checkpoint with no dynamic table (no "
                               f"'<table>.{KEY}.slot<s>' entry)")
-    names = _chosen(sorted(entries), table_names, path)
+    names = _chosen(sorted(entries), table_names, path, feature_names)
     state = {fqn: "" for n in names for fqn in entries[n].values()}  # bytes entries: replaced by what was saved
     load(state, checkpoint_id=path, no_dist=True)
     out = {}

@@ -171,8 +171,10 @@ class InferenceEmbeddingTable(nn.Module):
         order), from any number of ranks, or the dynamic tables of the
         torch.distributed.checkpoint of model.state_dict() at `path`.
         Features, pooling, the eval initializer and its seed come from the
-        dump's manifest (the checkpoint's entries); `pooling` and
-        `feature_names` ({table: [features]}) override them."""
+        dump's manifest (the checkpoint's entries), and whether the ids are
+        weighted (is_weighted) from the collection the tables were trained in;
+        `pooling`, `feature_names` ({table: [features]}) and `is_weighted`
+        override them."""
         found = dump_tables(path, table_names, feature_names)
         tables = [v["table"] for v in found.values()]
         seeds = {v["seed"] for v in found.values()}
@@ -182,6 +184,13 @@ class InferenceEmbeddingTable(nn.Module):
         kwargs.setdefault("seed", seeds.pop())
         if pooling is None:
             pooling = [v["pooling"] for v in found.values()]
+        if "is_weighted" not in kwargs:  # as the collection the tables were trained in (dumps record it)
+            weighted = {v["is_weighted"] for v in found.values()} - {None}
+            if len(weighted) > 1:
+                raise ValueError(f"the tables {sorted(found)} of {path} come from weighted and unweighted "
+                                 f"collections: build one InferenceEmbeddingTable per collection (table_names=...), "
+                                 f"or pass is_weighted")
+            kwargs["is_weighted"] = weighted.pop() if weighted else False
         return cls(tables, pooling=pooling, dtype=dtype, **kwargs)
 
     def save(self, path: str) -> str:

@@ -169,6 +169,7 @@ class _DynamicKernel(BaseEmbedding, FusedOptimizerModule):
             table_poolings=[_user_pooling(t, pooling) for t in tables],
             **extra,
         )
+        self._emb_module.is_weighted = bool(config.is_weighted)
         self._emb_module.shard_ranks = (tuple(dist.get_process_group_ranks(pg))
                                         if pg is not None and dist.is_initialized() else None)
         # Whether TorchRec's prefetch pipelines must prefetch this group (see prefetch()).
