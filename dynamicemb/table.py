@@ -172,8 +172,9 @@ class ScoredHashTable:
         """None, or an int64 tensor of n entries, from an int or a tensor."""
         if value is None:
             return None
-        if isinstance(value, int):
-            return torch.full((n,), value, dtype=torch.int64, device=self.device)
+        if not isinstance(value, torch.Tensor) and not isinstance(value, bool) and hasattr(value, "__index__"):
+            # An int (or numpy integer) for every key, in int64's range.
+            return torch.full((n,), int64_score(value, what), dtype=torch.int64, device=self.device)
         if (not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype.is_complex
                 or value.dtype == torch.bool):
             raise TypeError(f"{what} must be an int or an integer tensor, got {value!r:.80}")
@@ -196,12 +197,12 @@ class ScoredHashTable:
         if rules.scored_by_step(s):
             if isinstance(scores, torch.Tensor):
                 raise TypeError("STEP scores take one step number (an int) per call")
-            return (self.step if scores is None else int64_score(scores, "STEP insert")), None
+            return int64_score(self.step if scores is None else scores, "STEP insert"), None
         if rules.scored_by_caller(s):
             if scores is None:
                 raise ValueError("the CUSTOMIZED score strategy needs scores (an int or a tensor per key)")
-            if isinstance(scores, int):
-                return scores, None
+            if not isinstance(scores, torch.Tensor):
+                return int64_score(scores, "CUSTOMIZED score"), None
             return 0, self._per_key(scores, n, "scores")
         if rules.counts_accesses(s):  # frequencies; the call score is the clock (the access time)
             return self.now(), self._per_key(scores, n, "scores")

@@ -89,3 +89,14 @@ def test_scores_thresholds_and_capacities_are_checked_by_name():
         list(step.export(threshold=1.5))
     step.insert(torch.arange(4), scores=3)
     assert sorted(k for b in step.export(threshold=3) for k in b.keys.tolist()) == [0, 1, 2, 3]
+    # Every strategy's int scores, and the table's own step, past int64: named (they failed in the bindings).
+    step.step = 2**63
+    with pytest.raises(ValueError, match=f"STEP insert: a score must be an int in int64's range, got {2**63}"):
+        step.insert(torch.arange(2))
+    for strategy, what in ((S.CUSTOMIZED, "CUSTOMIZED score"), (S.LFU, "scores")):
+        t = ScoredHashTable(16, 16, strategy)
+        with pytest.raises(ValueError, match=f"{what}: a score must be an int in int64's range, got {2**63}"):
+            t.insert(torch.arange(2), scores=2**63)
+        with pytest.raises(ValueError, match=f"{what}: a score must be an int in int64's range, got {-2**63 - 1}"):
+            t.lookup(torch.arange(2), update_score=True, scores=-2**63 - 1)
+        assert t.size() == 0
