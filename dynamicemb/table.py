@@ -4,6 +4,7 @@ A thin Python view over slot tensors; every operation is one vectorised op of
 the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
+import operator
 import time
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -87,8 +88,12 @@ class ScoredHashTable:
     ):
         if not isinstance(bucket_capacity, int) or bucket_capacity <= 0 or bucket_capacity % 16:
             raise ValueError(f"bucket_capacity must be a positive multiple of 16, got {bucket_capacity!r}")
-        if num_tables < 1:
-            raise ValueError(f"num_tables must be >= 1, got {num_tables}")
+        if isinstance(num_tables, bool) or not isinstance(num_tables, int) or num_tables < 1:
+            raise ValueError(f"num_tables must be an int >= 1, got {num_tables!r}")
+        if isinstance(capacity, torch.Tensor) or not isinstance(capacity, Sequence):
+            if isinstance(capacity, bool) or not hasattr(capacity, "__index__"):
+                raise TypeError(f"capacity must be an int (slots per table) or one per table, got {capacity!r}")
+            capacity = operator.index(capacity)  # (a numpy integer too)
         caps = [capacity] * num_tables if isinstance(capacity, int) else list(capacity)
         if len(caps) != num_tables:
             raise ValueError(f"capacity has {len(caps)} entries for {num_tables} tables")

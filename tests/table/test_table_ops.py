@@ -4,6 +4,7 @@ bad inputs, through Python and the raw ops."""
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -177,6 +178,12 @@ def test_capacity_not_a_multiple_of_bucket_capacity():
         ScoredHashTable(40, 16)
     with pytest.raises(ValueError, match=r"table 'b': capacity 0 must be a positive multiple"):
         ScoredHashTable([32, 0], 16, num_tables=2, table_names=["a", "b"])
+    # Named, not "'float' object is not iterable"; a numpy integer is an int.
+    with pytest.raises(TypeError, match=r"capacity must be an int \(slots per table\) or one per table, got 32.0"):
+        ScoredHashTable(32.0, 16)
+    with pytest.raises(ValueError, match=r"num_tables must be an int >= 1, got 2.0"):
+        ScoredHashTable(32, 16, num_tables=2.0)
+    assert ScoredHashTable(np.int64(32), 16).capacity() == 32
 
 
 def test_bucket_capacity_not_a_multiple_of_16(t):
