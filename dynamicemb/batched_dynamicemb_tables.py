@@ -226,8 +226,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # Whether the collection the tables serve takes per-id weights (set by the sharder; None: not
         # known). Dumps record it, so that serving from one weighs the ids as training did.
         self.is_weighted: Optional[bool] = None
-        # Per table loaded from a checkpoint: the clock thresholds incremental_dump handed out since the
-        # load (a load restores clock scores as ages before the load, so earlier thresholds do not apply).
+        # Per table loaded from a checkpoint of another clock: the clock thresholds incremental_dump handed
+        # out since (the load counted clock scores back from it: earlier thresholds do not apply).
         self.thresholds_since_load: Dict[int, set] = {}
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)

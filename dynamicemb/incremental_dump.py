@@ -40,11 +40,11 @@ def _per_table(value: Threshold, name: str, strategy: int) -> int:
 
 
 def _check_clock_threshold(name: str, since_load: Optional[set], threshold: int, now: int) -> None:
-    """A clock threshold is a reading of this process's table clock: one past
-    the clock now is not (another process's or host's: keys touched since
-    the load would be left out), and after a load one from before it does
-    not apply (the loaded rows count as touched at the load less their age
-    at the dump)."""
+    """A clock threshold is a reading of the table clock: one past the clock
+    now is not (another host's: keys touched since the load would be left
+    out), and after a load on another clock (checkpoint/clock.py) one from
+    before it does not apply (the loaded rows count as touched at the load
+    less their age at the dump)."""
     if threshold > now:
         raise ValueError(f"incremental_dump: table {name!r}: threshold {threshold} is later than the table's clock "
                          f"({now} ns now): it is not a reading of this process's table clock (a threshold from "
@@ -52,9 +52,10 @@ def _check_clock_threshold(name: str, since_load: Optional[set], threshold: int,
                          f"the thresholds incremental_dump returns")
     if since_load is not None and threshold > 0 and threshold not in since_load:
         warnings.warn(f"incremental_dump: table {name!r} was loaded from a checkpoint, and threshold {threshold} "
-                      f"was not returned by incremental_dump since: a load restores access times as the rows' ages "
-                      f"at the dump before the load, so a threshold from before it selects rows by that, not by "
-                      f"the keys touched since; pass 0 once after a load to get every row", RuntimeWarning,
+                      f"was not returned by incremental_dump since: the checkpoint was saved on another clock (another "
+                      f"host), so the load restored access times as the rows' ages at the dump counted back from "
+                      f"the load, and a threshold from before it selects rows by that, not by the keys touched "
+                      f"since; pass 0 once after such a load to get every row", RuntimeWarning,
                       stacklevel=3)
 
 

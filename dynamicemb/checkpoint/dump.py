@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
+from dynamicemb.checkpoint.clock import reading
 from dynamicemb.checkpoint.format import FORMAT_VERSION, MANIFEST, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import check_group, model_tables, rank_world
@@ -30,11 +31,12 @@ from dynamicemb.fsync import fsync_dir
 DEFAULT_CHUNK_ROWS = 1 << 18
 
 
-def shard_parts(name, ref, optim, chunk_rows):
+def shard_parts(name, ref, optim, chunk_rows, now: Optional[int] = None):
     """One pass over a table's shard: the tensors of each part file. Clock
-    scores become ages against the table's own clock (GPU time on CUDA)."""
+    scores become ages against the table's own clock (GPU time on CUDA) at
+    `now` (read here when None)."""
     strategy = ref.storage.strategy(ref.index)
-    now = ref.storage.now(ref.index)
+    now = ref.storage.now(ref.index) if now is None else now
     for b in ref.storage.export_rows(ref.index, chunk_rows, lazy=True):  # rows streamed by write_part
         part = {"keys": b.keys, "values": b.values,
                 "scores": now - b.scores if rules.score_is_clock(strategy) else b.scores}
@@ -71,10 +73,15 @@ def _write_shard(root, rank, tables, optim, counter, chunk_rows, parts_of=None) 
 def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, syncer, out):
     for name, ref in tables.items():
         files, rows = [], 0
-        source = parts_of[name] if parts_of is not None else shard_parts(name, ref, optim, chunk_rows)
+        # The clock the ages count from (clock.py), on each part's entry; None: no clock scores.
+        clocked = rules.access_time_is_clock(ref.storage.strategy(ref.index))
+        when = (parts_of[name + "\0clock"] if parts_of is not None else reading(ref.storage, ref.index)) \
+            if clocked else None
+        source = parts_of[name] if parts_of is not None else \
+            shard_parts(name, ref, optim, chunk_rows, when["clock"] if when else None)
         for k, part in enumerate(source):
             files.append(dict(write_part(root, part_name(name, rank, "part", k), part, syncer), rank=rank,
-                              kind="part"))
+                              kind="part", **({"clock_reading": when} if when else {})))
             rows += files[-1]["rows"]
         if counter:
             csrc = parts_of[name + "\0counter"] if parts_of is not None else counter_parts(ref, chunk_rows)
@@ -302,7 +309,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
-        snapshot[name] = [{k: snapshot_of(v) for k, v in p.items()} for p in shard_parts(name, ref, optim, chunk_rows)]
+        when = snapshot[name + "\0clock"] = reading(ref.storage, ref.index)
+        snapshot[name] = [{k: snapshot_of(v) for k, v in p.items()}
+                          for p in shard_parts(name, ref, optim, chunk_rows, when["clock"])]
         if counter:
             snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in counter_parts(ref, chunk_rows)]
     group = _background_group(pg) if distributed else None

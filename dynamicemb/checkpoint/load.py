@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
+from dynamicemb.checkpoint.clock import latest_of_one_clock, restore_base
 from dynamicemb.checkpoint.format import (CheckpointError, check_file, check_tensors, dtype_code, read_manifest,
                                           read_part, read_tensors)
 from dynamicemb.checkpoint.rank_errors import raise_any, status
@@ -63,16 +64,39 @@ def _optimizer_name(code: int) -> str:
         return f"code {code}"
 
 
-def restore_rows(ref, strategy: int, now: int, part: Dict[str, torch.Tensor], optim: bool) -> None:
+def restore_rows(ref, strategy: int, base: int, part: Dict[str, torch.Tensor], optim: bool) -> None:
     """Stores one part of a table's checkpoint (keys, values, scores, and
     optimizer_state, timestamps when present): clock scores and access
-    times, saved as ages, become readings of the table's clock `now`."""
-    scores = now - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
-    if rules.access_time_is_clock(strategy):
-        ref.module.thresholds_since_load[ref.index] = set()  # (incremental_dump: earlier ones do not apply)
-    ts = now - part["timestamps"] if rules.keeps_timestamps(strategy) and part.get("timestamps") is not None else None
+    times, saved as ages, become readings of the table's clock counted back
+    from `base` (clock.py)."""
+    scores = base - part["scores"] if rules.score_is_clock(strategy) else part["scores"]
+    ts = base - part["timestamps"] if rules.keeps_timestamps(strategy) and part.get("timestamps") is not None \
+        else None
     ref.storage.load_rows(ref.index, RowBatch(part["keys"], part["values"], part.get("optimizer_state")
                                               if optim else None, scores, ts))
+
+
+def part_bases(ref, files: List[dict]):
+    """(base of each file's ages (restore_rows), exact) for one table of a
+    dump, from its part files' clock readings (clock.py)."""
+    now = ref.storage.now(ref.index)
+    if not rules.access_time_is_clock(ref.storage.strategy(ref.index)):
+        return [now] * len(files), True
+    latest = latest_of_one_clock([e.get("clock_reading") for e in files if e["kind"] == "part"])
+    base, exact = restore_base(ref.storage, ref.index, latest)
+    if base is None:
+        return [now] * len(files), False
+    return [base - (latest["clock"] - e["clock_reading"]["clock"]) if e["kind"] == "part" else None
+            for e in files], exact
+
+
+def note_clock_restore(ref, exact: bool) -> None:
+    """After a table's load: whether incremental_dump's thresholds from
+    before it still apply (its clock scores came back as saved)."""
+    if exact:
+        ref.module.thresholds_since_load.pop(ref.index, None)
+    elif rules.access_time_is_clock(ref.storage.strategy(ref.index)):
+        ref.module.thresholds_since_load[ref.index] = set()
 
 
 def check_distinct(name: str, keys: List[torch.Tensor], source: str, rank: int, world: int) -> int:
@@ -248,7 +272,8 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
         strategy = meta["score_strategy"]
         num_embeddings = ref.options.num_embeddings
         ref.storage.clear_table(ref.index)  # the table holds the dump's keys alone
-        now = ref.storage.now(ref.index)  # ages become scores on the table's own clock
+        bases, exact = part_bases(ref, meta["files"])  # ages become scores on the table's own clock
+        base_of = {e["file"]: b for e, b in zip(meta["files"], bases)}
         for entry in plan.files[name]:
             if entry["kind"] == "counter":
                 continue  # built in phase 1
@@ -258,10 +283,11 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
                 keys = part["keys"]
                 if not keys.numel():
                     continue
-                restore_rows(ref, strategy, now, part, optim)
+                restore_rows(ref, strategy, base_of[entry["file"]], part, optim)
             except Exception as e:  # noqa: BLE001 - re-raised naming the table and the file
                 raise CheckpointError(f"table {name!r}: loading {os.path.join(path, entry['file'])} on rank {rank} "
                                       f"failed: {e}; this rank's tables are now partly loaded: load again") from e
+        note_clock_restore(ref, exact)
         if name in plan.counters:
             ref.storage.admission_counter(ref.index).replace(plan.counters[name])
         ref.storage.custom_scores[ref.index] = meta.get("custom_score", 0)

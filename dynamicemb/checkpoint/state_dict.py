@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dynamicemb import rules
 from dynamicemb.admission import CounterNotCheckpointable
+from dynamicemb.checkpoint.clock import latest_of_one_clock, reading, restore_base
 from dynamicemb.checkpoint.dump import counter_parts, shard_parts
 from dynamicemb.checkpoint.format import CheckpointError
-from dynamicemb.checkpoint.load import build_counter, check_distinct, check_table, restore_rows
+from dynamicemb.checkpoint.load import build_counter, check_distinct, check_table, note_clock_restore, restore_rows
 from dynamicemb.checkpoint.native_rows import WEIGHT, check_cover, weight_rows
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables
@@ -137,6 +138,11 @@ class _Export:
     def _export(self) -> None:
         ref = self.ref
         self.meta = dict(ref.meta(), has_optimizer_state=True)
+        # The clock its ages count from (clock.py); none without clock scores.
+        when = reading(ref.storage, ref.index) if rules.access_time_is_clock(ref.storage.strategy(ref.index)) \
+            else None
+        if when is not None:
+            self.meta["clock_reading"] = when
         dim, width = self.meta["dim"], self.meta["optimizer_state_width"]
         dtype = getattr(torch, self.meta["dtype"])
         i64 = torch.zeros(0, dtype=torch.int64)
@@ -144,7 +150,7 @@ class _Export:
             "keys": [i64], "values": [torch.zeros(0, dim, dtype=dtype)],
             "optimizer_state": [torch.zeros(0, width, dtype=dtype)], "scores": [i64], "timestamps": None,
             "counter_keys": None, "counter_counts": None}
-        for part in shard_parts(self.name, ref, True, CHUNK_ROWS):
+        for part in shard_parts(self.name, ref, True, CHUNK_ROWS, when["clock"] if when else None):
             n = part["keys"].numel()
             for col, v in part.items():
                 if v is None and col == "optimizer_state":
@@ -291,7 +297,7 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
     model's empty template, then each slot's, as DCP loaded them)."""
     where = f"table {name!r} in the state dict"
     cols = {c: [t] for c, t in _template(ref).items()}
-    got, meta, given = [], None, []
+    got, meta, given, readings = [], None, [], [None]  # readings: each piece's clock (the template's none)
     for key, value in entries.items():
         data = value.data() if isinstance(value, TableSlot) else value
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -317,7 +323,8 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
             cols[c].append(v)
         got.append(data["slot"])
         meta = data["meta"]
-    return {"slots": sorted(got), "meta": meta, "cols": cols}
+        readings.append(meta.get("clock_reading"))
+    return {"slots": sorted(got), "meta": meta, "cols": cols, "readings": readings}
 
 
 def _exchange(cols: List[List[torch.Tensor]], dests: List[torch.Tensor], pg, rank: int, world: int
@@ -369,6 +376,17 @@ def _route(ref, cols: dict, pg, rank: int, world: int) -> dict:
     return out
 
 
+def _rebase_ages(ref, found: dict, latest: dict) -> None:
+    """Each slot's clock ages (against its saving rank's clock) made ages
+    against `latest`, the latest saving clock (one clock: clock.py)."""
+    strategy = ref.storage.strategy(ref.index)
+    cols = [c for c, on in (("scores", rules.score_is_clock(strategy)),
+                            ("timestamps", rules.keeps_timestamps(strategy))) if on and c in found["cols"]]
+    for c in cols:
+        found["cols"][c] = [v if r is None else v + (latest["clock"] - r["clock"])
+                            for v, r in zip(found["cols"][c], found["readings"])]
+
+
 def _few(slots: List[int]) -> str:
     return f"{slots[:8]}{'...' * (len(slots) > 8)}"
 
@@ -417,8 +435,8 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
                 found[name] = weight_rows(name, tables[name], weights[name], _template(tables[name]), rank, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
         error = e
-    info = {n: (f["slots"], f["meta"]["step"], f["meta"]["optimizer_step"], f["meta"]["custom_score"])
-            for n, f in found.items()}
+    info = {n: (f["slots"], f["meta"]["step"], f["meta"]["optimizer_step"], f["meta"]["custom_score"],
+                f.get("readings", [None, None])[1:]) for n, f in found.items()}
     infos = _agree(error, info, pg, world, "; the model is unchanged")
     todo, saved = [], {}
     for name in names:
@@ -448,6 +466,11 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
                                   f"dcp.load), or whole on each rank; the model is unchanged")
         todo.append(name)
         saved[name] = [i[name][1:] for i in infos if name in i]
+    # Clock ages made relative to the latest saving clock, before the rows move (clock.py).
+    latest = {n: latest_of_one_clock([r for i in infos if n in i for r in i[n][4]]) for n in todo}
+    for n in todo:
+        if latest[n] is not None and n in found:
+            _rebase_ages(tables[n], found[n], latest[n])
     # 2. Each row to its owner, then every check that needs no change to the model.
     routed = {n: _route(tables[n], found[n]["cols"] if n in found else
                         {c: [t] for c, t in _template(tables[n]).items()}, pg, rank, world) for n in todo}
@@ -475,11 +498,13 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             ref, rows = tables[name], routed[name]
             strategy = ref.storage.strategy(ref.index)
             ref.storage.clear_table(ref.index)
-            now = ref.storage.now(ref.index)  # ages become readings of the table's own clock
+            base, exact = restore_base(ref.storage, ref.index, latest[name])  # ages become readings of its clock
+            base = ref.storage.now(ref.index) if base is None else base
             for i, keys in enumerate(rows["keys"]):  # piece by piece (a slot's, or what came from others)
                 for lo in range(0, keys.shape[0], CHUNK_ROWS):
-                    restore_rows(ref, strategy, now, {c: rows[c][i][lo:lo + CHUNK_ROWS] for c in _COLS if c in rows},
+                    restore_rows(ref, strategy, base, {c: rows[c][i][lo:lo + CHUNK_ROWS] for c in _COLS if c in rows},
                                  True)
+            note_clock_restore(ref, exact)
             if name in counters:
                 ref.storage.admission_counter(ref.index).replace(counters[name])
             ref.storage.custom_scores[ref.index] = saved[name][0][2]

@@ -199,7 +199,8 @@ def test_import_loads_whole_through_dmp(world, table):
     orig = [{table: dict(keys=src["keys"], values=src["values"], state=src["opt"], scores=want_scores, ts=None)}]
     loaded = ranks[0]["entries"]
     assert len(loaded) == world
-    H.assert_same_entries(orig, loaded, before, after, dist_types={table: SRC_TABLES[table][1]})
+    # (NVIDIA's dump holds no reading of our clock: ages count back from the load.)
+    H.assert_same_entries(orig, loaded, before, after, dist_types={table: SRC_TABLES[table][1]}, one_clock=False)
     # Adam's step count comes from the dump's "iters".
     assert {m[2] for e in loaded for m in e["_modules"] if table in m[0]} == {ADAM_ARGS["iters"]}
 

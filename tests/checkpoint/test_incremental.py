@@ -91,15 +91,20 @@ def test_scores_and_thresholds_must_be_int64s(bad):
     assert m.storage.custom_scores[1] == 7 and m.step == 7
 
 
-def test_clock_thresholds_across_a_load(tmp_path):
-    """A load restores access times as ages before it, so a clock threshold
-    from before the load no longer selects the keys touched since: it warns,
-    0 gets every row, and the thresholds returned after the load select the
-    keys touched after them. A threshold past the clock is not a reading of
-    it (another process's): refused."""
+@pytest.mark.parametrize("clock", ["same", "another"])
+def test_clock_thresholds_across_a_load(tmp_path, monkeypatch, clock):
+    """A dump keeps its clock's reading. Loaded on the same clock (one host,
+    as a restarted job), the access times come back as saved, so a
+    threshold from before the dump still selects exactly the keys touched
+    since. On another clock (modelled: the wall clock an hour off, so the
+    clocks' offsets differ) ages count back from the load: a threshold from
+    before it warns, 0 gets every row, and the thresholds returned after the
+    load select the keys touched after them. A threshold past the clock is
+    not a reading of it (another host's): refused."""
     import warnings
 
     from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
+    from dynamicemb.checkpoint import clock as C
 
     def module():
         return H.plain_module(strategies=(H.S.TIMESTAMP, H.S.STEP))
@@ -107,21 +112,34 @@ def test_clock_thresholds_across_a_load(tmp_path):
     def touch(m, keys):
         m(torch.tensor(keys), torch.tensor([0, len(keys), len(keys)])).sum().backward()
 
+    def keys_since(m, threshold):
+        return sorted(incremental_dump(m, {"a": threshold, "b": 0})[0]["a"][0].tolist())
+
     m = module()
     touch(m, [1, 2, 3])
     _, before = incremental_dump(m, 0)
+    touch(m, [4])
     DynamicEmbDump(str(tmp_path / "d"), m)
+    if clock == "another":
+        real = C.time.time_ns
+        monkeypatch.setattr(C.time, "time_ns", lambda: real() + 3600 * 10**9)
     loaded = module()
     DynamicEmbLoad(str(tmp_path / "d"), loaded)
-    with pytest.warns(RuntimeWarning, match=r"table 'a' was loaded from a checkpoint, and threshold \d+ was not "
-                                            r"returned by incremental_dump since"):
-        incremental_dump(loaded, {"a": before["a"], "b": 0})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rows, after = incremental_dump(loaded, 0)
-        assert sorted(rows["a"][0].tolist()) == [1, 2, 3]
-        touch(loaded, [7])
-        rows, _ = incremental_dump(loaded, after)
-        assert rows["a"][0].tolist() == [7]
+    touch(loaded, [7])
+    if clock == "same":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert keys_since(loaded, before["a"]) == keys_since(m, before["a"]) + [7] == [4, 7]
+            assert H.entries(loaded)["a"]["scores"][:4].tolist() == H.entries(m)["a"]["scores"][:4].tolist()
+    else:
+        with pytest.warns(RuntimeWarning, match=r"table 'a' was loaded from a checkpoint, and threshold \d+ was "
+                                                r"not returned by incremental_dump since"):
+            keys_since(loaded, before["a"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert keys_since(loaded, 0) == [1, 2, 3, 4, 7]
+            _, after = incremental_dump(loaded, 0)
+            touch(loaded, [9])
+            assert keys_since(loaded, after["a"]) == [9]
     with pytest.raises(ValueError, match=r"table 'a': threshold \d+ is later than the table's clock"):
         incremental_dump(loaded, {"a": loaded.storage.now(0) + 10**15, "b": 0})
