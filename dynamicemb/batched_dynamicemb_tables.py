@@ -177,27 +177,28 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         for what, given in (("feature_names", self._feature_names), ("table_poolings", self._table_poolings)):
             if given is not None and len(given) != self.num_tables:
                 raise ValueError(f"{what} has {len(given)} entries for {self.num_tables} tables")
-        if self.pooling == DynamicEmbPoolingMode.NONE and len({self.dims[t] for t in self.feature_table_map}) > 1:
-            raise ValueError(f"pooling NONE needs one dim for all tables, got {self.dims}")
-        self.optimizer = optimizer_code(optimizer)
+        # Refusals of the module's settings name its tables (a model has several modules).
         try:
+            if self.pooling == DynamicEmbPoolingMode.NONE and len({self.dims[t] for t in self.feature_table_map}) > 1:
+                raise ValueError(f"pooling NONE needs one dim for all tables, got {self.dims}")
+            self.optimizer = optimizer_code(optimizer)
             checked_hyper_parameters(lr=learning_rate, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+            self.weight_decay_mode = weight_decay_mode_code(weight_decay_mode)
+            check_weight_decay(self.optimizer, weight_decay, self.weight_decay_mode)
+            clipping_bound(bool(gradient_clipping), max_gradient)  # validated here
+            state_init = state_start(self.optimizer, initial_accumulator_value)
+            dtypes = {o.embedding_dtype or torch.float32 for o in table_options}
+            if len(dtypes) > 1:
+                raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")
         except ValueError as e:
             raise ValueError(f"dynamicemb: tables {self.table_names}: {e}") from None
         self.learning_rate, self.eps, self.beta1, self.beta2 = learning_rate, eps, beta1, beta2
         self.weight_decay = weight_decay
-        self.weight_decay_mode = weight_decay_mode_code(weight_decay_mode)
-        check_weight_decay(self.optimizer, weight_decay, self.weight_decay_mode)
         self.gradient_clipping, self.max_gradient = bool(gradient_clipping), max_gradient
-        clipping_bound(self.gradient_clipping, max_gradient)  # validated here
         self.initial_accumulator_value = initial_accumulator_value
-        state_init = state_start(self.optimizer, initial_accumulator_value)
         self.output_dtype = output_dtype
         self.seed = seed
         self.device = canonical_device(device)
-        dtypes = {o.embedding_dtype or torch.float32 for o in table_options}
-        if len(dtypes) > 1:
-            raise ValueError(f"all tables of one module share a storage dtype, got {sorted(map(str, dtypes))}")
         self.embedding_dtype = dtypes.pop()
         widths = [state_width(self.optimizer, o.dim) if o.training else 0 for o in table_options]
         if self.embedding_dtype != torch.float32 and any(widths):

@@ -107,6 +107,9 @@ def _scenarios(rank, world, root):
 
     res["torch.save"] = _refused(torch.save, a.state_dict(), io.BytesIO())
     res["pickle"] = _refused(pickle.dumps, a.state_dict())
+    saved = a.state_dict()  # saved by DCP first: its entries still refuse torch.save after
+    dcp.save(saved, checkpoint_id=os.path.join(root, "again"), process_group=pg)
+    res["torch.save after dcp.save"] = _refused(torch.save, saved, io.BytesIO())
     # Without the tables' entries: missing keys (strict=False), an error (strict=True).
     dense_only = {k: v for k, v in b.state_dict().items() if ".dynamicemb." not in k}
     res["missing"] = [k for k in b.load_state_dict(dense_only, strict=False).missing_keys if "dynamicemb" in k]
@@ -186,7 +189,7 @@ def test_a_state_dict_missing_slots_is_refused_on_every_rank(ranks):
         assert r["partial"]["unchanged"]
 
 
-@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "torch.save after dcp.save"])
 def test_torch_save_of_the_state_dict_refuses_naming_the_tables(ranks, how):
     msg = ranks[0][how]  # (the first entry pickled is of the EBC: its tables)
     assert msg.startswith("TypeError") and all(f"'{t}'" in msg for t in H.BAG_TABLES), msg
