@@ -25,6 +25,7 @@ from dynamicemb.optimizer import (EmbOptimType, check_weight_decay, checked_hype
                                   hyper_parameter_updates, optimizer_code, state_start, state_width,
                                   weight_decay_mode_code)
 from dynamicemb.options import DynamicEmbTableOptions
+from dynamicemb.step_warnings import warn_step
 from dynamicemb.storage_protocol import PENDING_PREFETCHES, EmbeddingStorage
 from dynamicemb.tiers import make_storage
 from dynamicemb.types import (DynamicEmbCheckMode, DynamicEmbPoolingMode, canonical_device, check_finite_weights,
@@ -249,6 +250,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         indices = contiguous_as(indices, torch.int64)
         offsets = contiguous_as(offsets, torch.int64)
         if per_sample_weights is not None:
+            if self.pooling == DynamicEmbPoolingMode.NONE:  # (refused before the step changes anything)
+                raise ValueError(f"per_sample_weights are not supported with pooling NONE (one row per id, "
+                                 f"nothing to weigh; tables {self.table_names})")
             if per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices.numel():
                 raise ValueError(f"per_sample_weights must be 1-D with one weight per index ({indices.numel()}), "
                                  f"got shape {tuple(per_sample_weights.shape)}")
@@ -392,7 +396,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             msgs.append(msg)
         # The WARNING tables' warning first: an ERROR table of the same step raises, naming every one.
         if msgs:
-            warnings.warn("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
+            warn_step("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
         if errors:
             msg = (f"dynamicemb: {'; '.join(errors)}; the step's other keys are stored (new keys may have evicted "
                    f"others, as in any step) and none of its rows is trained")
@@ -434,8 +438,8 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         msgs = [self._nonfinite_msg(t, counts, optimizer_step) for t in counts.nonzero().squeeze(1).tolist()
                 if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.WARNING]
         if msgs:
-            warnings.warn("dynamicemb: " + "; ".join(msgs) + "; their updates were skipped", RuntimeWarning,
-                          stacklevel=stacklevel)
+            warn_step("dynamicemb: " + "; ".join(msgs) + "; their updates were skipped", RuntimeWarning,
+                      stacklevel=stacklevel)
 
     def _skip_nonfinite(self, grad_output, rows, utids, inverse, offsets) -> torch.Tensor:
         """Rows whose summed gradient would hold a NaN / inf: counted per

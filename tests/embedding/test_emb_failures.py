@@ -118,3 +118,19 @@ def test_every_failing_table_of_a_step_is_reported():
         m(*bags(per_table, "cpu"))
     assert not any("strict" in str(x.message) for x in w)
     assert {n: s["failed"] for n, s in m.table_stats().items()} == {"warned": 4, "strict": 2, "stricter": 3}
+
+
+def test_each_steps_warning_is_shown_and_not_kept():
+    """Every step with failed keys warns (its text has the step and count);
+    none of those texts stays in the caller's __warningregistry__, where
+    warnings.warn keeps each distinct one: a long run failing keys every
+    step grew it by an entry a step."""
+    m = _tiny(DynamicEmbCheckMode.WARNING, "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(5):
+            m(*bags([KEYS], "cpu"))
+    assert [str(w.message).split(" (bucket")[0] for w in caught if "could not be stored" in str(w.message)] == \
+        [f"dynamicemb: table 'tiny': 4 keys could not be stored at step {s}" for s in range(1, 6)]
+    assert all(w.filename == __file__ for w in caught)
+    assert not [k for k in globals().get("__warningregistry__", {}) if "could not be stored" in str(k)]

@@ -66,9 +66,13 @@ def test_bad_inputs_raise_clear_errors(indices, offsets, psw, error, match):
 
 
 def test_per_sample_weights_refused_with_none_pooling():
+    """Refused before the step: nothing stored, no step counted (the kernel
+    refused it after the insert)."""
     m = make_module([4], pooling=NONE)
-    with pytest.raises(RuntimeError, match="per_sample_weights are not supported with pooling NONE"):
+    before = m.table_stats()
+    with pytest.raises(ValueError, match=r"per_sample_weights are not supported with pooling NONE .*tables \['"):
         m(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(2))
+    assert m.table_stats() == before and m.step == 0
 
 
 def test_bad_feature_table_map_and_options():
