@@ -9,6 +9,7 @@ LAYERS = [
     # 0: the ops and the rules they state (rules.py reads them from the extension), options, formats
     ["dynamicemb._ops", "dynamicemb.rules", "dynamicemb.types", "dynamicemb.optimizer",
      "dynamicemb.aliases", "dynamicemb.fsync", "dynamicemb.storage_protocol", "dynamicemb.contiguous",
+     "dynamicemb.step_warnings",
      "dynamicemb.checkpoint.format",
      "dynamicemb.inference.quantize", "dynamicemb.tiers.prefault", "dynamicemb.shard.train_pipeline"],
     # 1: the hash table and what it is built from; admission (its counters are tables) and the options naming it
