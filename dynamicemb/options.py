@@ -237,7 +237,8 @@ class DynamicEmbTableOptions:
         if self.init_capacity is not None and not (
                 _positive_int(self.init_capacity) and (self.max_capacity is None or self.init_capacity <= self.max_capacity)):
             bad(f"init_capacity {self.init_capacity!r} must be in (0, max_capacity={self.max_capacity}]")
-        if not (isinstance(self.max_load_factor, (int, float)) and 0 < self.max_load_factor <= 1):
+        if isinstance(self.max_load_factor, bool) or not (
+                isinstance(self.max_load_factor, (int, float)) and 0 < self.max_load_factor <= 1):
             bad(f"max_load_factor must be in (0, 1], got {self.max_load_factor!r}")
         try:
             strategy_code(self.score_strategy)

@@ -374,6 +374,8 @@ class ScoredHashTable:
             if isinstance(c, bool) or not isinstance(c, int):
                 raise TypeError(f"grow: capacities are ints (slots), got {c!r}")
         if table_id is not None:
+            if not isinstance(new_capacity, int):
+                raise TypeError(f"grow: with table_id, new_capacity is that table's (one int), got {new_capacity!r}")
             caps[self._table_id(table_id)] = new_capacity
         elif isinstance(new_capacity, int):
             caps = [new_capacity] * self.num_tables

@@ -22,6 +22,7 @@ BAD_OPTIONS = [
     (dict(bucket_capacity=24), "bucket_capacity must be a positive multiple of 16, got 24"),
     (dict(max_load_factor=0.0), r"max_load_factor must be in \(0, 1\], got 0.0"),
     (dict(max_load_factor=1.5), r"max_load_factor must be in \(0, 1\], got 1.5"),
+    (dict(max_load_factor=True), r"max_load_factor must be in \(0, 1\], got True"),  # (a bool read as 1)
     (dict(index_type=torch.float32), "index_type must be torch.int64 or torch.int32, got torch.float32"),
     (dict(embedding_dtype=torch.int8), "embedding_dtype must be float32, float16 or bfloat16, got torch.int8"),
     (dict(score_strategy=9), "unknown score_strategy 9"),

@@ -85,6 +85,8 @@ def test_scores_thresholds_and_capacities_are_checked_by_name():
         step.insert(torch.arange(4), scores=1.7)
     with pytest.raises(TypeError, match=r"grow: capacities are ints \(slots\), got 256.0"):
         step.grow(256.0)
+    with pytest.raises(TypeError, match=r"grow: with table_id, new_capacity is that table's \(one int\), got \[32"):
+        step.grow([32, 64], table_id=0)
     with pytest.raises(ValueError, match="export: a score must be an int"):
         list(step.export(threshold=1.5))
     step.insert(torch.arange(4), scores=3)
