@@ -57,6 +57,11 @@ class AccessTimes:
         """The times of the keys just evicted from group g's `slots`."""
         return self._copy[g].index_select(0, slots)
 
+    def keep_all(self, g: int, ht) -> None:
+        """Copies every slot's time of group g (after a load wrote them)."""
+        if self._copy[g] is not None:
+            self._copy[g].copy_(ht.slot_timestamps)
+
     def keep(self, g: int, ht, slots: torch.Tensor) -> None:
         """Copies the times of group g's `slots` (-1: none) after a call that changed them."""
         copy = self._copy[g]

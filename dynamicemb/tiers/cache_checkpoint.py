@@ -200,6 +200,9 @@ class CacheCheckpoint:
                 raise RuntimeError(f"dynamicemb: table {self.names[table_id]!r}: {int(at.numel())} of the loaded "
                                    f"keys fit neither its store nor its cache (at most {self.max_rows(table_id)} rows "
                                    f"on this rank, both tiers full): {e}") from None
+            finally:  # the loaded rows' access times, for when the cache evicts them to the store
+                g = self.group_of[table_id][0]
+                self.times.keep_all(g, self.groups[g][0])
 
     def clear_table(self, table_id: int) -> int:
         self._settle()

@@ -163,3 +163,32 @@ def test_a_flush_that_makes_the_full_store_evict_warns(tmp_path):
         m.flush()
     after = m.table_stats()["t0"]
     assert after["size"] == before["size"] - (after["evicted"] - before["evicted"]) and after["cache_rows"] == 0
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_loaded_access_times_survive_the_cache_evicting_them(tmp_path, kind):
+    """A (TIMESTAMP, LFU) cached table's dump loaded back on the same clock:
+    every access time as saved, also for the rows the load put into the
+    cache and the cache later evicts to the store (their times came from a
+    copy the load left stale: 0), so incremental_dump still finds them."""
+    def fresh(name):
+        return module(ADAM, make_store(kind, tmp_path / name), cache_rows=256, strategy=(S.TIMESTAMP, S.LFU),
+                      max_capacity=1024)  # trained past it: a load fills the store's room, the rest goes to the cache
+
+    def times(m):
+        return {k: s for b in m.storage.export_rows(0) for k, s in zip(b.keys.tolist(), b.timestamps.tolist())}
+    m = fresh("a")
+    for b in batches(40, seed=3):
+        step(m, b)
+    saved = times(m)
+    DynamicEmbDump(str(tmp_path / "dump"), m)
+    n = fresh("b")
+    DynamicEmbLoad(str(tmp_path / "dump"), n)
+    assert times(n) == saved and _tiers(n, 0)[0] > 0
+    other = [(ids + 10**6, offsets) for ids, offsets in batches(10, seed=4)]  # keys the dump does not hold
+    for b in other:
+        step(n, b)
+    now = times(n)
+    kept = [k for k in saved if k in now]
+    assert len(kept) > _tiers(n, 0)[0]  # loaded keys now in the store, evicted there from the cache
+    assert {k: now[k] for k in kept} == {k: saved[k] for k in kept}
