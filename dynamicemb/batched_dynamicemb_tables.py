@@ -228,9 +228,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # Whether the collection the tables serve takes per-id weights (set by the sharder; None: not
         # known). Dumps record it, so that serving from one weighs the ids as training did.
         self.is_weighted: Optional[bool] = None
-        # Per table loaded from a checkpoint of another clock: the clock thresholds incremental_dump handed
-        # out since (the load counted clock scores back from it: earlier thresholds do not apply).
-        self.thresholds_since_load: Dict[int, set] = {}
+        # Per clock-scored table loaded from a checkpoint: {"loaded_at": its clock at the load, "saved_at": the
+        # saving clock's latest reading (None: saved on another clock)}, for incremental_dump's thresholds.
+        self.clock_loads: Dict[int, dict] = {}
         # Hooks the output into autograd so backward reaches the fused update.
         self._anchor = nn.Parameter(torch.zeros(1, device=self.device), requires_grad=True)
         # Prefetched batches whose forward may still come: (indices, offsets, their versions, emb_unique's result).
@@ -374,7 +374,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         if not bool(failed.any()):
             return
         self.failed += failed
-        msgs, errors, at_budget = [], [], False
+        msgs, errors, budgets = [], [], []
         budget_reached = getattr(self.storage, "budget_reached", lambda t: None)
         for t in failed.nonzero().squeeze(1).tolist():
             mode = self.table_options[t].safe_check_mode
@@ -384,7 +384,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                    f"(bucket full of keys held by this batch, or NO_EVICTION at its memory budget)")
             if mode == DynamicEmbCheckMode.ERROR:
                 why = budget_reached(t)
-                at_budget |= why is not None
+                budgets.append(why is not None)
                 errors.append(msg if why is None else f"{msg}: {why}")
                 continue
             msg += "; they read their initial value"
@@ -394,13 +394,13 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                 self._budget_warned.add(t)
                 msg = f"{msg}: {why}"
             msgs.append(msg)
-        # The WARNING tables' warning first: an ERROR table of the same step raises, naming every one.
+        if errors:  # one error naming every table (the WARNING ones too: the step raises)
+            msg = (f"dynamicemb: {'; '.join(errors + msgs)}; the step's other keys are stored (new keys may have "
+                   f"evicted others, as in any step) and none of its rows is trained")
+            # A budget error only when every ERROR table is at its budget: its handler raises budgets.
+            raise DynamicEmbBudgetError(msg) if all(budgets) else RuntimeError(msg)
         if msgs:
             warn_step("dynamicemb: " + "; ".join(msgs), RuntimeWarning, stacklevel=stacklevel)
-        if errors:
-            msg = (f"dynamicemb: {'; '.join(errors)}; the step's other keys are stored (new keys may have evicted "
-                   f"others, as in any step) and none of its rows is trained")
-            raise DynamicEmbBudgetError(msg) if at_budget else RuntimeError(msg)
 
     # ---- backward ---------------------------------------------------------------------------
 

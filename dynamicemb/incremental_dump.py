@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dynamicemb import rules
 from dynamicemb.aliases import flat_per_table
+from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import model_tables, rank_world
 from dynamicemb.types import int64_score, strategy_label
 
@@ -39,24 +40,38 @@ def _per_table(value: Threshold, name: str, strategy: int) -> int:
     return int64_score(value, f"table {name!r}")
 
 
-def _check_clock_threshold(name: str, since_load: Optional[set], threshold: int, now: int) -> None:
-    """A clock threshold is a reading of the table clock: one past the clock
-    now is not (another host's: keys touched since the load would be left
-    out), and after a load on another clock (checkpoint/clock.py) one from
-    before it does not apply (the loaded rows count as touched at the load
-    less their age at the dump)."""
+def clock_threshold_error(name: str, threshold: int, now: int) -> Optional[str]:
+    """Why a clock threshold is refused, or None: one past the table's clock
+    is not a reading of it (another host's: keys touched since a load
+    would be left out)."""
     if threshold > now:
-        raise ValueError(f"incremental_dump: table {name!r}: threshold {threshold} is later than the table's clock "
-                         f"({now} ns now): it is not a reading of this process's table clock (a threshold from "
-                         f"another process does not carry over, e.g. after a load); pass 0 to get every row, then "
-                         f"the thresholds incremental_dump returns")
-    if since_load is not None and threshold > 0 and threshold not in since_load:
-        warnings.warn(f"incremental_dump: table {name!r} was loaded from a checkpoint, and threshold {threshold} "
-                      f"was not returned by incremental_dump since: the checkpoint was saved on another clock (another "
-                      f"host), so the load restored access times as the rows' ages at the dump counted back from "
-                      f"the load, and a threshold from before it selects rows by that, not by the keys touched "
-                      f"since; pass 0 once after such a load to get every row", RuntimeWarning,
-                      stacklevel=3)
+        return (f"incremental_dump: table {name!r}: threshold {threshold} is later than the table's clock ({now} ns "
+                f"now): it is not a reading of this process's table clock (a threshold from another host does not "
+                f"carry over a load); pass 0 to get every row, then the thresholds incremental_dump returns")
+    return None
+
+
+def _warn_threshold_before_load(name: str, load: Optional[dict], threshold: int) -> None:
+    """After a load (BatchedDynamicEmbeddingTables.clock_loads), a threshold
+    from before it warns where its result would mislead: one later than the
+    checkpoint (the load rolled back what changed after the dump, which a
+    replica updated past it keeps), or, on another clock
+    (checkpoint/clock.py), any (the loaded rows count as touched at the load
+    less their age at the dump)."""
+    if load is None or not 0 < threshold < load["loaded_at"]:
+        return  # none, or a reading taken since the load
+    saved_at = load["saved_at"]
+    if saved_at is None:
+        why = ("the checkpoint was saved on another clock (another host), so the load restored access times as the "
+               "rows' ages at the dump counted back from the load, and a threshold from before it selects rows by "
+               "that, not by the keys touched since")
+    elif threshold > saved_at:
+        why = (f"it is later than the checkpoint (whose clock read {saved_at}): the load rolled back what changed "
+               f"after the dump, which a replica updated past it still holds (incremental dumps carry no removals)")
+    else:
+        return  # the clock scores came back as saved: the threshold selects the keys touched since it
+    warnings.warn(f"incremental_dump: table {name!r}: threshold {threshold} is from before the table's load from a "
+                  f"checkpoint: {why}; pass 0 once after such a load to get every row", RuntimeWarning, stacklevel=3)
 
 
 def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Optional[dist.ProcessGroup] = None
@@ -67,12 +82,28 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
     out, nxt = {}, {}
     score_threshold = flat_per_table(score_threshold, "incremental_dump(score_threshold=...)",
                                      "{table: threshold} (or one int)")
-    for name, ref in model_tables(model, what="incremental_dump").items():
-        now = ref.storage.now(ref.index)  # before the export: a key touched during it is in the next dump too
-        threshold = _per_table(score_threshold, name, ref.storage.strategy(ref.index))
-        storage, t = ref.storage, ref.index
+    tables = model_tables(model, what="incremental_dump")
+    nows = {name: ref.storage.now(ref.index) for name, ref in tables.items()}  # before the export: a key touched
+    # during it is in the next dump too. Thresholds checked on every rank first (with pg: all raise, none waits).
+    error, thresholds = None, {}
+    try:
+        for name, ref in tables.items():
+            thresholds[name] = threshold = _per_table(score_threshold, name, ref.storage.strategy(ref.index))
+            if rules.access_time_is_clock(ref.storage.strategy(ref.index)):
+                refused = clock_threshold_error(name, threshold, nows[name])
+                if refused:
+                    raise ValueError(refused)
+    except (ValueError, TypeError) as e:
+        error = e
+    world = rank_world(pg)[1] if pg is not None else 1
+    statuses = [None] * world
+    if world > 1:
+        dist.all_gather_object(statuses, status(error), group=pg)
+    raise_any(statuses, error, lambda r, m: ValueError(f"incremental_dump: rank {r} refused its thresholds: {m}"))
+    for name, ref in tables.items():
+        now, threshold, storage, t = nows[name], thresholds[name], ref.storage, ref.index
         if rules.access_time_is_clock(storage.strategy(t)):
-            _check_clock_threshold(name, ref.module.thresholds_since_load.get(t), threshold, now)
+            _warn_threshold_before_load(name, ref.module.clock_loads.get(t), threshold)
         keys, values = [], []
         for k, rows, _ in storage.export(t, threshold=threshold):
             keys.append(k)
@@ -84,14 +115,12 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
         strategy = storage.strategy(t)
         if rules.access_time_is_clock(strategy):
             nxt[name] = now
-            if t in ref.module.thresholds_since_load:
-                ref.module.thresholds_since_load[t].add(now)
         elif rules.scored_by_step(strategy):
             nxt[name] = ref.module.step + 1  # the next training step's score
         else:
             nxt[name] = threshold
-    if pg is not None and rank_world(pg)[1] > 1:
-        gathered = [None] * dist.get_world_size(pg)
+    if world > 1:
+        gathered = [None] * world
         # Pickled tensors would unpickle on the sender's device: send CPU copies.
         dist.all_gather_object(gathered, {n: (k.cpu(), v.cpu()) for n, (k, v) in out.items()}, group=pg)
         out = {n: (torch.cat([g[n][0] for g in gathered]), torch.cat([g[n][1] for g in gathered])) for n in out}

@@ -48,6 +48,32 @@ class ExportBatch(NamedTuple):
 Scores = Union[None, int, torch.Tensor]
 
 
+def _is_sequence(v) -> bool:
+    """A list, tuple or 1-D array / tensor (not a scalar, nor a 0-d one)."""
+    return isinstance(v, Sequence) or getattr(v, "ndim", 0) > 0
+
+
+def _int_like(v, says: str) -> int:
+    """An int, or a numpy / 0-d tensor integer, as an int; a bool, a float or
+    anything else raises TypeError(f"{says}, got {v!r}")."""
+    try:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{says}, got {v!r}") from None
+
+
+def _capacities(capacity, says: str, num_tables: int) -> List[int]:
+    """Slots per table from one int (every table's) or one per table."""
+    if not _is_sequence(capacity):
+        return [_int_like(capacity, says)] * num_tables
+    caps = [_int_like(c, says) for c in (capacity.tolist() if hasattr(capacity, "tolist") else capacity)]
+    if len(caps) != num_tables:
+        raise ValueError(f"capacity has {len(caps)} entries for {num_tables} tables")
+    return caps
+
+
 def doubling_capacities(init_rows: int, max_rows: int, bucket_capacity: int) -> Tuple[int, int]:
     """(initial, maximum) capacity in slots for a table that grows by
     doubling (grow takes multiples only): whole buckets, the maximum rounded
@@ -88,15 +114,10 @@ class ScoredHashTable:
     ):
         if not isinstance(bucket_capacity, int) or bucket_capacity <= 0 or bucket_capacity % 16:
             raise ValueError(f"bucket_capacity must be a positive multiple of 16, got {bucket_capacity!r}")
-        if isinstance(num_tables, bool) or not isinstance(num_tables, int) or num_tables < 1:
-            raise ValueError(f"num_tables must be an int >= 1, got {num_tables!r}")
-        if isinstance(capacity, torch.Tensor) or not isinstance(capacity, Sequence):
-            if isinstance(capacity, bool) or not hasattr(capacity, "__index__"):
-                raise TypeError(f"capacity must be an int (slots per table) or one per table, got {capacity!r}")
-            capacity = operator.index(capacity)  # (a numpy integer too)
-        caps = [capacity] * num_tables if isinstance(capacity, int) else list(capacity)
-        if len(caps) != num_tables:
-            raise ValueError(f"capacity has {len(caps)} entries for {num_tables} tables")
+        num_tables = _int_like(num_tables, "num_tables must be an int >= 1")
+        if num_tables < 1:
+            raise ValueError(f"num_tables must be >= 1, got {num_tables}")
+        caps = _capacities(capacity, "capacity must be an int (slots per table) or one per table", num_tables)
         self.table_names = list(table_names) if table_names is not None else [str(t) for t in range(num_tables)]
         if len(self.table_names) != num_tables:
             raise ValueError(f"table_names has {len(self.table_names)} entries for {num_tables} tables")
@@ -370,17 +391,12 @@ class ScoredHashTable:
         Returns (old_indices, new_indices) of every entry, so that the caller
         can move its rows."""
         caps = self.capacities()
-        for c in (new_capacity if isinstance(new_capacity, (list, tuple)) else [new_capacity]):
-            if isinstance(c, bool) or not isinstance(c, int):
-                raise TypeError(f"grow: capacities are ints (slots), got {c!r}")
         if table_id is not None:
-            if not isinstance(new_capacity, int):
+            if _is_sequence(new_capacity):
                 raise TypeError(f"grow: with table_id, new_capacity is that table's (one int), got {new_capacity!r}")
-            caps[self._table_id(table_id)] = new_capacity
-        elif isinstance(new_capacity, int):
-            caps = [new_capacity] * self.num_tables
+            caps[self._table_id(table_id)] = _int_like(new_capacity, "grow: capacities are ints (slots)")
         else:
-            caps = list(new_capacity)
+            caps = _capacities(new_capacity, "grow: capacities are ints (slots)", self.num_tables)
         old = self.capacities()
         for t, (c, o) in enumerate(zip(caps, old)):
             self._check_capacity(t, c, self.bucket_capacity)

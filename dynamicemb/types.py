@@ -133,3 +133,18 @@ def int64_score(value, where: str) -> int:
     if v is None or not -2**63 <= v < 2**63:
         raise ValueError(f"{where}: a score must be an int in int64's range, got {value!r}")
     return v
+
+
+def checked_table_names(table_names, what: str) -> list:
+    """A list of table names given by the user, refusing what would be read
+    otherwise: a string (letter by letter), none, or one named twice."""
+    if isinstance(table_names, str):
+        raise TypeError(f"{what}: table_names must be a list of table names, got the string {table_names!r}; "
+                        f"write [{table_names!r}]")
+    names = list(table_names)
+    if not names:
+        raise ValueError(f"{what}: table_names is empty; name the tables (or leave it out: every table)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{what}: table_names names {twice} more than once")
+    return names

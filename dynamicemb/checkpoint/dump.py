@@ -73,7 +73,7 @@ def _write_shard(root, rank, tables, optim, counter, chunk_rows, parts_of=None) 
 def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, syncer, out):
     for name, ref in tables.items():
         files, rows = [], 0
-        # The clock the ages count from (clock.py), on each part's entry; None: no clock scores.
+        # The clock the ages count from (clock.py), in the manifest; None: no clock scores.
         clocked = rules.access_time_is_clock(ref.storage.strategy(ref.index))
         when = (parts_of[name + "\0clock"] if parts_of is not None else reading(ref.storage, ref.index)) \
             if clocked else None
@@ -81,14 +81,14 @@ def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, sync
             shard_parts(name, ref, optim, chunk_rows, when["clock"] if when else None)
         for k, part in enumerate(source):
             files.append(dict(write_part(root, part_name(name, rank, "part", k), part, syncer), rank=rank,
-                              kind="part", **({"clock_reading": when} if when else {})))
+                              kind="part"))
             rows += files[-1]["rows"]
         if counter:
             csrc = parts_of[name + "\0counter"] if parts_of is not None else counter_parts(ref, chunk_rows)
             for k, part in enumerate(csrc):
                 files.append(dict(write_part(root, part_name(name, rank, "counter", k), part, syncer),
                                   rank=rank, kind="counter"))
-        out[name] = {"files": files, "rows": rows}
+        out[name] = {"files": files, "rows": rows, "clock_reading": when}
 
 
 def _manifest(metas: Dict[str, dict], shards: List[Dict[str, dict]], world, optim, counter) -> dict:
@@ -96,6 +96,8 @@ def _manifest(metas: Dict[str, dict], shards: List[Dict[str, dict]], world, opti
     for name, meta in metas.items():
         meta = dict(meta)
         meta["rows_per_rank"] = [s[name]["rows"] for s in shards]
+        if any(s[name]["clock_reading"] for s in shards):  # the clock each rank's ages count from (clock.py)
+            meta["clock_readings"] = [s[name]["clock_reading"] for s in shards]
         meta["files"] = [f for s in shards for f in s[name]["files"]]
         meta["has_optimizer_state"] = optim
         meta["has_counter"] = counter

@@ -33,25 +33,28 @@ from dynamicemb.storage_protocol import RowBatch
 from dynamicemb.types import strategy_name
 
 
-def check_table(where: str, ref, meta: dict, optim: bool) -> None:
+OPTIM_FALSE = "load with optim=False"  # DynamicEmbLoad's way past a refused optimizer state
+
+
+def check_table(where: str, ref, meta: dict, optim: bool, skip: str = OPTIM_FALSE) -> None:
     """Refuses, naming the table (`where`), a checkpoint of it whose dim,
     dtype, dist_type, optimizer (with optim) or score strategy differ from
-    the model's."""
+    the model's; `skip`: how the caller's user loads the values alone."""
     mine = ref.meta()
     for key in ("dim", "dtype", "dist_type"):
         if meta[key] != mine[key]:
             raise CheckpointError(f"{where}: {key} is {meta[key]!r}, the model's is {mine[key]!r}")
     if optim:
         if not meta["has_optimizer_state"]:
-            raise CheckpointError(f"{where}: the dump has no optimizer state; load with optim=False")
-        if mine["optimizer_state_width"] == 0 and meta["optimizer_state_width"] > 0:
-            raise CheckpointError(f"{where}: the model's table keeps no optimizer state (training=False); load "
-                                  f"with optim=False to load its values alone")
+            raise CheckpointError(f"{where}: the dump has no optimizer state; {skip}")
+        if not ref.options.training and meta["optimizer_state_width"] > 0:
+            raise CheckpointError(f"{where}: the model's table keeps no optimizer state (training=False); {skip} "
+                                  f"to load its values alone")
         if meta["optimizer"] != mine["optimizer"] or meta["optimizer_state_width"] != mine["optimizer_state_width"]:
             raise CheckpointError(f"{where}: optimizer {_optimizer_name(meta['optimizer'])} (state width "
                                   f"{meta['optimizer_state_width']}) does not match the model's "
                                   f"{_optimizer_name(mine['optimizer'])} (state width "
-                                  f"{mine['optimizer_state_width']}); load with optim=False to skip it")
+                                  f"{mine['optimizer_state_width']}); {skip} to load its values alone")
     if meta["score_strategy"] != mine["score_strategy"]:
         raise CheckpointError(f"{where}: score strategy {strategy_name(meta['score_strategy'])} does not match the "
                               f"model's {strategy_name(mine['score_strategy'])}")
@@ -76,27 +79,28 @@ def restore_rows(ref, strategy: int, base: int, part: Dict[str, torch.Tensor], o
                                               if optim else None, scores, ts))
 
 
-def part_bases(ref, files: List[dict]):
-    """(base of each file's ages (restore_rows), exact) for one table of a
-    dump, from its part files' clock readings (clock.py)."""
-    now = ref.storage.now(ref.index)
+def part_bases(ref, meta: dict):
+    """(base of each file's ages (restore_rows), exact, the saving clock's
+    latest reading) for one table of a dump, from the manifest's clock
+    readings of its ranks (clock.py)."""
+    files, now = meta["files"], ref.storage.now(ref.index)
     if not rules.access_time_is_clock(ref.storage.strategy(ref.index)):
-        return [now] * len(files), True
-    latest = latest_of_one_clock([e.get("clock_reading") for e in files if e["kind"] == "part"])
+        return [now] * len(files), True, None
+    readings = meta.get("clock_readings")
+    latest = latest_of_one_clock(readings) if readings else None
     base, exact = restore_base(ref.storage, ref.index, latest)
     if base is None:
-        return [now] * len(files), False
-    return [base - (latest["clock"] - e["clock_reading"]["clock"]) if e["kind"] == "part" else None
-            for e in files], exact
+        return [now] * len(files), False, None
+    return [base - (latest["clock"] - readings[e["rank"]]["clock"]) for e in files], exact, latest["clock"]
 
 
-def note_clock_restore(ref, exact: bool) -> None:
-    """After a table's load: whether incremental_dump's thresholds from
-    before it still apply (its clock scores came back as saved)."""
-    if exact:
-        ref.module.thresholds_since_load.pop(ref.index, None)
-    elif rules.access_time_is_clock(ref.storage.strategy(ref.index)):
-        ref.module.thresholds_since_load[ref.index] = set()
+def note_clock_restore(ref, exact: bool, saved_at: Optional[int]) -> None:
+    """After a table's load: what incremental_dump checks its thresholds
+    against (_check_clock_threshold): the table's clock at the load, and the
+    saving clock's latest reading when the clock scores came back as saved."""
+    if rules.access_time_is_clock(ref.storage.strategy(ref.index)):
+        ref.module.clock_loads[ref.index] = {"loaded_at": ref.storage.now(ref.index),
+                                             "saved_at": saved_at if exact else None}
 
 
 def check_distinct(name: str, keys: List[torch.Tensor], source: str, rank: int, world: int) -> int:
@@ -272,7 +276,7 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
         strategy = meta["score_strategy"]
         num_embeddings = ref.options.num_embeddings
         ref.storage.clear_table(ref.index)  # the table holds the dump's keys alone
-        bases, exact = part_bases(ref, meta["files"])  # ages become scores on the table's own clock
+        bases, exact, saved_at = part_bases(ref, meta)  # ages become scores on the table's own clock
         base_of = {e["file"]: b for e, b in zip(meta["files"], bases)}
         for entry in plan.files[name]:
             if entry["kind"] == "counter":
@@ -287,7 +291,7 @@ def _load(path: str, plan: _Plan, optim: bool, rank: int, world: int) -> None:
             except Exception as e:  # noqa: BLE001 - re-raised naming the table and the file
                 raise CheckpointError(f"table {name!r}: loading {os.path.join(path, entry['file'])} on rank {rank} "
                                       f"failed: {e}; this rank's tables are now partly loaded: load again") from e
-        note_clock_restore(ref, exact)
+        note_clock_restore(ref, exact, saved_at)
         if name in plan.counters:
             ref.storage.admission_counter(ref.index).replace(plan.counters[name])
         ref.storage.custom_scores[ref.index] = meta.get("custom_score", 0)

@@ -206,6 +206,7 @@ class TableSlot:
                 f"rank's state_dict() holds only its share of their rows (entries '<table>.{KEY}.slot<s>'), and "
                 f"a load must gather every rank's. Save the state dict with torch.distributed.checkpoint "
                 f"(dcp.save(model.state_dict(), ...) on every rank), or the tables with {_DUMP}")
+        self._dcp = False  # DCP's write of this item only: a later torch.save of the same dict is refused too
         return self.data().__reduce_ex__(protocol)  # a plain OrderedDict: loads with weights_only=True
 
     def __deepcopy__(self, memo) -> "TableSlot":
@@ -310,7 +311,9 @@ def _rows_of(name: str, ref, entries: Dict[str, object], slots: int) -> dict:
     # In slot order, which is the save's export order on each rank (a cached
     # table's load relies on it: its store's rows come first, see load_rows).
     for data in sorted(given, key=lambda d: d["slot"]):
-        check_table(where, ref, data["meta"], True)
+        check_table(where, ref, data["meta"], True, skip="DCP loads the optimizer state with the rows: give the model "
+                                                         "the checkpoint's optimizer, or DynamicEmbLoad(optim=False) "
+                                                         "a DynamicEmbDump of the tables")
         if data.get("counter_keys") is not None and "counter_keys" not in cols:
             raise CheckpointError(f"{where}: it holds admission counts, but the model's table has no admission "
                                   f"counter (admit_strategy / admission_counter)")
@@ -504,7 +507,7 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
                 for lo in range(0, keys.shape[0], CHUNK_ROWS):
                     restore_rows(ref, strategy, base, {c: rows[c][i][lo:lo + CHUNK_ROWS] for c in _COLS if c in rows},
                                  True)
-            note_clock_restore(ref, exact)
+            note_clock_restore(ref, exact, latest[name]["clock"] if latest[name] else None)
             if name in counters:
                 ref.storage.admission_counter(ref.index).replace(counters[name])
             ref.storage.custom_scores[ref.index] = saved[name][0][2]

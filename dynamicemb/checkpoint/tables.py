@@ -9,6 +9,7 @@ from dynamicemb import rules
 from dynamicemb.aliases import flat_per_table
 from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.stats import dynamic_tables
+from dynamicemb.types import checked_table_names
 from dynamicemb.storage_protocol import require_checkpoint_protocol
 
 
@@ -65,10 +66,9 @@ def model_tables(model: torch.nn.Module, table_names: Optional[Sequence[str]] = 
     tables = {name: TableRef(m, i) for name, m, i in found}
     if table_names is None:
         return tables
-    if isinstance(table_names, str):  # (one name would be read letter by letter)
-        raise TypeError(f"{what}: table_names must be a list of table names, got the string {table_names!r}; "
-                        f"write [{table_names!r}]")
-    table_names = flat_per_table(table_names, f"{what}(table_names=...)", "a list of table names")
+    if not isinstance(table_names, str):
+        table_names = flat_per_table(table_names, f"{what}(table_names=...)", "a list of table names")
+    table_names = checked_table_names(table_names, what)
     missing = [n for n in table_names if n not in tables]
     if missing:
         raise ValueError(f"the model has no dynamic tables named {missing}; it has {sorted(tables)}")

@@ -31,8 +31,9 @@ META = "dynamicemb.json"
 
 def _from_dump(args):
     from dynamicemb.inference.table import InferenceEmbeddingTable
+    given = {} if args.weighted is None else {"is_weighted": args.weighted}  # (default: the dump's)
     m = InferenceEmbeddingTable.from_dump(args.dump, table_names=args.tables, dtype=args.dtype,
-                                          pooling=args.pooling, is_weighted=args.weighted)
+                                          pooling=args.pooling, **given)
     meta = {"features": m.feature_names, "dims": m.feature_dims, "tables": m.table_names, "dtype": args.dtype,
             "keys": m.num_keys(), "weighted": m.is_weighted}
     return m, meta
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
         e.add_argument("--tables", nargs="+", default=None, help="tables to export (default: all), in this order")
         e.add_argument("--pooling", default=None, choices=["SUM", "MEAN", "NONE"],
                        help="pooling of every table (default: the dump's)")
-        e.add_argument("--weighted", action="store_true", help="the program takes per-id weights")
+        e.add_argument("--weighted", action=argparse.BooleanOptionalAction, default=None,
+                       help="whether the program takes per-id weights (default: as the dump's collection)")
         return e
 
     from_dump("export", "export a dump's tables as a torch.export program")

@@ -13,6 +13,7 @@ from dynamicemb.batched_dynamicemb_tables import BatchedDynamicEmbeddingTables
 from dynamicemb.checkpoint.format import CheckpointError, check_file, check_tensors, read_manifest, read_tensors
 from dynamicemb.checkpoint.load import expected_tensors
 from dynamicemb.storage_protocol import require_checkpoint_protocol
+from dynamicemb.types import checked_table_names
 from dynamicemb.inference.frozen import ZEROS_INIT, FrozenTable, packed_init
 
 
@@ -34,15 +35,7 @@ def _entry(name: str, keys: List[torch.Tensor], values: List[torch.Tensor], meta
 
 def _chosen(names: List[str], table_names: Optional[Sequence[str]], where: str,
             feature_names: Optional[Dict[str, List[str]]] = None) -> List[str]:
-    if isinstance(table_names, str):  # (one name would be read letter by letter)
-        raise TypeError(f"table_names must be a list of table names, got the string {table_names!r}; "
-                        f"write [{table_names!r}]")
-    chosen = names if table_names is None else list(table_names)
-    if not chosen:
-        raise ValueError(f"table_names is empty; {where} has tables {sorted(names)}")
-    twice = sorted({n for n in chosen if chosen.count(n) > 1})
-    if twice:
-        raise ValueError(f"table_names names {twice} more than once")
+    chosen = names if table_names is None else checked_table_names(table_names, f"{where} (tables {sorted(names)})")
     missing = [n for n in chosen if n not in names]
     if missing:
         raise CheckpointError(f"table {missing[0]!r}: {where} has no such table (it has {sorted(names)})")

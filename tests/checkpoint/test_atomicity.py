@@ -324,6 +324,11 @@ def test_dump_arguments_are_checked_by_name(tmp_path):
     m = H.plain_module()
     with pytest.raises(TypeError, match=r"table_names must be a list of table names, got the string 'a'; write \['a'\]"):
         DynamicEmbDump(str(tmp_path / "a"), m, table_names="a")
+    # None named ("the model has no dynamic tables"), or one twice (collapsed unsaid): refused.
+    with pytest.raises(ValueError, match=r"DynamicEmbDump: table_names is empty"):
+        DynamicEmbDump(str(tmp_path / "a"), m, table_names=[])
+    with pytest.raises(ValueError, match=r"DynamicEmbDump: table_names names \['a'\] more than once"):
+        DynamicEmbDump(str(tmp_path / "a"), m, table_names=["a", "a"])
     with pytest.raises(ValueError, match="chunk_rows must be a positive int, got 0"):
         DynamicEmbDump(str(tmp_path / "b"), m, chunk_rows=0)
     assert os.listdir(tmp_path) == []

@@ -111,12 +111,15 @@ def test_a_changed_manifest_is_refused(copy, old, new):
                                                                    r"EXACT_ADAGRAD \(state width 8\)"),
     (lambda: H.plain_module(training=False), r"table 'a' in .*manifest.json: the model's table keeps no optimizer "
                                              r"state \(training=False\); load with optim=False"),
+    (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_SGD), r"table 'a' in .*manifest.json: optimizer ADAM "
+                                                               r"\(state width 16\) does not match the model's "
+                                                               r"EXACT_SGD \(state width 0\)"),
     (lambda: H.plain_module(dist_type="roundrobin"), r"table 'a' in .*manifest.json: dist_type is 'hash_roundrobin'"),
     (lambda: H.plain_module(strategies=(H.S.STEP, H.S.TIMESTAMP)), r"table 'b' in .*manifest.json: score strategy LFU does not match the model's TIMESTAMP"),
     (lambda: H.plain_module(names=("a", "c")), r"table 'c': .*manifest.json has no table 'c'"),
     (lambda: H.plain_module(embedding_dtype=torch.float16), r"table 'a' in .*manifest.json: dtype is 'float32', "
                                                              r"the model's is 'float16'"),
-], ids=["dim", "optimizer", "training_false", "dist_type", "score_strategy", "missing_table", "dtype"])
+], ids=["dim", "optimizer", "training_false", "sgd", "dist_type", "score_strategy", "missing_table", "dtype"])
 def test_manifest_of_another_model(dumped, model, message):
     m = model()
     with pytest.raises(CheckpointError, match=message):

@@ -96,7 +96,8 @@ def test_clock_thresholds_across_a_load(tmp_path, monkeypatch, clock):
     """A dump keeps its clock's reading. Loaded on the same clock (one host,
     as a restarted job), the access times come back as saved, so a
     threshold from before the dump still selects exactly the keys touched
-    since. On another clock (modelled: the wall clock an hour off, so the
+    since; one from after the dump warns (the load rolled back what changed
+    since, which a replica fed past the dump keeps). On another clock (modelled: the wall clock an hour off, so the
     clocks' offsets differ) ages count back from the load: a threshold from
     before it warns, 0 gets every row, and the thresholds returned after the
     load select the keys touched after them. A threshold past the clock is
@@ -120,6 +121,8 @@ def test_clock_thresholds_across_a_load(tmp_path, monkeypatch, clock):
     _, before = incremental_dump(m, 0)
     touch(m, [4])
     DynamicEmbDump(str(tmp_path / "d"), m)
+    touch(m, [1, 5])  # after the dump: a replica fed past it holds these
+    _, past_dump = incremental_dump(m, before)
     if clock == "another":
         real = C.time.time_ns
         monkeypatch.setattr(C.time, "time_ns", lambda: real() + 3600 * 10**9)
@@ -129,17 +132,47 @@ def test_clock_thresholds_across_a_load(tmp_path, monkeypatch, clock):
     if clock == "same":
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert keys_since(loaded, before["a"]) == keys_since(m, before["a"]) + [7] == [4, 7]
-            assert H.entries(loaded)["a"]["scores"][:4].tolist() == H.entries(m)["a"]["scores"][:4].tolist()
+            assert keys_since(loaded, before["a"]) == [4, 7]  # (key 1's change after the dump was rolled back)
+            assert H.entries(loaded)["a"]["scores"][1:4].tolist() == H.entries(m)["a"]["scores"][1:4].tolist()
+        # A threshold from after the dump: the load rolled back key 1 and dropped key 5, which a replica
+        # fed up to it keeps, and incremental dumps carry no removals.
+        with pytest.warns(RuntimeWarning, match=r"it is later than the checkpoint \(whose clock read \d+\): the "
+                                                r"load rolled back what changed after the dump"):
+            keys_since(loaded, past_dump["a"])
     else:
-        with pytest.warns(RuntimeWarning, match=r"table 'a' was loaded from a checkpoint, and threshold \d+ was "
-                                                r"not returned by incremental_dump since"):
+        with pytest.warns(RuntimeWarning, match=r"table 'a': threshold \d+ is from before the table's load from a "
+                                                r"checkpoint: the checkpoint was saved on another clock"):
             keys_since(loaded, before["a"])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert keys_since(loaded, 0) == [1, 2, 3, 4, 7]
             _, after = incremental_dump(loaded, 0)
+            assert keys_since(loaded, loaded.storage.now(0)) == []  # any reading taken since the load: no warning
             touch(loaded, [9])
             assert keys_since(loaded, after["a"]) == [9]
     with pytest.raises(ValueError, match=r"table 'a': threshold \d+ is later than the table's clock"):
         incremental_dump(loaded, {"a": loaded.storage.now(0) + 10**15, "b": 0})
+
+
+def test_an_empty_clock_tables_load_keeps_its_thresholds(tmp_path):
+    """A clock table with no rows writes no part file: the dump still keeps
+    its clock's reading, so a load on the same clock keeps the thresholds
+    from before (it warned as if the dump came from another host)."""
+    import warnings
+
+    from dynamicemb.checkpoint import DynamicEmbDump, DynamicEmbLoad
+    m = H.plain_module(strategies=(H.S.TIMESTAMP, H.S.STEP))
+    _, before = incremental_dump(m, 0)
+    DynamicEmbDump(str(tmp_path / "d"), m)
+    loaded = H.plain_module(strategies=(H.S.TIMESTAMP, H.S.STEP))
+    DynamicEmbLoad(str(tmp_path / "d"), loaded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows, _ = incremental_dump(loaded, {"a": before["a"], "b": 0})
+    assert rows["a"][0].numel() == 0
+
+
+def test_a_threshold_refused_on_one_rank_raises_on_every_rank():
+    r0, r1 = (r["incremental"]["ahead"] for r in scenarios.two_ranks())
+    assert r1 is not None and "table 't_cont': threshold" in r1 and "later than the table's clock" in r1, r1
+    assert r0 is not None and r0.startswith("incremental_dump: rank 1 refused its thresholds: ValueError: "), r0

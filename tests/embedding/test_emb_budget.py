@@ -182,3 +182,23 @@ def test_failures_read_no_size_unless_a_budget_explains_them(mode, monkeypatch):
     explained = [str(w.message) for w in warned if "memory_budget" in str(w.message)]
     assert reads == ([0] if mode == DynamicEmbCheckMode.WARNING else [])  # the budget's message only
     assert len(explained) == (1 if mode == DynamicEmbCheckMode.WARNING else 0)
+
+
+def test_a_step_failing_at_a_budget_and_at_a_full_bucket_is_no_budget_error():
+    """Two ERROR tables fail in one step, one at its memory budget and one
+    for a full bucket: the error names both, and is a plain RuntimeError (a
+    DynamicEmbBudgetError's handler raises budgets, which would not help the
+    second table)."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+    common = dict(dim=D, max_capacity=16, bucket_capacity=16, initializer_args=DEBUG_INIT,
+                  safe_check_mode=DynamicEmbCheckMode.ERROR)
+    m = BatchedDynamicEmbeddingTables(
+        [DynamicEmbTableOptions(score_strategy=DynamicEmbScoreStrategy.NO_EVICTION,
+                                memory_budget=table_bytes(16, ROW_BYTES), **common),
+         DynamicEmbTableOptions(**common)],
+        table_names=["budgeted", "bucket"], pooling_mode=DynamicEmbPoolingMode.NONE)
+    with pytest.raises(RuntimeError) as e:
+        m(torch.cat([torch.arange(20), torch.arange(20)]), torch.tensor([0, 20, 40]))
+    assert type(e.value) is RuntimeError, type(e.value)
+    assert "table 'budgeted': 4 keys could not be stored" in str(e.value) and "memory_budget" in str(e.value)
+    assert "table 'bucket': 4 keys could not be stored" in str(e.value)

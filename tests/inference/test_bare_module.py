@@ -71,7 +71,7 @@ def test_from_dump_refuses_a_table_it_does_not_hold(tmp_path):
     # letter), none, one twice, features for a table not served, no features.
     for kwargs, error, match in (
             (dict(table_names="x"), TypeError, r"table_names must be a list of table names, got the string 'x'"),
-            (dict(table_names=[]), ValueError, r"table_names is empty; .* has tables \['x', 'y'\]"),
+            (dict(table_names=[]), ValueError, r"\(tables \['x', 'y'\]\): table_names is empty"),
             (dict(table_names=["x", "x"]), ValueError, r"table_names names \['x'\] more than once"),
             (dict(feature_names={"z": ["q"]}), ValueError, r"feature_names names table 'z', which is not among"),
             (dict(table_names=["x"], feature_names={"y": ["q"]}), ValueError, r"feature_names names table 'y'"),

@@ -137,3 +137,20 @@ def test_a_kjt_example_that_went_through_a_model_serves_kjts_built_from_lengths(
         for r in requests:
             got = serve(r)
             assert torch.equal(got.values() if hasattr(got, "values") else got, m(r).values())
+
+
+def test_cli_export_takes_the_dumps_weighting(tmp_path):
+    """A dump of a weighted collection's tables (the sharder records it):
+    `export` without --weighted makes a program that takes per-id weights
+    (it made an unweighted one, which ignored them)."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbDump, DynamicEmbTableOptions
+    module = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=1024)],
+                                           table_names=["u"], feature_names=[["uf"]])
+    module(torch.arange(10), torch.tensor([0, 10])).sum().backward()
+    module.is_weighted = True  # as DynamicEmbeddingBagCollectionSharder sets it for a weighted EBC
+    dump = str(tmp_path / "dump")
+    DynamicEmbDump(dump, module)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-m", "dynamicemb.inference", "export", dump, str(tmp_path / "p.pt2")],
+                         check=True, env=env, capture_output=True, text=True).stdout
+    assert "features ['uf'] (dims [4]), per-id weights" in out, out

@@ -181,9 +181,13 @@ def test_capacity_not_a_multiple_of_bucket_capacity():
     # Named, not "'float' object is not iterable"; a numpy integer is an int.
     with pytest.raises(TypeError, match=r"capacity must be an int \(slots per table\) or one per table, got 32.0"):
         ScoredHashTable(32.0, 16)
-    with pytest.raises(ValueError, match=r"num_tables must be an int >= 1, got 2.0"):
+    with pytest.raises(TypeError, match=r"num_tables must be an int >= 1, got 2.0"):
         ScoredHashTable(32, 16, num_tables=2.0)
     assert ScoredHashTable(np.int64(32), 16).capacity() == 32
+    two = ScoredHashTable(np.array([32, 64]), 16, num_tables=np.int64(2))  # numpy integers are ints
+    assert two.capacities() == [32, 64] and two.num_tables == 2
+    two.grow(np.int64(64), table_id=0)
+    assert two.capacities() == [64, 64]
 
 
 def test_bucket_capacity_not_a_multiple_of_16(t):
