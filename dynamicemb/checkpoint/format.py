@@ -8,9 +8,9 @@
 Each part is a standard safetensors file (readable without dynamicemb) holding
 one chunk of one rank's shard. Scores that are clock readings (TIMESTAMP,
 NO_EVICTION, the pair's access times) are stored as ages in ns at dump time,
-so that another host's clock does not matter, with the dumping clock's
-reading on each part's entry (clock.py: a load on the same clock gives the
-readings back). The manifest lists every file
+so that another host's clock does not matter, with each rank's clock
+reading at the dump in the table's manifest entry (clock.py: a load on the
+same clock gives the readings back). The manifest lists every file
 with its row count, size and CRC-32, and carries a CRC-32 of its own
 content. Every file is fsynced before the manifest
 is written and the directory published.

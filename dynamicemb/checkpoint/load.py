@@ -96,7 +96,7 @@ def part_bases(ref, meta: dict):
 
 def note_clock_restore(ref, exact: bool, saved_at: Optional[int]) -> None:
     """After a table's load: what incremental_dump checks its thresholds
-    against (_check_clock_threshold): the table's clock at the load, and the
+    against (_warn_threshold_before_load): the table's clock at the load, and the
     saving clock's latest reading when the clock scores came back as saved."""
     if rules.access_time_is_clock(ref.storage.strategy(ref.index)):
         ref.module.clock_loads[ref.index] = {"loaded_at": ref.storage.now(ref.index),
