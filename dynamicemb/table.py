@@ -4,7 +4,6 @@ A thin Python view over slot tensors; every operation is one vectorised op of
 the extension (CPU now, CUDA with the CUDA backend). The table holds no values:
 the row index it returns addresses a value storage kept by the caller.
 """
-import operator
 import time
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -15,7 +14,7 @@ from dynamicemb._ops import ops, table_arg
 from dynamicemb.contiguous import contiguous_as
 from dynamicemb.host_copy import HostCopy
 from dynamicemb.positions import where_true
-from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, int64_score, strategy_code
+from dynamicemb.types import DynamicEmbScoreStrategy, canonical_device, int64_score, int_like, strategy_code
 
 # Insert calls are numbered 1.._MAX_EPOCH in each slot's one-byte epoch (the
 # call that last wrote it); on wrapping every slot's epoch is cleared.
@@ -53,22 +52,11 @@ def _is_sequence(v) -> bool:
     return isinstance(v, Sequence) or getattr(v, "ndim", 0) > 0
 
 
-def _int_like(v, says: str) -> int:
-    """An int, or a numpy / 0-d tensor integer, as an int; a bool, a float or
-    anything else raises TypeError(f"{says}, got {v!r}")."""
-    try:
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
-            raise TypeError
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{says}, got {v!r}") from None
-
-
 def _capacities(capacity, says: str, num_tables: int) -> List[int]:
     """Slots per table from one int (every table's) or one per table."""
     if not _is_sequence(capacity):
-        return [_int_like(capacity, says)] * num_tables
-    caps = [_int_like(c, says) for c in (capacity.tolist() if hasattr(capacity, "tolist") else capacity)]
+        return [int_like(capacity, says)] * num_tables
+    caps = [int_like(c, says) for c in (capacity.tolist() if hasattr(capacity, "tolist") else capacity)]
     if len(caps) != num_tables:
         raise ValueError(f"capacity has {len(caps)} entries for {num_tables} tables")
     return caps
@@ -114,7 +102,7 @@ class ScoredHashTable:
     ):
         if not isinstance(bucket_capacity, int) or bucket_capacity <= 0 or bucket_capacity % 16:
             raise ValueError(f"bucket_capacity must be a positive multiple of 16, got {bucket_capacity!r}")
-        num_tables = _int_like(num_tables, "num_tables must be an int >= 1")
+        num_tables = int_like(num_tables, "num_tables must be an int >= 1")
         if num_tables < 1:
             raise ValueError(f"num_tables must be >= 1, got {num_tables}")
         caps = _capacities(capacity, "capacity must be an int (slots per table) or one per table", num_tables)
@@ -394,7 +382,7 @@ class ScoredHashTable:
         if table_id is not None:
             if _is_sequence(new_capacity):
                 raise TypeError(f"grow: with table_id, new_capacity is that table's (one int), got {new_capacity!r}")
-            caps[self._table_id(table_id)] = _int_like(new_capacity, "grow: capacities are ints (slots)")
+            caps[self._table_id(table_id)] = int_like(new_capacity, "grow: capacities are ints (slots)")
         else:
             caps = _capacities(new_capacity, "grow: capacities are ints (slots)", self.num_tables)
         old = self.capacities()

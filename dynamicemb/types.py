@@ -122,12 +122,23 @@ def check_finite_weights(weights, offsets: torch.Tensor, features, owner: str) -
                      f"{float(weights[i])}; weights must be finite")
 
 
+def int_like(value, says: str) -> int:
+    """An int, or a numpy / 0-d tensor integer, as an int; a bool, a float or
+    anything else raises TypeError(f"{says}, got {value!r}")."""
+    try:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{says}, got {value!r}") from None
+
+
 def int64_score(value, where: str) -> int:
     """A score or score threshold given by the user: an int in int64's range
     (a float or string was truncated or parsed, and an int past int64 failed
     in the next forward, after the step had counted)."""
     try:
-        v = None if isinstance(value, bool) else operator.index(value)
+        v = int_like(value, where)
     except TypeError:
         v = None
     if v is None or not -2**63 <= v < 2**63:

@@ -13,6 +13,8 @@ apply (incremental_dump warns)."""
 import time
 from typing import List, Optional, Tuple
 
+from dynamicemb import rules
+
 ONE_CLOCK_NS = 10**9  # offsets to the wall clock this close: one clock
 
 
@@ -20,6 +22,12 @@ def reading(storage, table_id: int) -> dict:
     """The table clock now, with its offset to the wall clock (read together)."""
     now = storage.now(table_id)
     return {"clock": now, "clock_to_unix": now - time.time_ns()}
+
+
+def saved_reading(storage, table_id: int) -> Optional[dict]:
+    """What a checkpoint of the table records of its clock: reading(), or
+    None for a table whose scores and access times are no clock readings."""
+    return reading(storage, table_id) if rules.access_time_is_clock(storage.strategy(table_id)) else None
 
 
 def latest_of_one_clock(readings: List[Optional[dict]]) -> Optional[dict]:
@@ -33,15 +41,14 @@ def latest_of_one_clock(readings: List[Optional[dict]]) -> Optional[dict]:
     return max(readings, key=lambda r: r["clock"])
 
 
-def restore_base(storage, table_id: int, latest: Optional[dict]) -> Tuple[Optional[int], bool]:
+def restore_base(storage, table_id: int, latest: Optional[dict]) -> Tuple[int, bool]:
     """(base, exact): what ages relative to the saving clock's `latest`
     reading count back from on this table, and whether that gives back the
     saved readings. The table's clock is the saving clock: `latest` itself
-    (exact). Another clock: the table's clock now. No common saving clock
-    (latest None): (None, False), each age counting back from now."""
-    if latest is None:
-        return None, False
+    (exact). Another clock, or no common saving clock (latest None): the
+    table's clock now."""
     mine = reading(storage, table_id)
-    if abs(mine["clock_to_unix"] - latest["clock_to_unix"]) <= ONE_CLOCK_NS and latest["clock"] <= mine["clock"]:
+    if latest is not None and abs(mine["clock_to_unix"] - latest["clock_to_unix"]) <= ONE_CLOCK_NS \
+            and latest["clock"] <= mine["clock"]:
         return latest["clock"], True
     return mine["clock"], False

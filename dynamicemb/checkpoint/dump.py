@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynamicemb import rules
-from dynamicemb.checkpoint.clock import reading
+from dynamicemb.checkpoint.clock import saved_reading
 from dynamicemb.checkpoint.format import FORMAT_VERSION, MANIFEST, Syncer, part_name, write_manifest, write_part
 from dynamicemb.checkpoint.rank_errors import raise_any, status
 from dynamicemb.checkpoint.tables import check_group, model_tables, rank_world
@@ -74,9 +74,7 @@ def _write_tables(root, rank, tables, optim, counter, chunk_rows, parts_of, sync
     for name, ref in tables.items():
         files, rows = [], 0
         # The clock the ages count from (clock.py), in the manifest; None: no clock scores.
-        clocked = rules.access_time_is_clock(ref.storage.strategy(ref.index))
-        when = (parts_of[name + "\0clock"] if parts_of is not None else reading(ref.storage, ref.index)) \
-            if clocked else None
+        when = parts_of[name + "\0clock"] if parts_of is not None else saved_reading(ref.storage, ref.index)
         source = parts_of[name] if parts_of is not None else \
             shard_parts(name, ref, optim, chunk_rows, when["clock"] if when else None)
         for k, part in enumerate(source):
@@ -311,9 +309,9 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     # its own (cached) so that training's collectives do not interleave with ours.
     snapshot = {}
     for name, ref in tables.items():
-        when = snapshot[name + "\0clock"] = reading(ref.storage, ref.index)
+        when = snapshot[name + "\0clock"] = saved_reading(ref.storage, ref.index)
         snapshot[name] = [{k: snapshot_of(v) for k, v in p.items()}
-                          for p in shard_parts(name, ref, optim, chunk_rows, when["clock"])]
+                          for p in shard_parts(name, ref, optim, chunk_rows, when["clock"] if when else None)]
         if counter:
             snapshot[name + "\0counter"] = [{k: v.clone() for k, v in p.items()} for p in counter_parts(ref, chunk_rows)]
     group = _background_group(pg) if distributed else None

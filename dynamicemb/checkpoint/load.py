@@ -83,14 +83,14 @@ def part_bases(ref, meta: dict):
     """(base of each file's ages (restore_rows), exact, the saving clock's
     latest reading) for one table of a dump, from the manifest's clock
     readings of its ranks (clock.py)."""
-    files, now = meta["files"], ref.storage.now(ref.index)
+    files = meta["files"]
     if not rules.access_time_is_clock(ref.storage.strategy(ref.index)):
-        return [now] * len(files), True, None
+        return [0] * len(files), True, None  # (no clock ages)
     readings = meta.get("clock_readings")
     latest = latest_of_one_clock(readings) if readings else None
     base, exact = restore_base(ref.storage, ref.index, latest)
-    if base is None:
-        return [now] * len(files), False, None
+    if latest is None:
+        return [base] * len(files), exact, None
     return [base - (latest["clock"] - readings[e["rank"]]["clock"]) for e in files], exact, latest["clock"]
 
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dynamicemb import rules
 from dynamicemb.admission import CounterNotCheckpointable
-from dynamicemb.checkpoint.clock import latest_of_one_clock, reading, restore_base
+from dynamicemb.checkpoint.clock import latest_of_one_clock, restore_base, saved_reading
 from dynamicemb.checkpoint.dump import counter_parts, shard_parts
 from dynamicemb.checkpoint.format import CheckpointError
 from dynamicemb.checkpoint.load import build_counter, check_distinct, check_table, note_clock_restore, restore_rows
@@ -139,8 +139,7 @@ class _Export:
         ref = self.ref
         self.meta = dict(ref.meta(), has_optimizer_state=True)
         # The clock its ages count from (clock.py); none without clock scores.
-        when = reading(ref.storage, ref.index) if rules.access_time_is_clock(ref.storage.strategy(ref.index)) \
-            else None
+        when = saved_reading(ref.storage, ref.index)
         if when is not None:
             self.meta["clock_reading"] = when
         dim, width = self.meta["dim"], self.meta["optimizer_state_width"]
@@ -502,7 +501,6 @@ def load_tables(module, state_dict: dict, prefix: str, collection: str, missing_
             strategy = ref.storage.strategy(ref.index)
             ref.storage.clear_table(ref.index)
             base, exact = restore_base(ref.storage, ref.index, latest[name])  # ages become readings of its clock
-            base = ref.storage.now(ref.index) if base is None else base
             for i, keys in enumerate(rows["keys"]):  # piece by piece (a slot's, or what came from others)
                 for lo in range(0, keys.shape[0], CHUNK_ROWS):
                     restore_rows(ref, strategy, base, {c: rows[c][i][lo:lo + CHUNK_ROWS] for c in _COLS if c in rows},
