@@ -581,7 +581,7 @@ def main(argv=None):
                    "ebc": f"{args.tables} tables x dim {args.dim}, SUM pooling, one feature per table",
                    "batch_per_rank": args.batch, "pooling_factor": args.pooling,
                    "ids": ids_mode(args) + "; per step, rank and table; generated before timing",
-                   "mode": mode_label(args.key_pool, args.new_share),
+                   "mode": mode_label(args.key_pool, args.new_share, args.rows_per_table),
                    "prefill": ("training-mode forwards under no_grad over every pool key of every table, batches "
                                "of the normal shape, all ranks, before the timed steps; prefill_s: between two "
                                "barriers, slowest rank, median over rounds" if args.key_pool else "none"),

@@ -144,7 +144,7 @@ def main(argv=None):
         "benchmark": "bench_torchrec_paired",
         "config": {**{k: v for k, v in vars(args).items() if k not in ("models", "out")}, **info},
         "common": {
-            "mode": mode_label(args.key_pool, args.new_share),
+            "mode": mode_label(args.key_pool, args.new_share, args.rows_per_table),
             "ids": B.ids_mode(args),
             "pairing": "both models in the same ranks; step i of each back to back, dynamic first on even steps; "
                        "a step's time is the slowest rank's, between barriers",

@@ -91,7 +91,8 @@ def _mode_label(k: Dict[str, Any]) -> str:
 
 def panel_torchrec(ax, k: Optional[Dict[str, Any]], more: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
     """The DMP step per model, one group of bars per id mode: the default
-    (k) and those in `more` (existing ids, half new; from their own runs).
+    (k) and those in `more` (existing ids, half new, half new evicting; from
+    their own runs).
     A bar far above the others (MCH) is cut at the top, its value written."""
     groups = ([k] if k else []) + list((more or {}).values())
     models = [m for m in TORCHREC_LABELS if any(m in g["models"] for g in groups)]
@@ -316,7 +317,7 @@ PANELS: List[Tuple[str, Callable]] = [
     ("soak", panel_soak), ("quality", panel_quality),
 ]
 # Benchmarks drawn in another's panel (passed to it as `more`; the panel is drawn if any of them has results).
-PANEL_MORE = {"torchrec": ("torchrec_existing", "torchrec_newshare")}
+PANEL_MORE = {"torchrec": ("torchrec_existing", "torchrec_newshare", "torchrec_evicting")}
 
 
 def draw_panel(ax, name: str, key: Dict[str, Any]) -> None:

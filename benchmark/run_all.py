@@ -3,7 +3,7 @@ benchmark/results/summary.json and draws benchmark/results/summary.png.
 
     bash scripts/dev.sh python benchmark/run_all.py                  # all (~9-14 min on 2 CPU cores)
     bash scripts/dev.sh python benchmark/run_all.py --only table,inference
-    bash scripts/dev.sh python benchmark/run_all.py --only torchrec_existing,torchrec_newshare  # issue 39's modes
+    bash scripts/dev.sh python benchmark/run_all.py --only torchrec_existing,torchrec_newshare,torchrec_evicting  # issue 39's modes
     bash scripts/dev.sh python benchmark/run_all.py --from-json      # redraw from the JSON already there
     bash scripts/dev.sh python benchmark/run_all.py --publish        # ... and copy to docs/
 
@@ -62,7 +62,8 @@ TORCHREC_ARGS = ["--rows-per-table", str(1 << 20), "--batch", "2048", "--steps",
                  "--rounds", "2"]
 # The id modes' ratios sit near their targets, and a round's ratio spreads +-10% on 2 cores: 6 alternating
 # rounds (about a minute each) instead of 2.
-TORCHREC_POOL = ["--models", "dynamic,native", "--key-pool", str(1 << 18), "--rounds", "6"]
+TORCHREC_MODE = ["--models", "dynamic,native", "--rounds", "6"]
+TORCHREC_POOL = TORCHREC_MODE + ["--key-pool", str(1 << 18)]
 BENCHMARKS: List[Bench] = [
     # The table's targets are set at its full size (16M slots, 1M-key batches; ~40 s): fewer repeats only
     Bench("table", "bench_table.py", ["--repeats", "3"], "bench_table.json"),
@@ -72,10 +73,14 @@ BENCHMARKS: List[Bench] = [
     Bench("torchrec", "bench_torchrec.py", TORCHREC_ARGS, "bench_torchrec.json"),
     # Issue 39's id modes, drawn in the torchrec panel, dynamic vs FUSED only: existing ids (a pool of rows / 4
     # keys per table, all stored by a pre-fill before timing), then the same with half of each step's ids never
-    # seen before (growth and eviction).
+    # seen before (they take free slots: the pre-fill leaves the tables a third full).
     Bench("torchrec_existing", "bench_torchrec.py", TORCHREC_ARGS + TORCHREC_POOL, "bench_torchrec_existing.json"),
     Bench("torchrec_newshare", "bench_torchrec.py", TORCHREC_ARGS + TORCHREC_POOL + ["--new-share", "0.5"],
           "bench_torchrec_newshare.json"),
+    # ... and with a pool as large as the tables, so that the pre-fill fills them and the new ids evict.
+    Bench("torchrec_evicting", "bench_torchrec.py",
+          TORCHREC_ARGS + TORCHREC_MODE + ["--key-pool", str(1 << 20), "--new-share", "0.5"],
+          "bench_torchrec_evicting.json"),
     Bench("tiers", "bench_tiers.py", ["--quick"], "bench_tiers.json"),
     Bench("checkpoint", "bench_checkpoint.py", ["--rows", "2000000"], "bench_checkpoint.json"),
     Bench("inference", "bench_inference.py", ["--repeats", "20"], "inference.json"),

@@ -57,7 +57,7 @@ def key_embedding(d: dict) -> Dict[str, Any]:
 
 
 # bench_torchrec's runs in run_all, one per id mode (their labels and targets: torchrec_batches).
-TORCHREC_MODES = ("torchrec", "torchrec_existing", "torchrec_newshare")
+TORCHREC_MODES = ("torchrec", "torchrec_existing", "torchrec_newshare", "torchrec_evicting")
 
 
 def _new_share(r: dict) -> Optional[float]:
@@ -66,6 +66,13 @@ def _new_share(r: dict) -> Optional[float]:
     ids = r.get("ids") or []
     unique = sum(c["unique_ids_timed"] for c in ids)
     return sum(c["new_ids_timed"] for c in ids) / unique if unique else None
+
+
+def _evicting_share(r: dict) -> Optional[float]:
+    """The share of the timed steps' new ids that evicted a key (over all rounds)."""
+    ids = r.get("ids") or []
+    new = sum(c["new_ids_timed"] for c in ids)
+    return sum(c["evicted_timed"] for c in ids) / new if new else None
 
 
 def key_torchrec(d: dict) -> Dict[str, Any]:
@@ -86,11 +93,12 @@ def key_torchrec(d: dict) -> Dict[str, Any]:
     return {"models": models, "ratios": ratios, "targets": targets,
             "tables": c.get("tables"), "dim": c.get("dim"), "rows_per_table": c.get("rows_per_table"),
             "batch": c.get("batch"), "pooling": c.get("pooling"), "world": c.get("world"),
-            "mode": mode_label(key_pool, new_share), "key_pool": key_pool or None, "new_share_asked": new_share or None,
+            "mode": mode_label(key_pool, new_share, c.get("rows_per_table") or 0), "key_pool": key_pool or None, "new_share_asked": new_share or None,
             "wall_ratio": ratios.get("dynamic_over_native_time"), "cpu_ratio": ratios.get("dynamic_over_native_cpu"),
             # from the run's mode (a JSON written before the per-mode targets carries issue 4's for every mode)
             "target": fused_target(key_pool, new_share),
-            "new_ids_share": _new_share(dyn) if dyn.get("status") == "ok" else None}
+            "new_ids_share": _new_share(dyn) if dyn.get("status") == "ok" else None,
+            "evicting_share": _evicting_share(dyn) if dyn.get("status") == "ok" else None}
 
 
 def key_tiers(d: dict) -> Dict[str, Any]:
@@ -216,13 +224,15 @@ def markdown(key: Dict[str, Dict[str, Any]]) -> str:
             ms = {m: k["models"].get(m, {}).get("step_ms") for m in ("dynamic", "native")}
             pool = f" (pool of {k['key_pool']} keys per table)" if k.get("key_pool") else " (Zipf over 2^40)"
             rows.append([k["mode"] + pool, _f(100 * k["new_ids_share"], "{:.1f}%")
-                         if k["new_ids_share"] is not None else "-", _f(ms["dynamic"]), _f(ms["native"]),
+                         if k["new_ids_share"] is not None else "-",
+                         _f(100 * k["evicting_share"], "{:.1f}%") if k.get("evicting_share") is not None else "-",
+                         _f(ms["dynamic"]), _f(ms["native"]),
                          _f(k["wall_ratio"], "{:.2f}"), _f(k["cpu_ratio"], "{:.2f}"), k["target"] or "-"])
         k = key[modes[0]]
         parts.append(f"**Training step by id mode, dynamicemb / TorchRec FUSED** (DMP on {k['world']} CPU ranks, "
                      f"{k['rows_per_table']} rows per table, batch {k['batch']} per rank; new ids: the timed steps' "
-                     "unique ids the dynamic tables inserted)\n\n" + _md(
-                         ["ids", "new ids", "dynamicemb ms", "FUSED ms", "wall time ratio", "CPU time ratio",
+                     "unique ids the dynamic tables inserted, and the share of those that evicted a key)\n\n" + _md(
+                         ["ids", "new ids", "of them evicting", "dynamicemb ms", "FUSED ms", "wall time ratio", "CPU time ratio",
                           "target"], rows))
     if "embedding" in key:
         k = key["embedding"]

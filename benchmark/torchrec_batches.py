@@ -22,13 +22,16 @@ import warnings
 import torch
 
 
-def mode_label(key_pool: int, new_share: float) -> str:
-    """What a run's ids are, as the report names its id mode."""
+def mode_label(key_pool: int, new_share: float, rows_per_table: int = 0) -> str:
+    """What a run's ids are, as the report names its id mode. A pool of at
+    least rows_per_table keys fills the tables in the pre-fill, so that the
+    timed steps' new ids evict."""
     if not key_pool:
         return "mostly new ids"
     if not new_share:
         return "existing ids"
-    return "half the ids new" if new_share == 0.5 else f"{100 * new_share:g}% of the ids new"
+    label = "half the ids new" if new_share == 0.5 else f"{100 * new_share:g}% of the ids new"
+    return label + (", full tables (evicting)" if rows_per_table and key_pool >= rows_per_table else "")
 
 
 def fused_target(key_pool: int, new_share: float) -> str:

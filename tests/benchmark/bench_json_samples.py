@@ -42,8 +42,9 @@ def embedding(times_s):
 def torchrec(step_s, failed=(), cpu_s=None, key_pool=0, new_share=0.0, ids=None):
     """step_s: {model: median step seconds}; models in `failed` are n/a;
     cpu_s: {model: median step CPU seconds} (default: half the step);
-    with key_pool (existing ids, --key-pool): ids = [(unique, new) ids of
-    each round's timed steps] of the dynamic tables."""
+    with key_pool (existing ids, --key-pool): ids = [(unique, new) or
+    (unique, new, evicting) ids of each round's timed steps] of the dynamic
+    tables."""
     results = {}
     cpu_s = {n: s / 2 for n, s in step_s.items()} | (cpu_s or {})
     for name, s in step_s.items():
@@ -57,8 +58,9 @@ def torchrec(step_s, failed=(), cpu_s=None, key_pool=0, new_share=0.0, ids=None)
     if key_pool and "dynamic" in results and "dynamic" not in failed:
         results["dynamic"]["ids"] = [
             {"unique_ids_timed": u, "new_ids_timed": n, "new_share_timed": n / u, "new_ids_warmup": 0,
-             "evicted_timed": 0, "failed_timed": 0, "pool_keys": 8 * key_pool, "stored_after_prefill": 8 * key_pool,
-             "evicted_in_prefill": 0, "failed_in_prefill": 0} for u, n in ids]
+             "evicted_timed": e[0] if e else 0, "failed_timed": 0, "pool_keys": 8 * key_pool,
+             "stored_after_prefill": 8 * key_pool, "evicted_in_prefill": 0, "failed_in_prefill": 0}
+            for u, n, *e in ids]
     ratios = {}
     if {"dynamic", "native"} <= set(step_s) - set(failed):  # as bench_torchrec: both ran
         ratios["dynamic_over_native_time"] = step_s["dynamic"] / step_s["native"]

@@ -46,6 +46,8 @@ EXISTING = dict(step_s={"dynamic": 0.045, "native": 0.050}, cpu_s={"dynamic": 0.
                 key_pool=1 << 18, ids=[(1000, 0), (1000, 2)])
 NEWSHARE = dict(step_s={"dynamic": 0.066, "native": 0.055}, key_pool=1 << 18, new_share=0.5,
                 ids=[(3000, 2000), (3000, 2200)])
+EVICTING = dict(step_s={"dynamic": 0.080, "native": 0.070}, key_pool=1 << 20, new_share=0.5,
+                ids=[(3000, 2000, 1900), (3000, 2100, 2000)])
 
 
 def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(), with_soak=True,
@@ -65,6 +67,7 @@ def all_payloads(results, with_tiers=True, with_checkpoint=True, failed_models=(
     if with_torchrec_modes:
         p["torchrec_existing"] = write(results, "bench_torchrec_existing.json", samples.torchrec(**EXISTING))
         p["torchrec_newshare"] = write(results, "bench_torchrec_newshare.json", samples.torchrec(**NEWSHARE))
+        p["torchrec_evicting"] = write(results, "bench_torchrec_evicting.json", samples.torchrec(**EVICTING))
     if with_soak:
         p["soak"] = write(results, "soak.json", samples.soak(SOAK_RSS))
     if with_tiers:
@@ -322,9 +325,10 @@ def mode_row(label, mode, ids):
     """The Markdown row of a mode from its sample's inputs."""
     s = mode["step_s"]
     cpu = mode.get("cpu_s") or {n: t / 2 for n, t in s.items()}
-    unique = sum(u for u, _ in ids) if ids else 0
-    new = f"{100 * sum(n for _, n in ids) / unique:.1f}%" if ids else "-"
-    return (f"| {label} | {new} | {1e3 * s['dynamic']:.1f} | {1e3 * s['native']:.1f} | "
+    unique = sum(u for u, *_ in ids) if ids else 0
+    new = f"{100 * sum(n for _, n, *_ in ids) / unique:.1f}%" if ids else "-"
+    evicting = f"{100 * sum(e[0] if e else 0 for _, _, *e in ids) / sum(n for _, n, *_ in ids):.1f}%" if ids else "-"
+    return (f"| {label} | {new} | {evicting} | {1e3 * s['dynamic']:.1f} | {1e3 * s['native']:.1f} | "
             f"{s['dynamic'] / s['native']:.2f} | {cpu['dynamic'] / cpu['native']:.2f} |")
 
 
@@ -332,20 +336,25 @@ def test_torchrec_id_modes_give_key_numbers_markdown_rows_and_grouped_bars(tmp_p
     payloads = all_payloads(str(tmp_path))
     assert run_all.main(["--results-dir", str(tmp_path), "--from-json", "--quiet"]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
-    for name in ("torchrec_existing", "torchrec_newshare"):
+    for name in ("torchrec_existing", "torchrec_newshare", "torchrec_evicting"):
         assert s["runs"][name]["status"] == "previous" and s["benchmarks"][name] == payloads[name]
         assert s["runs"][name]["json"].endswith(f"bench_{name}.json")
     k = s["key_numbers"]
     for name, mode, label, target in (("torchrec_existing", EXISTING, "existing ids", "<= 1.0"),
-                                      ("torchrec_newshare", NEWSHARE, "half the ids new", "<= 1.1")):
+                                      ("torchrec_newshare", NEWSHARE, "half the ids new", "<= 1.1"),
+                                      ("torchrec_evicting", EVICTING, "half the ids new, full tables (evicting)",
+                                       "<= 1.1")):
         e = k[name]
         step, cpu = mode["step_s"], mode.get("cpu_s") or {n: t / 2 for n, t in mode["step_s"].items()}
         assert {n: e["models"][n]["step_ms"] for n in e["models"]} == pytest.approx(
             {n: 1e3 * t for n, t in step.items()})
         assert e["wall_ratio"] == pytest.approx(step["dynamic"] / step["native"])
         assert e["cpu_ratio"] == pytest.approx(cpu["dynamic"] / cpu["native"])
-        assert e["new_ids_share"] == pytest.approx(sum(n for _, n in mode["ids"]) / sum(u for u, _ in mode["ids"]))
-        assert (e["mode"], e["target"], e["key_pool"]) == (label, target, 1 << 18)
+        new = sum(n for _, n, *_ in mode["ids"])
+        assert e["new_ids_share"] == pytest.approx(new / sum(u for u, *_ in mode["ids"]))
+        assert e["evicting_share"] == pytest.approx(sum(e[0] if e else 0 for _, _, *e in mode["ids"]) / new)
+        assert (e["mode"], e["target"], e["key_pool"]) == (label, target, mode["key_pool"])
+    assert k["torchrec_evicting"]["evicting_share"] == pytest.approx(3900 / 4100)
     assert k["torchrec_existing"]["cpu_ratio"] != pytest.approx(k["torchrec_existing"]["wall_ratio"])
     # The default mode: its JSON's target, no id counts (no --key-pool).
     assert k["torchrec"]["target"] == "<= 1.3" and k["torchrec"]["new_ids_share"] is None
@@ -357,16 +366,19 @@ def test_torchrec_id_modes_give_key_numbers_markdown_rows_and_grouped_bars(tmp_p
     assert mode_row("mostly new ids (Zipf over 2^40)", default, None) + " <= 1.3 |" in md
     assert mode_row("existing ids (pool of 262144 keys per table)", EXISTING, EXISTING["ids"]) + " <= 1.0 |" in md
     assert mode_row("half the ids new (pool of 262144 keys per table)", NEWSHARE, NEWSHARE["ids"]) + " <= 1.1 |" in md
+    assert mode_row("half the ids new, full tables (evicting) (pool of 1048576 keys per table)", EVICTING,
+                    EVICTING["ids"]) + " <= 1.1 |" in md
     assert "| TorchRec FUSED (FBGEMM TBE) | 50.0 | 40960 | 1.20 |" in md  # the default's own table stays
 
-    # One panel for the three modes: a group of bars each (dynamic, native, mc; then dynamic, native twice).
+    # One panel for the four modes: a group of bars each (dynamic, native, mc; then dynamic, native thrice).
     bars, ticks, legend, top = torchrec_panel(k)
     heights = [h for _, h in bars]
-    cut = 1.6 * 66.0  # the highest bar but MCH's (half new, dynamic), x 1.6
-    assert sorted(heights) == pytest.approx(sorted([60.0, 50.0, cut, 45.0, 50.0, 66.0, 55.0]))
-    assert [round(x) for x, _ in bars] == [0, 0, 0, 1, 1, 2, 2]
+    cut = 1.6 * 80.0  # the highest bar but MCH's (half new evicting, dynamic), x 1.6
+    assert sorted(heights) == pytest.approx(sorted([60.0, 50.0, cut, 45.0, 50.0, 66.0, 55.0, 80.0, 70.0]))
+    assert [round(x) for x, _ in bars] == [0, 0, 0, 1, 1, 2, 2, 3, 3]
     assert top >= cut
-    assert len(ticks) == 3 and ticks[0].startswith("mostly new ids") and ticks[1].startswith("existing ids")
+    assert len(ticks) == 4 and ticks[0].startswith("mostly new ids") and ticks[1].startswith("existing ids")
+    assert ticks[3].startswith("half the ids new, full tables (evicting)")
     assert "target \u2264 1.0" in ticks[1] and "target \u2264 1.1" in ticks[2] and "target \u2264 1.3" in ticks[0]
     assert f"new ids {100 * 2 / 2000:.1f}% of unique" in ticks[1] and "dyn / FUSED 0.90x (CPU 1.20x)" in ticks[1]
     assert legend == ["dynamicemb", "TorchRec FUSED (FBGEMM TBE)", "TorchRec managed collision (MCH)"]
@@ -410,9 +422,10 @@ def test_torchrec_modes_alone_still_get_the_torchrec_panel(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     n = s["key_numbers"]["torchrec_newshare"]
     assert n["wall_ratio"] is None and n["cpu_ratio"] is None and n["new_ids_share"] is None
+    assert n["evicting_share"] is None
     assert n["models"]["dynamic"]["status"] == "n/a"
     md = (tmp_path / "summary.md").read_text()
-    assert "| half the ids new (pool of 262144 keys per table) | - | - | 55.0 | - | - | <= 1.1 |" in md
+    assert "| half the ids new (pool of 262144 keys per table) | - | - | - | 55.0 | - | - | <= 1.1 |" in md
     bars, ticks, _, _ = torchrec_panel(s["key_numbers"])
     assert [h for _, h in bars] == pytest.approx([45.0, 50.0, 55.0])
     assert ticks[1].startswith("half the ids new") and "dyn / FUSED" not in ticks[1]
