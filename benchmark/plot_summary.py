@@ -74,16 +74,14 @@ TORCHREC_LABELS = {"dynamic": "dynamicemb", "native": "TorchRec FUSED (FBGEMM TB
 
 def _mode_label(k: Dict[str, Any]) -> str:
     """An id mode's group label: the ids, the new ids' share, dynamic / FUSED and the target."""
-    lines = [k.get("mode") or "mostly new ids"]
-    if k.get("key_pool"):
-        lines[0] += f", pool {k['key_pool'] / 1024:g}K keys"
-    else:
-        lines[0] += ", Zipf over 2^40"
+    lines = [k.get("mode") or "mostly new ids",
+             f"pool {k['key_pool'] / 1024:g}K keys" if k.get("key_pool") else "Zipf over 2^40"]
     if k.get("new_ids_share") is not None:
-        lines.append(f"new ids {100 * k['new_ids_share']:.1f}% of unique")
+        lines.append(f"new ids {100 * k['new_ids_share']:.1f}%")
     if k.get("wall_ratio") is not None:
-        cpu = f" (CPU {k['cpu_ratio']:.2f}x)" if k.get("cpu_ratio") is not None else ""
-        lines.append(f"dyn / FUSED {k['wall_ratio']:.2f}x{cpu}")
+        lines.append(f"dyn / FUSED {k['wall_ratio']:.2f}x")
+        if k.get("cpu_ratio") is not None:
+            lines.append(f"(CPU {k['cpu_ratio']:.2f}x)")
     if k.get("target"):
         lines.append("target " + k["target"].replace("<=", "\u2264").replace(">=", "\u2265"))
     return "\n".join(lines)
@@ -126,7 +124,7 @@ def panel_torchrec(ax, k: Optional[Dict[str, Any]], more: Optional[Dict[str, Dic
                             fontsize=7)
     if len(groups) > 1:  # a group per mode, a legend for the models
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([_mode_label(g) for g in groups], fontsize=8)
+        ax.set_xticklabels([_mode_label(g) for g in groups], fontsize=8 if len(groups) < 4 else 7)
         ax.legend(fontsize=7, loc="upper right")
     else:  # one mode: the models under their bars
         ax.set_xticks([t[0] for t in ticks])

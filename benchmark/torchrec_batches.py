@@ -31,7 +31,7 @@ def mode_label(key_pool: int, new_share: float, rows_per_table: int = 0) -> str:
     if not new_share:
         return "existing ids"
     label = "half the ids new" if new_share == 0.5 else f"{100 * new_share:g}% of the ids new"
-    return label + (", full tables (evicting)" if rows_per_table and key_pool >= rows_per_table else "")
+    return label + (", evicting" if rows_per_table and key_pool >= rows_per_table else "")
 
 
 def fused_target(key_pool: int, new_share: float) -> str:
