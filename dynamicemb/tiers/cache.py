@@ -17,7 +17,7 @@ same module keeps its usual behaviour (its evicted keys are gone).
 """
 import dataclasses
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -65,6 +65,19 @@ class _Pin(dict):
         super().__init__()
         self.keys = keys
         self.block: Optional[OverflowBlock] = None  # a forward's overflow rows (tiers/cache_overflow.py)
+        # {group: (keys, local table ids)} where self[group] holds the slots
+        # of exactly those, in their order: the forward reuses the slots only
+        # for the same keys (admission may keep fewer of them, and a pin
+        # leaves out keys that an overflow block holds or the cache could
+        # not place, so a count alone can match by chance).
+        self.order: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def slots_for(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor) -> Optional[torch.Tensor]:
+        """Group g's pinned slots if they are those of `keys` (of `local_tids`), in order; else None."""
+        order = self.order.get(g)
+        if order is None or order[0].numel() != keys.numel():
+            return None
+        return self[g] if torch.equal(order[0], keys) and torch.equal(order[1], local_tids) else None
 
 
 class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
@@ -398,8 +411,8 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             return self.tables.insert_growing(g, keys, local_tids, scores)
         # The slots of the keys: those its prefetch found (every key of the
         # batch placed), else a lookup's.
-        reuse = self._reuse.get(g) if self._reuse is not None else None
-        if reuse is not None and reuse.numel() == keys.numel():
+        reuse = self._reuse.slots_for(g, keys, local_tids) if self._reuse is not None else None
+        if reuse is not None:
             slots, missing = reuse, None
         else:
             slots, cached = ht.lookup(keys, local_tids)
@@ -554,7 +567,9 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             at = where_true(~cached)
             if not at.numel():
                 pin[g] = slots
+                pin.order[g] = (k, lt)
                 continue
+            group_keys = (k, lt)
             pin[g] = slots.index_select(0, where_true(cached))
             k, lt = k.index_select(0, at), lt.index_select(0, at)
             # The insert scores of the keys it places (those fetched get their
@@ -573,6 +588,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                 self.tables.init_rows(idx, new, k, self._group_tables[g].to(keys.device).index_select(0, lt))
             if slots is not None:
                 pin[g] = slots.index_copy_(0, at, idx)  # every key's slot, in the batch's order
+                pin.order[g] = group_keys
 
     def stored(self, g: int, slots: torch.Tensor) -> torch.Tensor:
         fresh = self._fresh[g]

@@ -75,3 +75,55 @@ def test_a_prefetch_in_eval_mode_moves_nothing():
             m.prefetch(ids + 10**6, offsets)  # keys never seen
             m(ids + 10**6, offsets)
     assert m.table_stats() == before
+
+
+@pytest.mark.parametrize("seed", [0, 2, 6])
+def test_admission_with_prefetch_in_torchrec_order_equals_all_in_memory(seed):
+    """TorchRec's prefetch pipeline runs forward(i), prefetch(i + 1),
+    backward(i). With admission the forward stores only the admitted keys:
+    it may reuse its prefetch's slots only for exactly the keys they were
+    found for. (A count that matched by chance gave keys other keys' slots:
+    wrong rows, keys of one table lost to the other, or a crash.) A small
+    cache over a store that never evicts trains as the all-in-memory table."""
+    import warnings
+
+    from dynamicemb import (BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType,
+                            FrequencyAdmissionStrategy, KVCounter)
+    from dynamicemb.tiers import HostStore
+
+    def build(cached):
+        store = HostStore(bucket_capacity=16)
+
+        def opt(threshold):
+            adm = (dict(admit_strategy=FrequencyAdmissionStrategy(threshold), admission_counter=KVCounter(1 << 14))
+                   if threshold else {})
+            c = dict(caching=True, global_hbm_for_values=32 * 4 * 4, backing_store=store) if cached else {}
+            return DynamicEmbTableOptions(dim=4, max_capacity=4096, bucket_capacity=16, **c, **adm)
+        return BatchedDynamicEmbeddingTables([opt(2), opt(0)], table_names=["t0", "t1"],
+                                             optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.5, seed=1)
+
+    mem, cached = build(False), build(True)
+    g = torch.Generator().manual_seed(seed)
+    B, T = 8, 2
+    data = []
+    for _ in range(60):
+        lengths = torch.randint(0, 4, (T * B,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        data.append(((torch.rand(int(lengths.sum()), generator=g) ** 2 * 300).long(), offsets))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cannot hold one step")  # the cache is small on purpose
+        for i, b in enumerate(data):
+            grad = torch.randn(B, T * 4, generator=g)
+            ym = mem(*b)
+            (ym * grad).sum().backward()
+            yc = cached(*b)
+            if i + 1 < len(data):
+                cached.prefetch(*data[i + 1])
+            (yc * grad).sum().backward()
+            assert torch.equal(ym, yc), f"step {i}"
+    stats = cached.table_stats()
+    assert all(s["evicted"] == 0 for s in stats.values()), stats  # the store never evicted
+    for t in range(T):
+        want = {k: v for b in mem.storage.export_rows(t) for k, v in zip(b.keys.tolist(), b.values)}
+        got = {k: v for b in cached.storage.export_rows(t) for k, v in zip(b.keys.tolist(), b.values)}
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), f"table t{t}"
