@@ -71,6 +71,7 @@ class _Pin(dict):
         # leaves out keys that an overflow block holds or the cache could
         # not place, so a count alone can match by chance).
         self.order: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.failures_counted = False  # a prefetch that raised (ERROR) counted its batch's failed keys
 
     def slots_for(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor) -> Optional[torch.Tensor]:
         """Group g's pinned slots if they are those of `keys` (of `local_tids`), in order; else None."""
@@ -140,6 +141,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self._forward_pins: List[_Pin] = []
         self._prefetch_pins: List[_Pin] = []
         self._reuse: Optional[_Pin] = None  # the prefetch pin of the running forward's batch
+        self._counted: Optional[_Pin] = None  # a pin of that batch whose prefetch counted its failed keys
         self._step_slots: Dict[int, torch.Tensor] = {}  # per group, the slots of the running forward's keys
         # Per cached group, per slot: its key is provisional, made new by a
         # prefetch whose forward has not come yet (_settle).
@@ -319,7 +321,10 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                 scores.index_copy_(0, pos, stored)
         failures = ht.get_counters()["failed"]  # read, not a pass over the results
         out = self._cache_insert(g, keys, local_tids, scores, held=held)
-        self._write_back(g, out.evicted)
+        try:
+            self._write_back(g, out.evicted)
+        except Exception as e:
+            self._write_back_failed(g, keys, local_tids, scores, exact, missing, out, fetched, e)
         idx, res = out.indices, out.results
         failed = None
         if ht.get_counters()["failed"] != failures:
@@ -329,10 +334,16 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             except RuntimeError:
                 # The step fails: undo its placements (the evicted rows are in the
                 # store already) so that every key stays in one tier with its row.
-                if not exact:  # a forward's keys that found no place (its prefetch's fail again here)
+                # The keys that found no place, counted once per batch: by the
+                # prefetch that raised, else by the forward (TorchRec's
+                # pipeline may run a batch's prefetch and never its forward).
+                pin = self._prefetch_pins[-1] if exact else self._counted
+                if pin is None or not pin.failures_counted:
                     _, tables = self.groups[g]
                     per_table = torch.bincount(local_tids[failed], minlength=len(tables)).cpu().numpy()
                     self.tier_counters[tables, _T.FAILED] += per_table
+                    if exact:
+                        pin.failures_counted = True
                 placed = ~failed
                 if missing is not None:  # the others were there before
                     placed &= torch.zeros_like(placed).index_fill_(0, missing, True)
@@ -371,6 +382,49 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             for lt in torch.unique(local_tids[new]).tolist():
                 self._overflow(g, tables[lt], keys, local_tids, scores, where_true(new & (local_tids == lt)))
         return idx, res, out.evicted
+
+    def _write_back_failed(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, exact: bool,
+                           missing: Optional[torch.Tensor], out: InsertOutput, fetched, error: Exception) -> None:
+        """The store raised taking the rows the cache insert evicted: their
+        keys are lost (counted as the store's evictions, `evicted` in
+        table_stats; a store that took some before it raised leaves those
+        counted too). The keys the insert fetched keep their slots, with
+        their rows; those it could not place, and the new keys it placed
+        (their rows not yet initial), are taken out, so that every key left
+        holds its own row. Then raises, naming the tables and the counts."""
+        ht, tables = self.groups[g]
+        idx, res = out.indices, out.results
+        ev = out.evicted
+        if ev.keys.numel():
+            ev = EvictedKeys(*(x[~self._fresh[g].index_select(0, ev.indices)] for x in ev))  # provisional: dropped
+        lost = torch.bincount(ev.table_ids, minlength=len(tables)).cpu().numpy()
+        new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
+        if missing is not None:  # the others were there before
+            new &= torch.zeros_like(new).index_fill_(0, missing, True)
+        for t, (pos, rows, stored) in fetched.items():
+            ok = where_true(res.index_select(0, pos) != InsertResult.FAILED)
+            lost[tables.index(t)] += pos.numel() - ok.numel()  # taken out of the store, no slot: gone
+            pos, rows, stored = pos.index_select(0, ok), rows.index_select(0, ok), stored.index_select(0, ok)
+            new.index_fill_(0, pos, False)
+            slot = idx.index_select(0, pos)
+            w = self._weights[t]
+            rows, ts = self.times.split(t, rows)
+            scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
+            if exact:  # as _place scores them
+                ht.slot_scores.index_copy_(0, slot, stored)
+                if ts is not None:
+                    ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
+            elif rules.counts_accesses(ht.strategy):
+                ht.slot_scores.index_add_(0, slot, stored)
+        if bool(new.any()):
+            ht.erase(keys[new], local_tids[new])
+        self.tier_counters[tables, _T.LOST] += lost
+        self.version += 1
+        counts = ", ".join(f"{self.names[t]!r}: {int(n)}" for t, n in zip(tables, lost) if n)
+        raise RuntimeError(f"dynamicemb: the backing store failed to take the rows the cache of tables "
+                           f"{self._group_names[g]} evicted ({type(error).__name__}: {error}); keys lost (counted "
+                           f"as evicted in table_stats): {counts or 'none'}; the step's new keys were not "
+                           f"stored") from error
 
     def _overflow(self, g: int, t: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, pos: torch.Tensor,
                   rows: Optional[torch.Tensor] = None, stored: Optional[torch.Tensor] = None) -> None:
@@ -508,6 +562,10 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         self._step_slots = {}
         mine = next((i for i, p in enumerate(self._prefetch_pins) if p.keys is keys), None)
         self._reuse = None if mine is None else self._prefetch_pins[mine]
+        # A prefetch of this batch that raised counted its failed keys (the
+        # module deduplicates the batch again after it: known by content).
+        self._counted = next((p for p in self._prefetch_pins if p.failures_counted and p.keys is not None
+                              and p.keys.numel() == keys.numel() and torch.equal(p.keys, keys)), None)
         # A later forward before an earlier one's backward: the earlier
         # overflow goes back first (its keys are in one place: the store).
         self._return_blocks()

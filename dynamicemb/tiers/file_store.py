@@ -103,10 +103,11 @@ def read_manifest(root: str) -> Dict[str, dict]:
 
 
 class _RowsFile:
-    """One generation's rows file, mapped read-write; grows (sparse) by doubling."""
+    """One generation's rows file (of table `table`), mapped read-write;
+    grows by doubling, its space allocated on disk as it grows."""
 
-    def __init__(self, path: str, width: int, dtype: torch.dtype, min_rows: int, fresh: bool):
-        self.path, self.width, self.dtype = path, width, dtype
+    def __init__(self, path: str, width: int, dtype: torch.dtype, min_rows: int, fresh: bool, table: str = ""):
+        self.path, self.width, self.dtype, self.table = path, width, dtype, table
         self.row_bytes = width * dtype.itemsize
         self.lock = threading.RLock()  # the map's changes, and the prefaulter's work on it
         self.generation = 0
@@ -122,8 +123,17 @@ class _RowsFile:
     def _map_rows(self, capacity: int) -> None:
         nbytes = capacity * self.row_bytes
         with self.lock:
-            if os.fstat(self._file.fileno()).st_size < nbytes:
-                self._file.truncate(nbytes)
+            size = os.fstat(self._file.fileno()).st_size
+            if size < nbytes:
+                # Allocated, not a sparse extension: a store through the map
+                # to a page the file system cannot back kills the process
+                # (SIGBUS), where this raises while nothing is written yet.
+                try:
+                    os.posix_fallocate(self._file.fileno(), size, nbytes - size)
+                except OSError as e:
+                    raise OSError(e.errno, f"dynamicemb FileStore: table {self.table!r}: its rows file {self.path} "
+                                           f"cannot grow to {nbytes} bytes ({capacity} rows): {e.strerror}; free "
+                                           f"space on its file system or give the store another root") from None
             self._mmap = mmap.mmap(self._file.fileno(), nbytes)
             self.capacity = capacity
             # The old mapping goes with the last tensor over it (rows handed out are copies).
@@ -197,7 +207,7 @@ class _TableFile:
             # (not reused) until a compaction.
             self._forget_free(self.rows)
             self._remove_stale()
-            self.file = _RowsFile(self._rows_path(self.generation), width, dtype, self.rows, fresh=False)
+            self.file = _RowsFile(self._rows_path(self.generation), width, dtype, self.rows, fresh=False, table=name)
         except BaseException:
             self._lock.close()
             raise
@@ -334,7 +344,7 @@ class _TableFile:
         slots, old = self.index.live_slots()
         n, gen = old.numel(), self.generation + 1
         path = self._rows_path(gen)
-        new = _RowsFile(path, self.width, self.dtype, n, fresh=True)
+        new = _RowsFile(path, self.width, self.dtype, n, fresh=True, table=self.name)
         try:
             step = max(1, _COPY_BYTES // self.row_bytes)
             for i in range(0, n, step):

@@ -69,8 +69,8 @@ def _die() -> None:
 class _DyingRowsFile(file_store._RowsFile):
     """Dies at the second block a compaction copies into a new generation."""
 
-    def __init__(self, path, width, dtype, min_rows, fresh):
-        super().__init__(path, width, dtype, min_rows, fresh)
+    def __init__(self, path, width, dtype, min_rows, fresh, table=""):
+        super().__init__(path, width, dtype, min_rows, fresh, table)
         self.fresh = fresh
 
     def write(self, start, rows):

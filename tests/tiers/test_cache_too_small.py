@@ -50,6 +50,26 @@ def test_module_error_names_the_table_and_a_size_that_works():
     assert torch.equal(step(big, batch), step(ref, batch))  # and again, now that the keys are cached
 
 
+def test_error_counts_a_batch_s_failed_keys_once_whether_prefetch_or_forward_raises():
+    """Under ERROR, `failed` counts the keys of a batch that raised because
+    the cache could not hold them: when its prefetch raises (TorchRec's
+    prefetch pipeline may then never run its forward), and when its forward
+    does; a batch whose prefetch and forward both raise counts once."""
+    ids, offsets = torch.arange(200) * 7, torch.tensor([0, 200])
+    counts = {}
+    for case in ("forward", "prefetch", "both"):
+        m = module(store=HostStore(bucket_capacity=BUCKET), cache_rows=2 * BUCKET, tables=1, safe_check_mode=ERROR)
+        if case != "forward":
+            with pytest.raises(RuntimeError, match="cannot hold"):
+                m.prefetch(ids, offsets)
+        if case != "prefetch":
+            with pytest.raises(RuntimeError, match="cannot hold"):
+                m(ids, offsets)
+        counts[case] = m.table_stats()["t0"]["failed"]
+        assert m.table_stats()["t0"]["size"] == 0  # a raising step stores nothing
+    assert counts["forward"] > 0 and counts["prefetch"] == counts["forward"] == counts["both"], counts
+
+
 def _dmp_too_small(rank, world):
     pg = dist.group.WORLD
     # 200 distinct keys per table: ~100 per rank, far more than one bucket.

@@ -546,3 +546,26 @@ def test_any_sequence_reopens_at_its_last_flush(tmp_path_factory, ops, share):
         _assert_holds(_open(root), committed)
     finally:
         fs._GARBAGE_SHARE = old_share
+
+
+def test_a_rows_file_that_cannot_grow_raises_naming_the_table_and_its_rows_stay(tmp_path, monkeypatch):
+    """The rows file's space is allocated as it grows (a store through the
+    map to a page the file system cannot back would kill the process with
+    SIGBUS): a full file system raises an OSError naming the table before a
+    row is written, and the rows put before stay readable."""
+    monkeypatch.setattr(fs, "_MIN_MAP_BYTES", 64)
+    store, model = _open(tmp_path), Model()
+    model.put(store, "t1", torch.arange(0, 97), 1)
+    f = store._file("t1").file
+    st = os.stat(f.path)
+    assert st.st_blocks * 512 >= st.st_size  # allocated, not sparse
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs.os, "posix_fallocate", full)
+    keys = torch.arange(1000, 1000 + 4 * f.capacity)
+    with pytest.raises(OSError, match=r"table 't1': its rows file .*t1\.rows\.\d+ cannot grow.*No space left"):
+        store.put("t1", keys, _rows(keys, 2, 3, torch.bfloat16), torch.zeros(keys.numel(), dtype=torch.int64))
+    monkeypatch.undo()
+    _assert_holds(store, {"t1": model.tables["t1"]})
