@@ -85,10 +85,13 @@ def check_feature_order(module, features) -> None:
     if first is None:
         module.__dict__["_dynamicemb_first_keys"] = list(keys)
     elif list(keys[:len(first)]) != first:
-        raise ValueError(f"dynamicemb (input dist): the batch's features {list(keys)} do not start with those of "
-                         f"the first batch, {first}, in that order; TorchRec reads a KJT's features by position "
-                         f"from the first batch on, so each would feed another table: build every batch's "
-                         f"KeyedJaggedTensor with the same keys in the same order")
+        missing = [f for f in first if f not in keys]
+        what = (f"lacks the features {missing} of the first batch" if missing else
+                f"has the first batch's features in another order")
+        raise ValueError(f"dynamicemb (input dist): the batch {what}: its features are {list(keys)}, the first "
+                         f"batch's {first}; TorchRec reads a KJT's features by position from the first batch on, "
+                         f"so its ids would feed other tables or none: build every batch's KeyedJaggedTensor "
+                         f"with the same keys in the same order (an empty feature: lengths of 0)")
 
 
 def lookups_train(lookups: List, mode: bool) -> None:

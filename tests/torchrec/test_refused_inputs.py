@@ -89,6 +89,7 @@ def _reordered(rank, world):
         swapped = models.kjt({f: batch[f] for f in reversed(FEATURES)})
         before = table_stats(model)
         got[kind] = _message(model, swapped)
+        got[f"{kind}/missing"] = _message(model, models.kjt({FEATURES[1]: batch[FEATURES[1]]}))
         got[f"{kind}/unchanged"] = table_stats(model) == before
         extra = models.kjt(dict(batch, c_feature=[[1]] * 4))  # a feature appended: ignored, as TorchRec does
         models.loss_of(models.resolved(model(extra))).backward()
@@ -100,10 +101,14 @@ def test_a_batch_with_its_features_in_another_order_is_refused():
     a's ids went to b_table and b's to a_table, without a word."""
     got = run_ranks(_reordered, 1)[0]
     for kind in ("ebc", "ec"):
-        assert got[kind] == (f"dynamicemb (input dist): the batch's features {FEATURES[::-1]} do not start with "
-                             f"those of the first batch, {FEATURES}, in that order; TorchRec reads a KJT's features "
-                             f"by position from the first batch on, so each would feed another table: build every "
-                             f"batch's KeyedJaggedTensor with the same keys in the same order"), got[kind]
+        how = (f"TorchRec reads a KJT's features by position from the first batch on, so its ids would feed "
+               f"other tables or none: build every batch's KeyedJaggedTensor with the same keys in the same order "
+               f"(an empty feature: lengths of 0)")
+        assert got[kind] == (f"dynamicemb (input dist): the batch has the first batch's features in another "
+                             f"order: its features are {FEATURES[::-1]}, the first batch's {FEATURES}; {how}"), got[kind]
+        assert got[f"{kind}/missing"] == (f"dynamicemb (input dist): the batch lacks the features {FEATURES[:1]} "
+                                          f"of the first batch: its features are {FEATURES[1:]}, the first batch's "
+                                          f"{FEATURES}; {how}"), got[f"{kind}/missing"]
         assert got[f"{kind}/unchanged"]
 
 
