@@ -265,15 +265,20 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         return {tables[lt]: (at.to(dev), rows.to(self.device), scores.to(self.device))
                 for lt, (at, rows, scores) in sorted(got.items())}
 
+    def _not_provisional(self, g: int, evicted: EvictedKeys) -> EvictedKeys:
+        """The evicted keys less the provisional ones (_settle), which are dropped, not stored."""
+        if evicted.keys.numel():
+            provisional = self._fresh[g].index_select(0, evicted.indices)
+            if bool(provisional.any()):
+                evicted = EvictedKeys(*(x[~provisional] for x in evicted))
+        return evicted
+
     def _write_back(self, g: int, evicted: EvictedKeys) -> None:
         """Evicted cache rows (their slots not yet rewritten) go to the store,
         in one store call for the group; a provisional key (of a prefetch
         whose forward did not come: no longer pinned) is dropped instead."""
         _, tables = self.groups[g]
-        if evicted.keys.numel():
-            provisional = self._fresh[g].index_select(0, evicted.indices)
-            if bool(provisional.any()):
-                evicted = EvictedKeys(*(x[~provisional] for x in evicted))
+        evicted = self._not_provisional(g, evicted)
         parts = {}
         for lt, keys, slots, scores in grouped(evicted.table_ids, len(tables), evicted.keys, evicted.indices,
                                                evicted.scores):
@@ -324,7 +329,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         try:
             self._write_back(g, out.evicted)
         except Exception as e:
-            self._write_back_failed(g, keys, local_tids, scores, exact, missing, out, fetched, e)
+            self._write_back_failed(g, keys, local_tids, exact, missing, out, fetched, e)
         idx, res = out.indices, out.results
         failed = None
         if ht.get_counters()["failed"] != failures:
@@ -364,16 +369,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                         res.index_fill_(0, pos.index_select(0, o), InsertResult.ASSIGNED)  # fetched, slot -1
                     keep = where_true(~off)
                     pos, rows, stored = pos.index_select(0, keep), rows.index_select(0, keep), stored.index_select(0, keep)
-            slot = idx.index_select(0, pos)
-            w = self._weights[t]
-            rows, ts = self.times.split(t, rows)
-            scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
-            if exact:
-                ht.slot_scores.index_copy_(0, slot, stored)
-                if ts is not None:  # not accessed yet: its stored access time (its forward refreshes it)
-                    ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
-            elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
-                ht.slot_scores.index_add_(0, slot, stored)
+            self._fill_fetched(g, t, idx.index_select(0, pos), rows, stored, exact)
             res.index_fill_(0, pos, InsertResult.ASSIGNED)  # not new: no initial value
         self.times.keep(g, ht, idx)
         if failed is not None and not exact:
@@ -383,7 +379,23 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
                 self._overflow(g, tables[lt], keys, local_tids, scores, where_true(new & (local_tids == lt)))
         return idx, res, out.evicted
 
-    def _write_back_failed(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, scores, exact: bool,
+    def _fill_fetched(self, g: int, t: int, slot: torch.Tensor, rows: torch.Tensor, stored: torch.Tensor,
+                      exact: bool) -> None:
+        """Table t's rows taken from the store go into their cache slots,
+        with their stored scores (`exact`: a prefetch's) or, for LFU, their
+        stored counts added to this access's."""
+        ht, _ = self.groups[g]
+        w = self._weights[t]
+        rows, ts = self.times.split(t, rows)
+        scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
+        if exact:
+            ht.slot_scores.index_copy_(0, slot, stored)
+            if ts is not None:  # not accessed yet: its stored access time (its forward refreshes it)
+                ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
+        elif rules.counts_accesses(ht.strategy):  # counts accumulate across tiers
+            ht.slot_scores.index_add_(0, slot, stored)
+
+    def _write_back_failed(self, g: int, keys: torch.Tensor, local_tids: torch.Tensor, exact: bool,
                            missing: Optional[torch.Tensor], out: InsertOutput, fetched, error: Exception) -> None:
         """The store raised taking the rows the cache insert evicted: their
         keys are lost (counted as the store's evictions, `evicted` in
@@ -394,28 +406,17 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         holds its own row. Then raises, naming the tables and the counts."""
         ht, tables = self.groups[g]
         idx, res = out.indices, out.results
-        ev = out.evicted
-        if ev.keys.numel():
-            ev = EvictedKeys(*(x[~self._fresh[g].index_select(0, ev.indices)] for x in ev))  # provisional: dropped
-        lost = torch.bincount(ev.table_ids, minlength=len(tables)).cpu().numpy()
+        lost = torch.bincount(self._not_provisional(g, out.evicted).table_ids, minlength=len(tables)).cpu().numpy()
         new = (res == InsertResult.INSERTED) | (res == InsertResult.EVICTED)
         if missing is not None:  # the others were there before
             new &= torch.zeros_like(new).index_fill_(0, missing, True)
         for t, (pos, rows, stored) in fetched.items():
             ok = where_true(res.index_select(0, pos) != InsertResult.FAILED)
             lost[tables.index(t)] += pos.numel() - ok.numel()  # taken out of the store, no slot: gone
-            pos, rows, stored = pos.index_select(0, ok), rows.index_select(0, ok), stored.index_select(0, ok)
+            pos = pos.index_select(0, ok)
             new.index_fill_(0, pos, False)
-            slot = idx.index_select(0, pos)
-            w = self._weights[t]
-            rows, ts = self.times.split(t, rows)
-            scatter_rows(w, (slot - self._cache_begin[t]).to(w.device), rows.to(w.dtype))
-            if exact:  # as _place scores them
-                ht.slot_scores.index_copy_(0, slot, stored)
-                if ts is not None:
-                    ht.slot_timestamps.index_copy_(0, slot, ts.to(slot.device))
-            elif rules.counts_accesses(ht.strategy):
-                ht.slot_scores.index_add_(0, slot, stored)
+            self._fill_fetched(g, t, idx.index_select(0, pos), rows.index_select(0, ok), stored.index_select(0, ok),
+                               exact)
         if bool(new.any()):
             ht.erase(keys[new], local_tids[new])
         self.tier_counters[tables, _T.LOST] += lost
