@@ -162,6 +162,12 @@ def rank_main(name, rank, world, port, args, queue):
         pass
 
 
+def by_rank(per_rank):
+    """{rank: {phase: that rank's median ms}}: a rank that is slower in every step shows here."""
+    return {r: {p: 1e3 * statistics.median(s.get(p, 0.0) for s in per_rank[r]["phases"]) for p in PHASES}
+            for r in sorted(per_rank)}
+
+
 def summarize(per_rank):
     """{phase: median over steps of the slowest rank's ms}."""
     steps = list(zip(*[per_rank[r]["phases"] for r in sorted(per_rank)]))
@@ -212,7 +218,10 @@ def main(argv=None):
             res[name] = {"error": errors, "traceback": per_rank[min(errors)].get("traceback")}
             print(f"{name}: failed: {errors}\n{res[name]['traceback']}")
             continue
-        res[name] = {"phases_ms": summarize(per_rank), "top_ops": per_rank[0].get("top_ops", []),
+        res[name] = {"phases_ms": summarize(per_rank), "phases_ms_by_rank": by_rank(per_rank),
+                     "steps_ms_by_rank": {r: [{k: 1e3 * v for k, v in t.items()} for t in per_rank[r]["phases"]]
+                                          for r in sorted(per_rank)},
+                     "top_ops": per_rank[0].get("top_ops", []),
                      "prefill_s": max(v["prefill_s"] for v in per_rank.values())}
     ok = [m for m in models if "phases_ms" in res.get(m, {})]
     rows = [[p] + [f"{res[m]['phases_ms'][p]:.1f}" for m in ok] for p in PHASES]
@@ -222,6 +231,11 @@ def main(argv=None):
             r.append(f"{res['dynamic']['phases_ms'][p] / n:.2f}" if n > 0.05 else "-")
     print(format_table(["phase (ms, slowest rank, median)"] + ok + (["dynamic / native"] if len(ok) == 2 else []),
                        rows))
+    for m in ok:
+        ranks = res[m]["phases_ms_by_rank"]
+        print(f"\n{m}: each rank's median ms: " + "; ".join(
+            f"rank {r}: " + ", ".join(f"{p} {v[p]:.1f}" for p in ("lookup", "output dist", "backward", "step"))
+            for r, v in ranks.items()))
     for m in ok:
         print(f"\n{m}: top ops by self CPU time on rank 0 (ms per step)")
         print(format_table(["op", "calls", "self ms", "total ms"],
