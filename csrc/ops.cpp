@@ -36,7 +36,7 @@ TORCH_LIBRARY(dynamicemb, m) {
   m.def(
       "table_insert(Tensor(a!)[] table, Tensor keys, Tensor? table_ids, Tensor? key_scores, int strategy, "
       "int bucket_capacity, int call_score, int epoch, Tensor? evictable=None, bool list_evicted=True, "
-      "Tensor? key_count=None) "
+      "Tensor? key_count=None, bool hold_stored=False) "
       "-> (Tensor indices, Tensor results, Tensor evicted_keys, Tensor evicted_table_ids, "
       "Tensor evicted_indices, Tensor evicted_scores)");
   // What a training step reads from an insert's results: which keys got a

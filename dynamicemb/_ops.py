@@ -62,7 +62,7 @@ def _refresh_fake(table, indices, key_scores, strategy, call_score):
 
 @torch.library.register_fake(_lib + "table_insert")
 def _insert_fake(table, keys, table_ids, key_scores, strategy, bucket_capacity, call_score, epoch, evictable=None,
-                 list_evicted=True, key_count=None):
+                 list_evicted=True, key_count=None, hold_stored=False):
     m = _dynamic_len() if list_evicted else 0
     ev = [keys.new_empty(m) for _ in range(4)]
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.int8), *ev)

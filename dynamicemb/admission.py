@@ -153,7 +153,7 @@ class KVCounter(Counter):
         return self.table.capacity() if self.table is not None else self.capacity
 
     def add(self, keys, counts):
-        out = self.table.insert(keys, scores=counts)
+        out = self.table.insert(keys, scores=counts, hold_stored=True)  # a batch's counts never evict each other
         return torch.where(out.indices >= 0, self.table.slot_scores[out.indices.clamp(min=0)], counts)
 
     def erase(self, keys):

@@ -498,7 +498,7 @@ class HashTableStorage(EmbeddingStorage):
         # a call in which a table may evict counts as having evicted.
         # A group whose tables are all at their maximum never grows: nothing reads its sizes before an insert.
         out = ht.insert(keys, local_tids, scores=scores, evict=True if all(full) else full, list_evicted=False,
-                        track_sizes=not all(full), key_count=key_count)
+                        track_sizes=not all(full), key_count=key_count, hold_stored=True)
         idx, res = out.indices, out.results
         may_have_evicted = any(full)
         while True:
@@ -531,7 +531,7 @@ class HashTableStorage(EmbeddingStorage):
             sel = failed & torch.isin(local_tids, torch.tensor(retry, device=local_tids.device))
             sub_scores = scores[sel] if isinstance(scores, torch.Tensor) else scores
             again = ht.insert(keys[sel], local_tids[sel], scores=sub_scores, evict=True if all(full) else full,
-                              same_call=True, list_evicted=False)
+                              same_call=True, list_evicted=False, hold_stored=True)
             may_have_evicted |= any(full)
             res = res.clone()
             idx[sel], res[sel] = again.indices, again.results

@@ -292,7 +292,7 @@ class ScoredHashTable:
 
     def insert(self, keys: torch.Tensor, table_ids=None, scores: Scores = None, evict=True,
                same_call: bool = False, list_evicted: bool = True, track_sizes: bool = True,
-               key_count: Optional[torch.Tensor] = None) -> InsertOutput:
+               key_count: Optional[torch.Tensor] = None, hold_stored: bool = False) -> InsertOutput:
         """Finds or stores every key (see API.md §6 for the exact rules).
 
         ``evict``: False (or a per-table sequence of bools) makes a key whose
@@ -306,7 +306,13 @@ class ScoredHashTable:
         ask: one device-to-host copy less per call on CUDA. ``key_count``
         (int64 [1] on the table's device) makes the keys from that position
         on padding: index -1, result ASSIGNED, nothing found, stored, held or
-        counted (emb_unique_padded's padding; the count never leaves the device)."""
+        counted (emb_unique_padded's padding; the count never leaves the device).
+        ``hold_stored=True`` finds and holds the keys stored when the call
+        begins before it places the others (each group in input order), so
+        that no new key of the call evicts a key the call also names: what a
+        training step wants, where a batch's trained rows must survive its
+        new ids (with the default, a new key earlier in the input may evict a
+        later one, which then comes back as new with an initial row)."""
         keys = self._keys(keys)
         tids = self._table_ids(table_ids, keys.numel())
         call, per_key = self._scores(scores, keys.numel())
@@ -319,7 +325,7 @@ class ScoredHashTable:
         epoch = self._epoch if same_call and self._epoch > 0 else self._next_epoch()
         idx, res, ek, et, ei, es = ops.table_insert(table_arg(self), keys, tids, per_key, self.strategy,
                                                     self.bucket_capacity, call, epoch, evictable, list_evicted,
-                                                    key_count)
+                                                    key_count, hold_stored)
         self._sizes_seen = HostCopy(self.sizes) if track_sizes else None
         return InsertOutput(idx, res, EvictedKeys(ek, et, ei, es))
 

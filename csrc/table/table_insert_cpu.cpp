@@ -91,7 +91,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
     int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted,
-    const std::optional<Tensor>& key_count) {
+    const std::optional<Tensor>& key_count, bool hold_stored) {
   check_strategy(strategy);
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
   const bool* may_evict_table = check_evictable(evictable, ref, cpu_device());
@@ -192,12 +192,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
         }
       }
       RunVictims& vic = victims[run & 1];
+      // hold_stored: the run's keys stored when the call began are found and
+      // held first; the others are then placed in input order (`pending`).
+      if (hold_stored) {
+        for (int64_t q = 0; q < len; ++q) {
+          Rec& r = rs[q];
+          const Probe p{base, r.digest};
+          const int64_t slot = full ? find_in_full(R, p, r.key, avx2) : R.find(p, r.key);
+          if (slot < 0) {
+            r.res = kPendingResult;
+            continue;
+          }
+          R.commit(slot, kAssigned, r.key, r.digest, scoring, r.score, ecall);
+          r.res = kAssigned;
+          r.bucket = slot;
+        }
+      }
+      // Digests of the keys this loop stored: under hold_stored a pending key
+      // whose digest is not among them is not stored (only a repeated new key
+      // can be), so its second find is skipped.
+      uint64_t placed[4] = {0, 0, 0, 0};
       for (int64_t q = 0; q < len; ++q) {
         Rec& r = rs[q];
+        if (hold_stored && r.res != kPendingResult) continue;
         const Probe p{base, r.digest};
         const int64_t key = r.key, key_score = r.score;
         int64_t free_slot = -1;
-        int64_t slot = full ? find_in_full(R, p, key, avx2) : R.find_or_free(p, key, &free_slot);
+        const bool again = !hold_stored || ((placed[r.digest >> 6] >> (r.digest & 63)) & 1);
+        int64_t slot = -1;
+        if (full) {
+          if (again) slot = find_in_full(R, p, key, avx2);
+        } else if (again) {
+          slot = R.find_or_free(p, key, &free_slot);
+        } else {
+          const int f = first_free_slot(R.digests + base, cap);  // find_or_free's free slot
+          free_slot = f >= 0 ? base + f : -1;
+        }
         int8_t result = kAssigned;
         if (slot < 0) {
           slot = free_slot;
@@ -218,6 +248,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
           }
         }
         R.commit(slot, result, key, r.digest, scoring, key_score, ecall);
+        if (result != kAssigned) placed[r.digest >> 6] |= uint64_t{1} << (r.digest & 63);
         r.res = result;
         r.bucket = slot;
       }

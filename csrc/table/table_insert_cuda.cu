@@ -31,10 +31,27 @@ struct InsertArgs {
   int8_t* res;
   int64_t* ev_key;  // the displaced key and score, by key position
   int64_t* ev_score;
+  bool hold_stored;  // a run's keys stored when the call began are held first (kPendingResult: the others)
 };
 
 __global__ void insert_kernel(InsertArgs a, Segments segs) {
   const TableRef ref = a.ref;
+  if (a.hold_stored) {
+    // The run's stored keys found and held (committed as accessed) first.
+    for_each_key_of_run(segs, [&](const auto& tile, int64_t i, int32_t b) {
+      if (b < 0) return;  // failed below
+      const Probe p = ref.at_bucket(b, a.digest[i]);
+      const int64_t slot = ref.find(tile, p, a.keys[i]);
+      if (tile.thread_rank() != 0) return;
+      if (slot < 0) {
+        a.res[i] = kPendingResult;
+        return;
+      }
+      ref.commit(slot, kAssigned, a.keys[i], p.digest, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
+      a.out[i] = slot;
+      a.res[i] = kAssigned;
+    });
+  }
   for_each_key_of_run(segs, [&](const auto& tile, int64_t i, int32_t b) {
     const bool lead = tile.thread_rank() == 0;
     if (b < 0) {  // no bucket (a flagged layout error)
@@ -44,6 +61,8 @@ __global__ void insert_kernel(InsertArgs a, Segments segs) {
       }
       return;
     }
+    // (The same lane wrote it in the first pass: lead reads it for the tile.)
+    if (a.hold_stored && tile.shfl(static_cast<int>(lead ? a.res[i] : 0), 0) != kPendingResult) return;
     const Probe p = ref.at_bucket(b, a.digest[i]);
     int64_t free_slot;
     int64_t slot = ref.find_or_free(tile, p, a.keys[i], &free_slot);
@@ -93,47 +112,58 @@ __device__ __forceinline__ void insert_run(const Tile& tile, const InsertArgs& a
   const int64_t base = ref.at_bucket(b, 0).base;
   BucketRegs bucket(tile, ref, base);
   const bool evicts = may_evict(a.scoring.strategy);
-  for (int64_t q0 = j;; q0 += kGroupSize) {
-    // Lane l loads key q0 + l of the run: the run's keys are a prefix of lanes.
-    const int64_t q = q0 + lane;
-    const bool mine = q < segs.n && segs.bucket[q] == b;
-    const int64_t my_i = mine ? segs.order[q] : 0;
-    const int64_t my_key = mine ? a.keys[my_i] : 0;
-    const uint8_t my_d = mine ? a.digest[my_i] : 0;
-    const int count = __popc(tile.ballot(mine));
-    for (int c = 0; c < count; ++c) {
-      const int64_t i = tile.shfl(my_i, c), key = tile.shfl(my_key, c);
-      const uint8_t d = static_cast<uint8_t>(tile.shfl(static_cast<uint32_t>(my_d), c));
-      int s = bucket.find(tile, ref, key, d);
-      int8_t r = kAssigned;
-      if (s < 0) {
-        s = bucket.first_free(tile);
-        r = kInserted;
-        // Uniform over the tile: the collective victim search is entered by all lanes or none.
-        if (s < 0 && evicts && (!a.evictable || a.evictable[a.tids ? a.tids[i] : 0])) {
-          s = bucket.victim(tile, ref, a.epoch);
-          r = kEvicted;
+  // hold_stored: pass 0 finds and holds the run's stored keys (the others
+  // are marked pending), pass 1 places the pending ones; else pass 1 alone.
+  for (int pass = a.hold_stored ? 0 : 1; pass < 2; ++pass) {
+    for (int64_t q0 = j;; q0 += kGroupSize) {
+      // Lane l loads key q0 + l of the run: the run's keys are a prefix of lanes.
+      const int64_t q = q0 + lane;
+      const bool mine = q < segs.n && segs.bucket[q] == b;
+      const int64_t my_i = mine ? segs.order[q] : 0;
+      const int64_t my_key = mine ? a.keys[my_i] : 0;
+      const uint8_t my_d = mine ? a.digest[my_i] : 0;
+      const bool my_pending = pass == 1 && a.hold_stored && mine && a.res[my_i] == kPendingResult;
+      const int count = __popc(tile.ballot(mine));
+      for (int c = 0; c < count; ++c) {
+        if (pass == 1 && a.hold_stored && !tile.shfl(my_pending, c)) continue;  // held in pass 0
+        const int64_t i = tile.shfl(my_i, c), key = tile.shfl(my_key, c);
+        const uint8_t d = static_cast<uint8_t>(tile.shfl(static_cast<uint32_t>(my_d), c));
+        int s = bucket.find(tile, ref, key, d);
+        int8_t r = kAssigned;
+        if (s < 0) {
+          if (pass == 0) {
+            if (lane == 0) a.res[i] = kPendingResult;
+            continue;
+          }
+          s = bucket.first_free(tile);
+          r = kInserted;
+          // Uniform over the tile: the collective victim search is entered by all lanes or none.
+          if (s < 0 && evicts && (!a.evictable || a.evictable[a.tids ? a.tids[i] : 0])) {
+            s = bucket.victim(tile, ref, a.epoch);
+            r = kEvicted;
+          }
         }
-      }
-      if (s < 0) {
-        if (lane == 0) {
-          a.out[i] = -1;
-          a.res[i] = kFailed;
+        if (s < 0) {
+          if (lane == 0) {
+            a.out[i] = -1;
+            a.res[i] = kFailed;
+          }
+          continue;
         }
-        continue;
+        if (lane != BucketRegs::owner(s)) continue;
+        const int64_t slot = base + s;
+        if (r == kEvicted) {
+          a.ev_key[i] = ref.keys[slot];
+          a.ev_score[i] = ref.scores[slot];
+        }
+        const int64_t score = ref.commit(slot, r, key, d, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
+        bucket.committed(s, d, a.epoch, score);
+        a.out[i] = slot;
+        a.res[i] = r;
       }
-      if (lane != BucketRegs::owner(s)) continue;
-      const int64_t slot = base + s;
-      if (r == kEvicted) {
-        a.ev_key[i] = ref.keys[slot];
-        a.ev_score[i] = ref.scores[slot];
-      }
-      const int64_t score = ref.commit(slot, r, key, d, a.scoring, a.scoring.key_score(a.key_scores, i), a.epoch);
-      bucket.committed(s, d, a.epoch, score);
-      a.out[i] = slot;
-      a.res[i] = r;
+      if (count < kGroupSize) break;
     }
-    if (count < kGroupSize) break;
+    tile.sync();  // pass 0's marks, written by any lane, read by each key's lane in pass 1
   }
 }
 
@@ -175,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
     at::ArrayRef<Tensor> table, const Tensor& keys, const std::optional<Tensor>& table_ids,
     const std::optional<Tensor>& key_scores, int64_t strategy, int64_t bucket_capacity, int64_t call_score,
     int64_t epoch, const std::optional<Tensor>& evictable, bool list_evicted,
-    const std::optional<Tensor>& key_count) {
+    const std::optional<Tensor>& key_count, bool hold_stored) {
   check_strategy(strategy);
   const c10::cuda::CUDAGuard guard(table_device(table));
   const TableRef ref = make_ref(table, bucket_capacity, with_timestamps(kInsertMembers, strategy));
@@ -208,7 +238,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
                      indices.data_ptr<int64_t>(),
                      results.data_ptr<int8_t>(),
                      ev_key.data_ptr<int64_t>(),
-                     ev_score.data_ptr<int64_t>()};
+                     ev_score.data_ptr<int64_t>(),
+                     hold_stored};
   const Segments segs = sorted.segments();
   if (BucketRegs::fits(ref)) {
     const unsigned int grid = runs_grid<insert_regs_kernel>(segs);

@@ -58,6 +58,9 @@ enum InsertResult : int8_t {
 // Whether an insert gave the key a new row: its slot's row holds nothing of
 // the key yet, and is to be initialised (table_insert_outcome).
 DE_HD bool got_row(int8_t result) { return result == kInserted || result == kEvicted; }
+// A key of a hold_stored insert not stored when the call began: its
+// placement waits until the call's stored keys are held (never an output).
+constexpr int8_t kPendingResult = 4;
 // A padding key of table_insert (at or past key_count): index -1 and this
 // result, which no tally counts and no caller takes for a stored key.
 constexpr int8_t kPaddingResult = kAssigned;

@@ -455,7 +455,7 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         insert that evicts (every table of the group is at its maximum) and
         holds the pinned slots and `held`: it evicts none of them."""
         self._hold(g, held)
-        out = self.groups[g][0].insert(keys, local_tids, scores=scores, evict=True, same_call=True)
+        out = self.groups[g][0].insert(keys, local_tids, scores=scores, evict=True, same_call=True, hold_stored=True)
         if out.evicted.keys.numel():
             self.version += 1  # the evicted keys' rows now hold other keys
         return out

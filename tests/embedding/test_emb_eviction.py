@@ -76,3 +76,25 @@ def test_lfu_evicts_least_frequent(device):
     _, rows = stored(m, 0, [201])
     torch.testing.assert_close(rows[0, D:], torch.ones(1), atol=1e-6, rtol=0)  # one update from zero
     assert m.table_stats()["t0"]["evicted"] == 2
+
+
+@pytest.mark.parametrize("strategy", [DynamicEmbScoreStrategy.STEP, DynamicEmbScoreStrategy.TIMESTAMP,
+                                      DynamicEmbScoreStrategy.LFU], ids=lambda s: s.name)
+def test_new_ids_never_evict_ids_of_the_same_batch(strategy, device):
+    """A step's new id comes first in its batch and its bucket is full: it
+    evicts the one stored key the batch does not name, not a stored key that
+    follows it in the batch (which would come back as new, its trained row
+    and state lost, and evict the next one in a cascade). Reference: the rows
+    stored before the step."""
+    m = _module(EmbOptimType.ADAM, strategy, device)
+    m(*bags([list(range(16))], device)).sum().backward()  # the bucket full, every row trained
+    batch = [100] + list(range(15))  # key 15 is the only stored key not named
+    _, trained = stored(m, 0, batch[1:])
+    out = m(*bags([[k] for k in batch], device))
+    assert stored_keys(m, 0) == set(range(15)) | {100}
+    assert m.table_stats()["t0"]["evicted"] == 1
+    assert m.table_stats()["t0"]["inserted"] == 17  # 16, then 100
+    torch.testing.assert_close(out.detach().cpu()[1:], trained[:, :D], atol=0, rtol=0)  # served their own rows
+    torch.testing.assert_close(out.detach().cpu()[0], debug_rows([100], D)[0], atol=0, rtol=0)
+    _, kept = stored(m, 0, batch[1:])
+    torch.testing.assert_close(kept, trained, atol=0, rtol=0)  # state too, until the backward

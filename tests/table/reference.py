@@ -137,49 +137,59 @@ class RefTable:
             idx.append(s)
         return idx, [i >= 0 for i in idx]
 
-    def insert(self, keys, tids=None, scores=None, now=0, step=0, evict=True, same_call=False):
+    def insert(self, keys, tids=None, scores=None, now=0, step=0, evict=True, same_call=False, hold_stored=False):
         """Returns (indices, results, evicted [(key, table id, index, score)]).
         `evict`: a bool or per-table bools; a table that may not evict fails
         the key instead. `same_call` continues the previous insert: the slots
-        it held stay held."""
+        it held stay held. `hold_stored`: the keys stored when the call
+        begins go first, then the others, each group in input order."""
         tids = self._tids(tids, len(keys))
         kss = self._key_scores(scores, len(keys), now, step)
         evictable = [evict] * self.num_tables if isinstance(evict, bool) else list(evict)
         if not same_call:
             self.held = set()
         held = self.held  # slots placed or found by this call: never evicted by it
-        idx, res, evicted = [], [], []
-        for k, t, ks in zip(keys, tids, kss):
-            base = self.bucket_of(k, t) * self.cap
-            s = self._find(base, k)
-            if s >= 0:
-                self.scores[s] = self._on_access(self.scores[s], ks)
-                r = ASSIGNED
-            else:
-                s, r = self._first_free(base), INSERTED
-                if s < 0 and self.strategy != NO_EVICTION and evictable[t]:
-                    free = [j for j in range(base, base + self.cap) if j not in held]
-                    if free:
-                        s = min(free, key=lambda j: (self.scores[j], j))
-                        evicted.append((self.keys[s], t, s, self.scores[s]))
-                        r = EVICTED
-                if s < 0:
-                    idx.append(-1)
-                    res.append(FAILED)
-                    self.counters[t][2] += 1
-                    continue
-                self.keys[s], self.digests[s] = k, digest_of(key_hash(k))
-                self.scores[s] = self._on_insert(ks)
-                self.counters[t][0] += 1
-                if r == INSERTED:
-                    self.sizes[t] += 1
-                else:
-                    self.counters[t][1] += 1
-            self.ts[s] = now
-            held.add(s)
-            idx.append(s)
-            res.append(r)
+        order = list(range(len(keys)))
+        if hold_stored:
+            stored = [self._find(self.bucket_of(k, t) * self.cap, k) >= 0 for k, t in zip(keys, tids)]
+            order = [i for i in order if stored[i]] + [i for i in order if not stored[i]]
+        idx, res, evicted = [None] * len(keys), [None] * len(keys), []
+        for i in order:
+            out = self._insert_one(keys[i], tids[i], kss[i], now, evictable, held, evicted)
+            idx[i], res[i] = out
+        if hold_stored:  # listed in the evicting keys' input order, as the op lists them
+            pos = {idx[i]: i for i in range(len(keys)) if res[i] == EVICTED}
+            evicted.sort(key=lambda e: pos[e[2]])
         return idx, res, evicted
+
+    def _insert_one(self, k, t, ks, now, evictable, held, evicted):
+        """One key of insert: (its index, its result)."""
+        base = self.bucket_of(k, t) * self.cap
+        s = self._find(base, k)
+        if s >= 0:
+            self.scores[s] = self._on_access(self.scores[s], ks)
+            r = ASSIGNED
+        else:
+            s, r = self._first_free(base), INSERTED
+            if s < 0 and self.strategy != NO_EVICTION and evictable[t]:
+                free = [j for j in range(base, base + self.cap) if j not in held]
+                if free:
+                    s = min(free, key=lambda j: (self.scores[j], j))
+                    evicted.append((self.keys[s], t, s, self.scores[s]))
+                    r = EVICTED
+            if s < 0:
+                self.counters[t][2] += 1
+                return -1, FAILED
+            self.keys[s], self.digests[s] = k, digest_of(key_hash(k))
+            self.scores[s] = self._on_insert(ks)
+            self.counters[t][0] += 1
+            if r == INSERTED:
+                self.sizes[t] += 1
+            else:
+                self.counters[t][1] += 1
+        self.ts[s] = now
+        held.add(s)
+        return s, r
 
     def erase(self, keys, tids=None) -> List[bool]:
         tids = self._tids(tids, len(keys))

@@ -57,13 +57,14 @@ class Pair:
     # ---- operations, each compared with the model --------------------------------
 
     def insert(self, keys: List[int], tids=None, scores=None, now: int = 0, step: int = 0, evict=True,
-               same_call: bool = False, list_evicted: bool = True):
+               same_call: bool = False, list_evicted: bool = True, hold_stored: bool = False):
         self.clock.now, self.table.step = now, step
         before = self.live()
         sizes0, ctr0 = self.table.sizes.tolist(), self.table.counters.tolist()
         out = self._call(self.table.insert, self._t(keys), self._t(tids), self._t(scores), evict=evict,
-                         same_call=same_call, list_evicted=list_evicted)
-        idx, res, ev = self.model.insert(keys, tids, scores, now=now, step=step, evict=evict, same_call=same_call)
+                         same_call=same_call, list_evicted=list_evicted, hold_stored=hold_stored)
+        idx, res, ev = self.model.insert(keys, tids, scores, now=now, step=step, evict=evict, same_call=same_call,
+                                         hold_stored=hold_stored)
         got_ev = list(zip(*(x.tolist() for x in out.evicted))) if out.evicted.keys.numel() else []
         assert out.indices.tolist() == idx
         assert out.results.tolist() == res

@@ -61,7 +61,8 @@ def test_inserts_that_do_not_list_their_evictions_match_model(strategy, device, 
         evict = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=len(counts),
                                                               max_size=len(counts))), label="evict")
         res = p.insert(keys, tids, _scores(data, strategy, n), now=step, step=step, evict=evict,
-                       list_evicted=data.draw(st.booleans(), label="list_evicted")).results.tolist()
+                       list_evicted=data.draw(st.booleans(), label="list_evicted"),
+                       hold_stored=data.draw(st.booleans(), label="hold_stored")).results.tolist()
         for r in set(res):
             event(f"insert result {r}")
         p.check_state()
@@ -104,8 +105,9 @@ def test_random_operations_match_model(strategy, device, data):
             evict = data.draw(st.one_of(st.just(True), st.lists(st.booleans(), min_size=len(counts),
                                                                   max_size=len(counts))), label="evict")
             same_call = data.draw(st.booleans(), label="same_call")
+            hold = data.draw(st.booleans(), label="hold_stored")
             res = p.insert(keys, tids, _scores(data, strategy, n), now=now, step=step, evict=evict,
-                           same_call=same_call).results.tolist()
+                           same_call=same_call, hold_stored=hold).results.tolist()
             for r in set(res):  # --hypothesis-show-statistics: evictions and failures do happen
                 event(f"insert result {r}")
         elif op == "lookup":
@@ -169,7 +171,8 @@ def test_very_large_batch_matches_model(threads, device):
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @pytest.mark.parametrize("cap,buckets", [(16, [300, 40]), (128, [2, 40])])
-def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads, device):
+@pytest.mark.parametrize("hold", [False, True])
+def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, hold, threads, device):
     """Full buckets that get many keys of one call (insert takes several
     victims from one scan of a bucket): assigns, tombstones reused, evictions
     with tied scores and failures once a bucket is all held, mixed in batches
@@ -204,7 +207,7 @@ def test_many_keys_per_full_bucket_match_model(strategy, cap, buckets, threads, 
         batch += rng.sample(batch, 300)
         rng.shuffle(batch)
         out = p.insert([k for _, k in batch], [t for t, _ in batch], scores(len(batch), step), now=step,
-                       step=step, same_call=step == 3)
+                       step=step, same_call=step == 3, hold_stored=hold)
         res = out.results.tolist()
         seen |= set(res)
         if strategy != NO_EVICTION:  # several victims taken from one bucket in one call
