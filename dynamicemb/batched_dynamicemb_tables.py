@@ -90,6 +90,7 @@ class _LookupFunction(torch.autograd.Function):
     def forward(ctx, anchor, module, rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights):
         ctx.module = module
         ctx.version = module.storage.version
+        ctx.step = module.step
         ctx.save_for_backward(rows, unique_keys, unique_table_ids, inverse, offsets, per_sample_weights)
         return module._gather(rows, unique_keys, inverse, offsets, per_sample_weights, training=True)
 
@@ -105,6 +106,7 @@ class _LookupFunction(torch.autograd.Function):
         if ctx.needs_input_grad[7]:  # from the rows before this update, as the TBE
             grad_psw = ctx.module._per_sample_weights_grad(grad_output, rows, unique_keys, inverse, offsets)
         ctx.module._apply_gradients(grad_output, rows, unique_table_ids, inverse, offsets, psw)
+        ctx.module._closed(ctx.step)
         return (None,) * 7 + (grad_psw,)
 
 
@@ -206,7 +208,7 @@ class BatchedDynamicEmbeddingTables(nn.Module):
             warnings.warn(
                 f"dynamicemb: tables {self.table_names}: {rules.optimizer(self.optimizer).name}'s state is kept in "
                 f"the tables' {self.embedding_dtype} (a row holds [value | state]), where FBGEMM's TBE keeps it in "
-                f"float32: in float16 an Adagrad accumulator saturates at 65504 (its row then stops training) and "
+                f"float32: in float16 an Adagrad accumulator overflows to inf past 65504 (its row then stops training) and "
                 f"Adam's second moment underflows below 6e-8 (its steps grow); in bfloat16 it keeps 8 bits of "
                 f"mantissa. Use float32 tables (or EXACT_SGD) where that matters", RuntimeWarning, stacklevel=2)
         self.storage = storage or make_storage(self.table_names, self.table_options, widths, self.embedding_dtype,
@@ -216,6 +218,10 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         self.step = int(saved.get("step", 0))  # training forwards so far (the STEP score)
         self.optimizer_step = int(saved.get("optimizer_step", 0))  # optimizer updates so far (Adam's bias correction)
         self.failed = torch.zeros(self.num_tables, dtype=torch.int64)
+        # The steps of training forwards whose backward has not run (their keys are scored, their rows not yet
+        # updated: incremental_dump's next threshold stays at or before them). A forward whose graph is dropped
+        # without a backward leaves its step here: only the newest kOpenSteps are kept.
+        self._open_steps: list = []
         # CUDA steps' counts on their way to the host, oldest first: (reporter, step, HostCopy), the
         # reporter the name of the method that counts them (keys that failed, rows not updated).
         self._counts_in_flight: list = []
@@ -292,9 +298,23 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                              "stores its new keys and refreshes its keys' scores as a training "
                                              "step does (new keys may evict stored ones; native tables would only "
                                              "read): call model.eval() for a forward that only looks keys up")
+        else:
+            self._open_steps = self._open_steps[-(self.kOpenSteps - 1):] + [self.step]
         self._report_failures(res.failed, self.step)
         rows, ukeys, utids, inverse = res.rows, res.keys, res.table_ids, res.inverse
         return _LookupFunction.apply(self._anchor, self, rows, ukeys, utids, inverse, offsets, psw)
+
+    kOpenSteps = 8
+
+    def _closed(self, step: int) -> None:
+        """Step `step`'s backward has updated its rows."""
+        if step in self._open_steps:
+            self._open_steps.remove(step)
+
+    def oldest_open_step(self) -> Optional[int]:
+        """The step of the oldest training forward whose backward has not run
+        (its keys scored, its rows not yet updated), or None."""
+        return min(self._open_steps) if self._open_steps else None
 
     def _eval_lookup(self, indices, offsets, psw) -> torch.Tensor:
         """The eval forward: read-only rows, so no dedup where the storage fuses lookup and pooling."""

@@ -113,10 +113,14 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
                      torch.cat(values).to(dev) if values
                      else torch.empty(0, dim, dtype=ref.module.embedding_dtype, device=dev))
         strategy = storage.strategy(t)
+        # A training forward whose backward has not run scored its keys
+        # already; their rows change at the backward: the next threshold
+        # must not pass it, or the update would be in no delta.
+        open_step = ref.module.oldest_open_step()
         if rules.access_time_is_clock(strategy):
-            nxt[name] = now
+            nxt[name] = now if open_step is None else threshold  # (no clock reading of that forward is kept)
         elif rules.scored_by_step(strategy):
-            nxt[name] = ref.module.step + 1  # the next training step's score
+            nxt[name] = ref.module.step + 1 if open_step is None else open_step  # the next step's score
         else:
             nxt[name] = threshold
     if world > 1:
@@ -148,6 +152,11 @@ def set_score(model: torch.nn.Module, score: Threshold) -> None:
     if isinstance(score, dict) and set(score) - set(tables):
         raise ValueError(f"set_score: the model has no dynamic tables named {sorted(set(score) - set(tables))}; "
                          f"it has {sorted(tables)}")
+    if not isinstance(score, dict) and not any(
+            rules.scored_by_caller(r.storage.strategy(r.index)) or rules.scored_by_step(r.storage.strategy(r.index))
+            for r in tables.values()):
+        warnings.warn(f"set_score: the model's dynamic tables {sorted(tables)} score by neither STEP nor CUSTOMIZED: "
+                      f"nothing was set", RuntimeWarning, stacklevel=2)
     for name, ref in tables.items():
         if isinstance(score, dict) and name not in score:
             continue

@@ -70,10 +70,45 @@ def test_get_and_set_score_step_and_customized():
     ts = H.plain_module(strategies=(S.TIMESTAMP, S.STEP), names=("x", "y"))
     with pytest.raises(ValueError, match="'x'.*only STEP and CUSTOMIZED"):
         set_score(ts, {"x": 1})
+    lfu = H.plain_module(strategies=(S.LFU,), names=("f",))
+    with pytest.warns(RuntimeWarning, match=r"set_score: the model's dynamic tables \['f'\] score by neither"):
+        set_score(lfu, 3)
     # A misspelt table name is an error, not a silent no-op.
     with pytest.raises(ValueError, match=r"no dynamic tables named \['typo'\]"):
         set_score(m, {"typo": 1})
     assert get_score(m) == {"s": 3, "c": 3}
+
+
+@pytest.mark.parametrize("strategy", ["STEP", "TIMESTAMP"])
+def test_a_dump_between_a_forward_and_its_backward_keeps_its_update_for_the_next(strategy):
+    """The forward scores its keys, the backward changes their rows: a dump
+    in between has their old rows, so its next threshold must select them
+    again (reference: the rows the live model holds after the backward)."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=1024, bucket_capacity=16,
+                                                              score_strategy=getattr(H.S, strategy))],
+                                      table_names=["t"], optimizer=EmbOptimType.ADAM, learning_rate=0.1)
+
+    def forward(keys):
+        return m(torch.tensor(keys), torch.tensor([0, len(keys)]))
+    forward([1, 2, 3]).sum().backward()
+    _, nxt = incremental_dump(m, 0)
+    out = forward([5, 6])
+    mid, nxt_mid = incremental_dump(m, nxt)
+    assert sorted(mid["t"][0].tolist()) == [5, 6]
+    out.sum().backward()
+    after, _ = incremental_dump(m, nxt_mid)
+    live, _ = incremental_dump(m, 0)
+    rows = dict(zip(live["t"][0].tolist(), live["t"][1]))
+    got = dict(zip(after["t"][0].tolist(), after["t"][1]))
+    assert set(got) == {5, 6}
+    for k in (5, 6):
+        torch.testing.assert_close(got[k], rows[k], atol=0, rtol=0)
+        assert not torch.equal(got[k], mid["t"][1][mid["t"][0].tolist().index(k)])  # the update is in it
+    # With no forward open, the threshold moves past what was dumped.
+    _, nxt_after = incremental_dump(m, nxt_mid)
+    again, _ = incremental_dump(m, nxt_after)
+    assert again["t"][0].numel() == 0
 
 
 @pytest.mark.parametrize("bad", [2**70, 2.7, "5", True])
