@@ -208,7 +208,8 @@ def write_manifest(root: str, manifest: dict) -> None:
     (a step, a row count) would otherwise load as a different checkpoint."""
     path = os.path.join(root, MANIFEST)
     with open(path, "w") as f:
-        json.dump({**manifest, _MANIFEST_CRC: _manifest_crc(manifest)}, f, indent=1, sort_keys=True)
+        # Unsorted: the tables stay in the model's order (from_dump serves them so); the CRC is of sorted keys.
+        json.dump({**manifest, _MANIFEST_CRC: _manifest_crc(manifest)}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -233,7 +234,31 @@ def read_manifest(root: str) -> dict:
     if _MANIFEST_CRC in manifest and manifest[_MANIFEST_CRC] != _manifest_crc(manifest):
         raise CheckpointError(f"{path}: checksum mismatch: the manifest was changed or damaged after it was written")
     manifest.pop(_MANIFEST_CRC, None)
+    _check_fields(path, manifest)
     return manifest
+
+
+# The fields every reader takes from a manifest (a dump written before the
+# checksum, or one whose checksum was removed, is checked for these alone).
+_TABLE_FIELDS = {"files": list, "rows_per_rank": list, "dim": int, "dtype": str, "score_strategy": int,
+                 "has_optimizer_state": bool}
+_FILE_FIELDS = {"file": str, "bytes": int, "kind": str}
+
+
+def _check_fields(path: str, manifest: dict) -> None:
+    def need(where: str, d, fields: dict) -> None:
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path}: {where} is not an object: the manifest is damaged")
+        for key, kind in fields.items():
+            if not isinstance(d.get(key), kind):
+                got = "missing" if key not in d else f"{type(d[key]).__name__} {d[key]!r:.40}"
+                raise CheckpointError(f"{path}: {where} field {key!r} is {got}, expected {kind.__name__}: "
+                                      f"the manifest is damaged")
+    need("the manifest", manifest, {"tables": dict, "world_size": int})
+    for name, meta in manifest["tables"].items():
+        need(f"table {name!r}", meta, _TABLE_FIELDS)
+        for k, entry in enumerate(meta["files"]):
+            need(f"table {name!r} file {k}", entry, _FILE_FIELDS)
 
 
 def _old_hint(root: str) -> str:

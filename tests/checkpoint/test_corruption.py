@@ -104,6 +104,24 @@ def test_a_changed_manifest_is_refused(copy, old, new):
 
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("tables"), r"the manifest field 'tables' is missing"),
+    (lambda m: m["tables"]["a"].pop("files"), r"table 'a' field 'files' is missing"),
+    (lambda m: m["tables"]["b"]["files"][0].__setitem__("bytes", "12"), r"table 'b' file 0 field 'bytes' is str"),
+])
+def test_a_manifest_without_its_checksum_is_still_checked_for_its_fields(copy, edit, message):
+    """A manifest of a dump written before the checksum loads unchecked: one
+    missing a field the loader reads is refused by name, not by a KeyError."""
+    import json
+    path = os.path.join(copy, "manifest.json")
+    manifest = json.load(open(path))
+    manifest.pop("manifest_crc32")
+    edit(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    _refused_unchanged(copy, r"manifest.json: " + message)
+
+
 @pytest.mark.parametrize("model, message", [
     (lambda: H.plain_module(dims=(8, 6)), r"table 'b' in .*manifest.json: dim is 4, the model's is 6"),
     (lambda: H.plain_module(optimizer=EmbOptimType.EXACT_ADAGRAD), r"table 'a' in .*manifest.json: optimizer ADAM "

@@ -60,6 +60,20 @@ def test_dump_and_to_inference_equal_eval(tmp_path, pooling):
     assert loaded.table_names == ["x", "y"]
 
 
+def test_from_dump_keeps_the_models_table_order(tmp_path):
+    """Tables named out of alphabetical order: the dump serves them in the
+    model's order, so its TBE layout input reads as the model's does."""
+    opts = [DynamicEmbTableOptions(dim=4, max_capacity=1024), DynamicEmbTableOptions(dim=4, max_capacity=1024)]
+    m = BatchedDynamicEmbeddingTables(opts, table_names=["user", "item"], optimizer=EmbOptimType.EXACT_SGD,
+                                      learning_rate=0.5)
+    idx, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2, 4])  # user [1, 2], item [3, 4]
+    m(idx, offsets).sum().backward()
+    DynamicEmbDump(str(tmp_path / "d"), m.eval())
+    loaded = InferenceEmbeddingTable.from_dump(str(tmp_path / "d"))
+    assert loaded.table_names == ["user", "item"]
+    assert torch.equal(loaded(idx, offsets), m(idx, offsets))
+
+
 def test_from_dump_refuses_a_table_it_does_not_hold(tmp_path):
     m = _module("SUM")
     DynamicEmbDump(str(tmp_path / "d"), m)
