@@ -85,6 +85,10 @@ def complete_options(config: BaseEmbeddingConfig, options: DynamicEmbTableOption
     if options.num_embeddings is not None and options.num_embeddings != config.num_embeddings:
         raise ValueError(f"table {name!r}: dynamicemb_options.num_embeddings={options.num_embeddings!r} contradicts "
                          f"the table's num_embeddings={config.num_embeddings}")
+    if not isinstance(config.num_embeddings, int) or config.num_embeddings <= 0:
+        # (TorchRec's config takes it with explicit weight_init bounds; it sizes max_capacity and the default init.)
+        raise ValueError(f"table {name!r}: num_embeddings={config.num_embeddings!r} must be a positive int (a "
+                         f"dynamic table grows past it, but it sizes the default max_capacity and initializer)")
     policy = getattr(config, "virtual_table_eviction_policy", None)
     if policy is not None:
         raise ValueError(f"table {name!r}: virtual_table_eviction_policy ({type(policy).__name__}) configures "

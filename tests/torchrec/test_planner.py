@@ -253,6 +253,17 @@ def test_options_contradicting_the_config_name_the_table(option, value, word):
     assert "d_table" in msg and word in msg and str(value) in msg
 
 
+@pytest.mark.parametrize("num_embeddings", [0, -10])
+@pytest.mark.parametrize("max_capacity", [None, 1024])
+def test_a_config_without_rows_names_the_table(num_embeddings, max_capacity):
+    # TorchRec takes num_embeddings <= 0 when weight_init bounds are given: it
+    # raised ZeroDivisionError or "math domain error" from the default initializer.
+    configs = models.ebc_configs(["d_table"])
+    configs[0].num_embeddings, configs[0].weight_init_min, configs[0].weight_init_max = num_embeddings, -0.1, 0.1
+    msg = _error(configs, models.dynamic_constraints(["d_table"], max_capacity=max_capacity))
+    assert msg.startswith(f"table 'd_table': num_embeddings={num_embeddings} must be a positive int")
+
+
 def test_key_value_params_are_refused_by_table():
     # TorchRec's SSD / key-value kernel settings: dropped silently before.
     from torchrec.distributed.types import KeyValueParams
