@@ -5,7 +5,8 @@ An int8 row is `dim` unsigned 8-bit codes followed by its float32 scale and
 bias (dim + 8 bytes): value = code * scale + bias, with scale = (max - min) /
 255 and bias = min of the row (the bytes of FBGEMM's
 FloatToFused8BitRowwiseQuantized), so the error of an element is at most scale /
-2 (half a step of its row's range). The kernels (emb_lookup_forward) read
+2 (half a step of its row's range) plus _EPS (the codes are taken with
+255 / (range + _EPS): a row of range 1e-9 is off by up to about 1e-9). The kernels (emb_lookup_forward) read
 this layout directly; the codes are computed here with torch alone, so that
 building or serving a table needs no FBGEMM.
 """
