@@ -105,7 +105,10 @@ def incremental_dump(model: torch.nn.Module, score_threshold: Threshold, pg: Opt
         if rules.access_time_is_clock(storage.strategy(t)):
             _warn_threshold_before_load(name, ref.module.clock_loads.get(t), threshold)
         keys, values = [], []
-        for k, rows, _ in storage.export(t, threshold=threshold):
+        # A clock threshold of 0 is every row: a load on another clock restores a row older than this
+        # clock's origin (time.monotonic_ns(): the host's uptime) at a negative reading.
+        every = threshold <= 0 and rules.access_time_is_clock(storage.strategy(t))
+        for k, rows, _ in storage.export(t, threshold=None if every else threshold):
             keys.append(k)
             values.append(rows[:, :ref.options.dim])
         dim, dev = ref.options.dim, ref.module.device

@@ -195,11 +195,16 @@ class DynamicEmbTableOptions:
         """NVIDIA's option names as ours (aliases.py)."""
         if self.evict_strategy is not None:
             strategy = score_strategy_of_evict(self.evict_strategy)
-            renamed(f"evict_strategy={self.evict_strategy}", f"score_strategy=DynamicEmbScoreStrategy.{strategy.name}"
-                    " (eviction follows the score strategy)", 5)
             # As in NVIDIA's, an explicit score strategy decides; the default (TIMESTAMP) yields.
-            if self.score_strategy is DynamicEmbScoreStrategy.TIMESTAMP:
+            given = self.score_strategy
+            if given is DynamicEmbScoreStrategy.TIMESTAMP:
                 self.score_strategy = strategy
+            label = getattr(given, "name", given)
+            kept = ("" if self.score_strategy == strategy else
+                    f"; the score_strategy given ({label}) decides here, so this table evicts by {label}, "
+                    f"not by evict_strategy")
+            renamed(f"evict_strategy={self.evict_strategy}", f"score_strategy=DynamicEmbScoreStrategy.{strategy.name}"
+                    f" (eviction follows the score strategy){kept}", 5)
             self.evict_strategy = None
         # Once per storage: the module re-creates options (dataclasses.replace) with it.
         if self.external_storage is not None and _first_sight(self.external_storage):

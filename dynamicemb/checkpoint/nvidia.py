@@ -29,6 +29,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -41,7 +42,7 @@ from dynamicemb.optimizer import optimizer_code
 from dynamicemb.options import DynamicEmbInitializerArgs, DynamicEmbInitializerMode
 from dynamicemb.positions import by_group
 from dynamicemb.routing import owners
-from dynamicemb.types import DynamicEmbScoreStrategy, strategy_code
+from dynamicemb.types import DynamicEmbScoreStrategy, strategy_code, strategy_label
 
 __all__ = ["NvidiaImportError", "import_nvidia"]
 
@@ -153,9 +154,17 @@ def _discover(src: str) -> Dict[str, dict]:
         meta_path = os.path.join(t["dir"], f"{name}_opt_args.json")
         t["meta"] = {}
         if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                t["meta"] = json.load(f)
+            try:
+                with open(meta_path) as f:
+                    t["meta"] = json.load(f)
+            except ValueError as e:
+                raise NvidiaImportError(f"table {name!r}: {meta_path} is not valid JSON: {e}") from None
         ranks = set(range(t["world"]))
+        for item, per_rank in t["files"].items():
+            stray = sorted(r for r in per_rank if r not in ranks)
+            if stray:
+                raise NvidiaImportError(f"table {name!r}: {item} files of ranks {stray} in {t['dir']} are past "
+                                        f"world size {t['world']} (files of another dump mixed in?)")
         for item in ("emb_keys", "emb_values"):
             have = set(t["files"].get(item, {}))
             if have != ranks:
@@ -327,6 +336,10 @@ def _import_table(root, name, t, score_strategy, dist_type, num_embeddings, worl
             raise NvidiaImportError(f"table {name!r}: {files['emb_scores'][r]} does not hold one int64 score "
                                     f"per key ({rows[r]})")
     clock = rules.score_is_clock(strategy)
+    if not have_scores and not clock:
+        warnings.warn(f"import_nvidia: table {name!r} has no score files (NVIDIA leaves them out for LRU tables "
+                      f"only): every key imports with score 0 under {strategy_label(strategy)}", RuntimeWarning,
+                      stacklevel=3)
     current = meta.get("current_score")
     # The newest score: the reference of clock ages without the dump's time, the step or score without
     # the dump's current one (one pass over the score files, 8 bytes a row).
@@ -352,8 +365,11 @@ def _import_table(root, name, t, score_strategy, dist_type, num_embeddings, worl
             c = min(chunk_rows, rows[r] - s)
             keys = _read(files["emb_keys"][r], s, c, 1, torch.int64)
             part = {"keys": keys, "values": _read(files["emb_values"][r], s, c, dim, vdt).to(out_dt)}
-            sc = _read(files["emb_scores"][r], s, c, 1, torch.int64) if have_scores else torch.zeros(c, dtype=torch.int64)
-            part["scores"] = (ref - sc).clamp_(min=0) if clock else sc
+            if have_scores:
+                sc = _read(files["emb_scores"][r], s, c, 1, torch.int64)
+                part["scores"] = (ref - sc).clamp_(min=0) if clock else sc
+            else:  # no scores (an LRU table's dump): every row counts as touched at the dump, age 0
+                part["scores"] = torch.zeros(c, dtype=torch.int64)
             if has_state:
                 st = _read(files["opt_values"][r], s, c, their_width, sdt) if has_opt else torch.zeros(c, 0)
                 part["optimizer_state"] = _map_state(ours, st, width).to(out_dt).contiguous()

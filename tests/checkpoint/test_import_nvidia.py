@@ -70,6 +70,7 @@ from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbScoreStrategy, D
 from dynamicemb.checkpoint import CheckpointError, DynamicEmbLoad
 from dynamicemb.checkpoint.__main__ import main as checkpoint_main
 from dynamicemb.checkpoint.nvidia import NvidiaImportError, import_nvidia
+from dynamicemb.incremental_dump import incremental_dump
 from dynamicemb.routing import owners
 
 S = DynamicEmbScoreStrategy
@@ -366,3 +367,39 @@ def test_a_key_given_twice_is_refused_before_any_row_loads(tmp_path):
         DynamicEmbLoad(str(tmp_path / "dst"), m)
     after = H.entries(m)["a"]
     assert all(torch.equal(before[c], after[c]) for c in ("keys", "values", "state", "scores"))
+
+
+def test_an_lru_dump_without_scores_loads_its_rows_as_just_touched(tmp_path):
+    """No score files (NVIDIA's LRU tables): every row counts as touched at
+    the dump, with or without the dump's timer reading (with one, the rows
+    loaded about 54 years old and threshold 0 returned none)."""
+    rows = dict(source_rows(4, S.TIMESTAMP, seed=10), scores=None)
+    import_nvidia(_dump_a(tmp_path, rows, {"opt_type": "adam", "lr": 0.05, "iters": 1, "timestamp": DUMP_NS}),
+                  str(tmp_path / "dst"), score_strategy="TIMESTAMP")
+    m = _plain(EmbOptimType.ADAM, dim=4, strategy=S.TIMESTAMP)
+    before = H.now_ns()
+    DynamicEmbLoad(str(tmp_path / "dst"), m)
+    got = H.entries(m)["a"]
+    assert got["keys"].numel() == rows["keys"].numel()
+    assert bool((got["scores"] >= before).all())  # age 0 at the load
+    assert incremental_dump(m, 0)[0]["a"][0].numel() == rows["keys"].numel()
+
+
+def test_damaged_metadata_and_stray_rank_files_are_named(tmp_path):
+    rows = source_rows(4, S.STEP, seed=11)
+    src = _dump_a(tmp_path, rows, ADAM_ARGS, world=2)
+    with open(os.path.join(src, "a_opt_args.json"), "a") as f:
+        f.write("{")
+    with pytest.raises(NvidiaImportError, match=r"table 'a': .*a_opt_args.json is not valid JSON"):
+        import_nvidia(src, str(tmp_path / "dst"))
+    src = _dump_a(tmp_path / "b", rows, ADAM_ARGS, world=2)
+    with open(os.path.join(src, file_name("a", "emb_keys", 2, 2)), "wb") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(NvidiaImportError, match=r"table 'a': emb_keys files of ranks \[2\] .* past world size 2"):
+        import_nvidia(src, str(tmp_path / "dst2"))
+
+
+def test_a_step_dump_without_scores_warns(tmp_path):
+    rows = dict(source_rows(4, S.STEP, seed=12), scores=None)
+    with pytest.warns(RuntimeWarning, match=r"table 'a' has no score files .* score 0 under STEP"):
+        import_nvidia(_dump_a(tmp_path, rows, ADAM_ARGS), str(tmp_path / "dst"), score_strategy="STEP")

@@ -111,6 +111,22 @@ def test_a_dump_between_a_forward_and_its_backward_keeps_its_update_for_the_next
     assert again["t"][0].numel() == 0
 
 
+def test_threshold_zero_is_every_row_of_a_clock_table():
+    """Rows loaded from another clock older than this one's origin (the
+    host's uptime) hold negative readings: 0, "every row", still has them."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=1024, score_strategy=H.S.TIMESTAMP)],
+                                      table_names=["t"], optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1)
+    m(torch.arange(10), torch.tensor([0, 10])).sum().backward()
+    ht = m.storage.groups[0][0]
+    live = (ht.slot_scores != 0).nonzero().squeeze(1)[:4]
+    ht.slot_scores[live] = -(10 ** 15)  # as a load leaves rows aged more than the clock's reading
+    got, _ = incremental_dump(m, 0)
+    assert sorted(got["t"][0].tolist()) == list(range(10))
+    got, _ = incremental_dump(m, 1)
+    assert len(got["t"][0]) == 6
+
+
 @pytest.mark.parametrize("bad", [2**70, 2.7, "5", True])
 def test_scores_and_thresholds_must_be_int64s(bad):
     """A float or string score was truncated or parsed, and 2**70 failed in

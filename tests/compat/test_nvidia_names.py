@@ -70,7 +70,9 @@ def test_evict_strategy_is_score_strategy(evict, ours):
 
 
 def test_evict_strategy_yields_to_a_given_score_strategy_and_epoch_is_refused():
-    with pytest.warns(DeprecationWarning):  # NVIDIA's STEP tables evict CUSTOMIZED: the score strategy decides
+    # NVIDIA's STEP tables evict CUSTOMIZED: the score strategy decides, and the warning says so.
+    with pytest.warns(DeprecationWarning, match=r"the score_strategy given \(STEP\) decides here, so this table "
+                                                r"evicts by STEP, not by evict_strategy"):
         o = DynamicEmbTableOptions(dim=4, score_strategy=S.STEP, evict_strategy=DynamicEmbEvictStrategy.CUSTOMIZED)
     assert o.score_strategy == S.STEP
     with pytest.raises(ValueError, match="EPOCH_LRU.*no dynamicemb counterpart"):
