@@ -166,6 +166,11 @@ class DynamicEmbeddingShardingPlanner:
                 raise ValueError(f"table {name!r}: key_value_params configure TorchRec's SSD / key-value "
                                  f"kernels; a dynamic table keeps rows beyond memory with "
                                  f"dynamicemb_options caching=True and a backing store (HostStore, FileStore)")
+        if not self._dynamic and eb_configs:
+            warnings.warn(f"DynamicEmbeddingShardingPlanner: no table is dynamic (no "
+                          f"DynamicEmbParameterConstraints(use_dynamicemb=True) among the constraints): all "
+                          f"{len(eb_configs)} tables are planned as native TorchRec tables, whose ids must lie in "
+                          f"[0, num_embeddings)", RuntimeWarning, stacklevel=2)
         native = {n: c for n, c in constraints.items() if n not in self._dynamic}
         # Our reservation takes the dynamic tables' bytes out of the planner's
         # topology: a copy, so that the user's (which other planners may be
@@ -335,7 +340,9 @@ class DynamicEmbeddingShardingPlanner:
         return (f"table {name!r} does not fit in {kind}: it needs {bytes_[col]} bytes of {kind} per rank "
                 f"({what}, {o.max_capacity} rows per rank), but rank {rank} has {have - taken} of its {have} "
                 f"bytes left after the tables before it ({before}); all dynamic tables need {total} bytes of "
-                f"{kind} per rank ({ {n: b[col] for n, b in tiers.items()} })")
+                f"{kind} per rank ({ {n: b[col] for n, b in tiers.items()} }). Set dynamicemb_options.max_capacity "
+                f"(rows per rank; by default num_embeddings over the ranks), a memory_budget, or caching=True "
+                f"with a backing store")
 
     # ---- plans -------------------------------------------------------------------------
 

@@ -264,6 +264,21 @@ def test_a_config_without_rows_names_the_table(num_embeddings, max_capacity):
     assert msg.startswith(f"table 'd_table': num_embeddings={num_embeddings} must be a positive int")
 
 
+def test_a_planner_without_dynamic_tables_warns():
+    # Constraints left out: every table native, its large or negative ids folded to row 0 with only
+    # TorchRec's range warning (which the README says to expect for dynamic tables).
+    configs = models.ebc_configs(["d_table", "n_table"])
+    with pytest.warns(RuntimeWarning, match=r"no table is dynamic .* all 2 tables are planned as native"):
+        _planner(configs, {})
+
+
+def test_a_table_too_big_for_memory_says_what_to_set():
+    configs = [torchrec.EmbeddingBagConfig(name="d_table", embedding_dim=8, num_embeddings=2**40,
+                                           feature_names=["f"])]
+    msg = _error(configs, {"d_table": DynamicEmbParameterConstraints(use_dynamicemb=True)}, ddr_cap=2**34)
+    assert msg.startswith("table 'd_table' does not fit in DDR") and "Set dynamicemb_options.max_capacity" in msg
+
+
 def test_key_value_params_are_refused_by_table():
     # TorchRec's SSD / key-value kernel settings: dropped silently before.
     from torchrec.distributed.types import KeyValueParams
