@@ -243,6 +243,25 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
         if not pending(self._forward_pins):
             self._spare.reset()
 
+    def live_block_rows(self, t: int):
+        """Table t's rows in the live overflow blocks (a forward's keys that
+        no cache slot held, taken from the store, their backward pending):
+        (keys, [value | state] rows, scores, access times or None) per block,
+        a key in at most one (the newest forward's)."""
+        seen = None
+        for block in reversed(pending(self._forward_pins)):
+            if t not in block.tables:
+                continue
+            keys, rows, scores = block.tables[t]
+            ts = block.timestamps.get(t)
+            if seen is not None:
+                keep = where_true(~torch.isin(keys, seen))
+                keys, rows, scores = keys[keep], rows[keep], scores[keep]
+                ts = None if ts is None else ts[keep]
+            seen = keys if seen is None else torch.cat([seen, keys])
+            if keys.numel():
+                yield keys, self._weights[t].index_select(0, rows), scores, ts
+
     def _return_blocks(self) -> None:
         """Every live overflow block goes back to the store, before a pending
         backward (whose updates of those rows are then lost, as a flush's)."""
@@ -655,15 +674,18 @@ class CachedStorage(CacheCheckpoint, EmbeddingStorage, Placement):
             return slots
         return slots.masked_fill(fresh.index_select(0, slots.clamp(min=0)) & (slots >= 0), -1)
 
-    def _settle(self) -> None:
+    def _settle(self, keep_blocks: bool = False) -> None:
         """Takes the provisional keys out of the cache: those that pending
         prefetches made new, whose rows are initial values no forward has
         used. What reads or writes the tiers as a whole (flush, export, stats,
         eval lookups, loads) then sees only keys that training forwards
         stored, as without prefetch; a settled batch's forward stores its new
         keys again, with the same initial rows. Live overflow blocks go back
-        to the store first."""
-        self._return_blocks()
+        to the store first, unless `keep_blocks` (an export, which reads them
+        where they are: live_block_rows): a block's backward then updates
+        them as without the export."""
+        if not keep_blocks:
+            self._return_blocks()
         for g, fresh in enumerate(self._fresh):
             if fresh is None or not bool(fresh.any()):
                 continue

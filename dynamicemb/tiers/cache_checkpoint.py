@@ -2,6 +2,7 @@
 tiers/cache.py's CachedStorage, whose state they read): flush and reopen a
 persistent store, export and load both tiers' rows, clear, stats, the
 eval forward over both tiers, and which keys either tier stores (admission)."""
+import itertools
 import warnings
 from typing import Optional
 
@@ -148,8 +149,10 @@ class CacheCheckpoint:
     def export_rows(self, table_id, batch_size=1 << 16, lazy=False):
         """A cached table's store rows, then its cache's: a load in this order
         places each key where it was (load_rows), so that a full table's
-        checkpoint fits it again."""
-        self._settle()
+        checkpoint fits it again. Between a forward and its backward, the
+        forward's overflow rows (keys taken from the store) go with the
+        store's, as they are now: the backward still updates them."""
+        self._settle(keep_blocks=True)
         if self.cached[table_id]:
             dim = self.dims[table_id]
             width = self.widths[table_id]
@@ -157,19 +160,25 @@ class CacheCheckpoint:
                 rows, ts = self.times.split(table_id, rows)
                 yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:width], scores.to(self.device),
                                None if ts is None else ts.to(self.device))
+            for keys, rows, scores, ts in self.live_block_rows(table_id):
+                yield RowBatch(keys.to(self.device), rows[:, :dim], rows[:, dim:width], scores.to(self.device),
+                               None if ts is None else ts.to(self.device))
         yield from self.tables.export_rows(table_id, batch_size, lazy)
 
     def export(self, table_id, batch_size=1 << 16, threshold=None):
-        self._settle()
+        self._settle(keep_blocks=True)  # (as export_rows: a pending backward's overflow rows read in place)
         yield from self.tables.export(table_id, batch_size, threshold)
         if self.cached[table_id]:
-            for keys, rows, scores in self.store.items(self.names[table_id], batch_size):
-                rows, ts = self.times.split(table_id, rows)
+            width = self.widths[table_id]
+            store = ((keys, *self.times.split(table_id, rows), scores)
+                     for keys, rows, scores in self.store.items(self.names[table_id], batch_size))
+            blocks = ((keys, rows, ts, scores) for keys, rows, scores, ts in self.live_block_rows(table_id))
+            for keys, rows, ts, scores in itertools.chain(store, blocks):
                 if threshold is not None:  # by access time where the table keeps one (as ScoredHashTable.export)
                     keep = (scores if ts is None else ts) >= threshold
                     keys, rows, scores = keys[keep], rows[keep], scores[keep]
                 if keys.numel():
-                    yield keys.to(self.device), rows.to(self.device), scores.to(self.device)
+                    yield keys.to(self.device), rows[:, :width].to(self.device), scores.to(self.device)
 
     def load_rows(self, table_id, batch: RowBatch) -> None:
         self._settle()

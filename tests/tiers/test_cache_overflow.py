@@ -159,3 +159,41 @@ def test_two_forwards_before_their_backwards_keep_every_key_in_one_place(tmp_pat
     assert small.table_stats()["t0"]["bypassed"] > 0
     for t in range(2):
         assert all_rows(small, t).keys() == all_rows(ref, t).keys()  # all_rows: no key in two places
+
+
+@pytest.mark.parametrize("read", ["dump", "incremental"])
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_a_checkpoint_between_forward_and_backward_keeps_the_overflow_rows_update(read, kind, tmp_path):
+    """A checkpoint between a forward whose keys overflowed the cache and its
+    backward: the dump holds every key as it is at the call (the overflow
+    rows too), and the backward still updates them (before, the export
+    sent them back to the store, and their update was lost)."""
+    from dynamicemb import DynamicEmbDump, DynamicEmbLoad
+    from dynamicemb.incremental_dump import incremental_dump
+    data = batches(6, seed=3)
+    small, ref = _small(kind, tmp_path, EmbOptimType.ADAM), module(EmbOptimType.ADAM)
+    for i, b in enumerate(data):
+        y, want = small(*b), ref(*b)
+        if i == 3:
+            snapshot = [all_rows(ref, t) for t in range(2)]
+            if read == "dump":
+                DynamicEmbDump(str(tmp_path / "ckpt"), small)
+            else:
+                got, _ = incremental_dump(small, 0)
+                for t, name in enumerate(("t0", "t1")):
+                    keys, values = got[name]
+                    assert sorted(keys.tolist()) == sorted(snapshot[t])
+                    for k, v in zip(keys.tolist(), values):
+                        assert torch.equal(v, snapshot[t][k][:v.numel()])
+        _loss(y).backward()
+        _loss(want).backward()
+    assert small.table_stats()["t0"]["bypassed"] > 0
+    for t in range(2):
+        got, want = all_rows(small, t), all_rows(ref, t)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    if read == "dump":
+        fresh = module(EmbOptimType.ADAM)
+        DynamicEmbLoad(str(tmp_path / "ckpt"), fresh)
+        for t in range(2):
+            got = all_rows(fresh, t)
+            assert got.keys() == snapshot[t].keys() and all(torch.equal(got[k], snapshot[t][k]) for k in got)
