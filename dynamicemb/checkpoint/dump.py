@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -199,6 +200,13 @@ def _background_group(pg: Optional[dist.ProcessGroup]):
     return group
 
 
+def _wait_for_background() -> None:
+    """At interpreter exit: the last non-blocking dump finishes (its error, if any, was warned)."""
+    last = _BACKGROUND["last"]
+    if last is not None:
+        last.join()
+
+
 class DumpHandle:
     """A dump running in the background; wait() returns when it is published
     (and re-raises its error)."""
@@ -320,10 +328,18 @@ def DynamicEmbDump(path: str, model: torch.nn.Module, table_names: Optional[Sequ
     def run():
         try:
             finish(snapshot, group)
-        except BaseException as e:  # surfaced by wait()
+        except BaseException as e:  # surfaced by wait(), and said now: a script may never call it
             errors.append(e)
+            warnings.warn(f"DynamicEmbDump to {path} (non-blocking) failed: {type(e).__name__}: {e}; nothing was "
+                          f"published there (its wait() raises this)", RuntimeWarning)
 
-    thread = threading.Thread(target=run, name="dynamicemb-dump", daemon=True)
+    # A script that ends without wait() (its last checkpoint, typically) still publishes the dump: the
+    # interpreter's exit first waits for it (threading's exit hooks run newest first, so before
+    # concurrent.futures', after which the writer's file syncs could not be scheduled).
+    thread = threading.Thread(target=run, name="dynamicemb-dump", daemon=False)
+    if not _BACKGROUND.get("at_exit"):
+        threading._register_atexit(_wait_for_background)
+        _BACKGROUND["at_exit"] = True
     thread.start()
     _BACKGROUND["last"] = thread
     return DumpHandle(thread, errors)

@@ -57,3 +57,35 @@ def test_non_blocking_dump_written_after_training_went_on(tmp_path, monkeypatch)
     H.assert_same_entries([want], [H.entries(fresh)], dist_types=H.PLAIN_DIST)
     assert (fresh.step, fresh.optimizer_step) == (3, 3) and get_score(fresh)["b"] == 5
     assert torch.equal(H.plain_probe(fresh), want_out)
+
+
+def test_a_script_that_ends_without_wait_still_publishes_its_dump(tmp_path):
+    """The last checkpoint of a script, non-blocking, never waited for: the
+    writer (slowed here) finishes before the interpreter exits, and the
+    dump loads with the rows of the call (its thread was a daemon: killed at
+    exit, nothing published, no word)."""
+    import subprocess
+    import sys
+    code = f"""
+import time, torch, warnings
+warnings.simplefilter("ignore")
+import dynamicemb.checkpoint.dump as D
+from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions, EmbOptimType
+from dynamicemb.checkpoint import DynamicEmbDump
+slow = D.write_part
+D.write_part = lambda *a, **k: (time.sleep(1.0), slow(*a, **k))[1]
+m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, max_capacity=1024)], table_names=["t"],
+                                  optimizer=EmbOptimType.ADAM, learning_rate=0.1)
+m(torch.arange(50), torch.tensor([0, 50])).sum().backward()
+torch.save(m.storage.find(torch.arange(50), torch.zeros(50, dtype=torch.int64)), {str(tmp_path / "slots.pt")!r})
+torch.save(m.storage.weights()[0].clone(), {str(tmp_path / "rows.pt")!r})
+DynamicEmbDump({str(tmp_path / "ckpt")!r}, m, blocking=False)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = H.plain_module(strategies=(H.S.TIMESTAMP,), names=("t",), dims=(4,))
+    DynamicEmbLoad(str(tmp_path / "ckpt"), m)
+    slots, rows = torch.load(tmp_path / "slots.pt"), torch.load(tmp_path / "rows.pt")
+    got = m.storage.find(torch.arange(50), torch.zeros(50, dtype=torch.int64))
+    assert bool((got >= 0).all())
+    torch.testing.assert_close(m.storage.weights()[0][got][:, :4], rows[slots][:, :4], atol=0, rtol=0)
