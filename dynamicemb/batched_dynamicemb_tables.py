@@ -434,7 +434,9 @@ class BatchedDynamicEmbeddingTables(nn.Module):
         # cheaper than isfinite().all()); an overflowing sum of finite values
         # only takes the exact per-row path, which then finds nothing.
         # Otherwise the update itself leaves out the rows whose summed
-        # gradient is not finite, and counts them per table on the device.
+        # gradient is not finite, and counts them per table on the device;
+        # it does under ERROR too, where a sum of finite entries that
+        # overflows (only the summing finds it) raises after the update.
         check_first = self._raises_in_step()
         if check_first and not bool(torch.isfinite(grad_output.sum())):
             rows = self._skip_nonfinite(grad_output, rows, utids, inverse, offsets)
@@ -444,10 +446,24 @@ class BatchedDynamicEmbeddingTables(nn.Module):
                                           self.optimizer, self.learning_rate, self.eps, self.beta1, self.beta2,
                                           self.weight_decay, self.optimizer_step, self.weight_decay_mode,
                                           clipping_bound(self.gradient_clipping, self.max_gradient),
-                                          skip_nonfinite=not check_first)
+                                          skip_nonfinite=True)
         self.storage.batch_done()  # its rows may move again
         if not check_first:  # on CUDA counted when the copy lands: the step does not wait
             self._report_counts("_count_nonfinite", skipped, self.optimizer_step, stacklevel=5)
+        else:
+            self._overflowed(skipped.cpu(), self.optimizer_step)
+
+    def _overflowed(self, counts: torch.Tensor, optimizer_step: int) -> None:
+        """Under ERROR, rows the update left out although no gradient entry
+        was NaN / inf (checked first): their summed gradient overflowed.
+        Counted and warned as any; an ERROR table's raise, its other rows
+        updated."""
+        self._count_nonfinite(counts, optimizer_step, stacklevel=6)
+        errors = [self._nonfinite_msg(t, counts, optimizer_step) for t in counts.nonzero().squeeze(1).tolist()
+                  if self.table_options[t].safe_check_mode == DynamicEmbCheckMode.ERROR]
+        if errors:
+            raise FloatingPointError("dynamicemb: " + "; ".join(errors) + " (a sum of finite entries that "
+                                     "overflowed); those rows were left out of the update, the others updated")
 
     def _count_nonfinite(self, counts: torch.Tensor, optimizer_step: int, stacklevel: int) -> None:
         """Rows per table whose update was left out for a non-finite gradient

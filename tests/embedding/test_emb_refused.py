@@ -167,6 +167,28 @@ def test_warning_skips_a_row_whose_summed_gradient_overflows():
     torch.testing.assert_close(stored(m, 0, [1, 2])[1], want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_error_raises_for_a_row_whose_summed_gradient_overflows(weighted):
+    # As above under ERROR: no entry is NaN / inf, so the check before the
+    # update passes (with per-sample weights the output gradient's sum is even
+    # finite); the update leaves key 1 out, updates key 2, and the step raises
+    # (it wrote -inf into key 1's row, silently, and counted nothing).
+    m = make_module([4], initializer_args=DEBUG_INIT, safe_check_mode=DynamicEmbCheckMode.ERROR)
+    indices, offsets = bags([[1, 2], [1]])
+    psw = torch.tensor([3e38, 1.0, 3e38]) if weighted else None
+    out = m(indices, offsets, per_sample_weights=psw)
+    grad = torch.zeros(out.shape)
+    grad[:, 0] = 1.0 if weighted else 3e38
+    with pytest.raises(FloatingPointError, match=r"table 't0': 1 rows got a non-finite \(NaN / inf\) gradient at "
+                                                 r"optimizer step 1 \(a sum of finite entries that overflowed\)"):
+        out.backward(grad)
+    assert m.table_stats()["t0"]["nonfinite_grads"] == 1
+    rows = stored(m, 0, [1, 2])[1]
+    torch.testing.assert_close(rows[0], debug_rows([1], 4)[0], atol=0, rtol=0)  # left out, not -inf
+    g2 = grad[0] * (psw[1] if weighted else 1.0)
+    torch.testing.assert_close(rows[1], debug_rows([2], 4)[0] - torch.tensor(m.learning_rate) * g2, rtol=1e-6, atol=0)
+
+
 def test_nonfinite_counts_that_land_later_warn_naming_their_step(monkeypatch):
     """A CUDA step does not wait for its non-finite counts: they are counted
     and warned when their copy lands (here: at table_stats), naming their
