@@ -291,8 +291,8 @@ class DynamicEmbeddingShardingPlanner:
             given = self._given_budget.get(n)
             if given is None:
                 share[n] = sum(tiers[n])
-            else:
-                out[n][col[n]] += max(0, given - sum(tiers[n]))
+            else:  # the budget is the table's (rows and slots); its admission counter comes on top
+                out[n][col[n]] += max(0, given - (sum(tiers[n]) - self._counter_bytes(n)))
         for c in (0, 1):
             mine = {n: w for n, w in share.items() if col[n] == c}
             if not mine or self.no_eviction_growth == 0:
@@ -319,8 +319,8 @@ class DynamicEmbeddingShardingPlanner:
                     raise ValueError(self._overflow_message(tiers, kind, col, have, d.rank))
             d.storage.hbm = free_hbm - hbm
             d.storage.ddr = free_ddr - ddr
-        for n, b in tiers.items():
-            self.options[n] = dataclasses.replace(self.options[n], memory_budget=sum(b))
+        for n, b in tiers.items():  # the table's own bytes (TableBudget counts rows and slots): less its counter's
+            self.options[n] = dataclasses.replace(self.options[n], memory_budget=sum(b) - self._counter_bytes(n))
 
     def _overflow_message(self, tiers, kind: str, col: int, have: int, rank: int) -> str:
         taken, before = 0, []

@@ -142,3 +142,25 @@ def test_planner_refuses_a_memory_budget_no_rank_has():
         raise AssertionError("expected a refusal")
     except ValueError as e:
         assert "'b_table'" in str(e) and f"memory_budget of {2 << 30} bytes" in str(e)
+
+
+def test_a_given_budget_is_the_tables_own_beside_its_admission_counter():
+    """An admission counter's bytes are reserved on top of a NO_EVICTION
+    table's given memory_budget, not handed to the table as room to grow
+    (it grew 4x past its budget into them): the same table without a
+    counter is the reference."""
+    from dynamicemb import FrequencyAdmissionStrategy, KVCounter
+    S = DynamicEmbScoreStrategy
+    budget = table_bytes(4096, DIM * 4)
+    planned = {}
+    for admit in (False, True):
+        constraints = models.dynamic_constraints(["a_table", "b_table", "c_table"], score_strategy=S.NO_EVICTION,
+                                                 memory_budget=budget)
+        if admit:
+            o = constraints["a_table"].dynamicemb_options
+            o.admit_strategy, o.admission_counter = FrequencyAdmissionStrategy(2), KVCounter(capacity=65536)
+        planner, configs = _planner(constraints)
+        budgets = _plan(planner, configs)
+        planned[admit] = (budgets["a_table"], sum(planner.allotted_bytes_per_rank()["a_table"]))
+    assert planned[False][0] == planned[True][0] == budget  # the table's own budget either way
+    assert planned[True][1] - planned[False][1] > 65536 * 8  # the counter's room (at least a key per slot) on top
