@@ -34,7 +34,9 @@ class CacheCheckpoint:
             block = torch.zeros(sel.numel(), w.shape[1], dtype=w.dtype, device=w.device)
             r = slots[sel]
             have = r >= 0
-            block[have.to(w.device)] = w[r[have].to(w.device)]
+            # A table beside the cached ones may be hybrid: its rows past the head are in its host tail.
+            rows = w if self.cached[t] else self.tables.rows_of(t)
+            block[have.to(w.device)] = rows.index_select(0, r[have].to(w.device))
             if self.cached[t] and bool((~have).any()):
                 miss = where_true(~have)
                 found, rows, _ = self.store.read(self.names[t], ukeys[sel][miss].cpu())
@@ -75,6 +77,13 @@ class CacheCheckpoint:
                 f"{layout['num_shards']} by {layout['dist_type']!r}, so keys would be looked up on ranks that do "
                 f"not hold them. Reopen it sharded as before, or move its rows with DynamicEmbDump and "
                 f"DynamicEmbLoad (any world size)")
+        saved_dim = state.get("dim")
+        if saved_dim is not None and int(saved_dim) != self.dims[t]:
+            # The row width alone is checked by the store: dim 8 with SGD reads as dim 4 with Adagrad.
+            raise ValueError(
+                f"table {self.names[t]!r}: its backing store holds rows of dim {saved_dim} (values, then "
+                f"optimizer state); the table now has dim {self.dims[t]}, which would read part of each value as "
+                f"optimizer state. Reopen it with the same dim and optimizer")
         saved_strategy = state.get("score_strategy")
         if saved_strategy is not None and int(saved_strategy) != self.strategy(t):
             # Scores mean what the strategy says (a clock reading, a step, a count): read under
@@ -128,7 +137,7 @@ class CacheCheckpoint:
                 lost[self.names[t]] = int(self.tier_counters[t, _T.LOST]) - before
             self.tables.clear_table(t)
             saved = {"module": state or {}, "custom_score": self.custom_scores[t], "clock": self.now(t),
-                     "layout": self._layout(t), "score_strategy": self.strategy(t)}
+                     "layout": self._layout(t), "score_strategy": self.strategy(t), "dim": self.dims[t]}
             if self.times.cols[t]:  # the clock the stored access times are readings of
                 saved["timestamp_clock"] = self.now(t) - self.times.shift[t]
             self.store.save_state(self.names[t], saved)

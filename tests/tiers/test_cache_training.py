@@ -104,3 +104,32 @@ def test_training_forward_under_no_grad_pins_nothing():
     for b in data[2:]:
         assert torch.equal(step(cached, b), step(ref, b))
     assert all_rows(cached, 0).keys() == all_rows(ref, 0).keys()
+
+
+def test_eval_of_a_hybrid_table_beside_a_cached_one_reads_its_host_rows():
+    """A hybrid table (rows past its global_hbm_for_values share in host
+    memory) in the same module as a cached table: eval reads its host rows
+    too, as the module without budgets does (it indexed past its head and
+    raised IndexError)."""
+    from dynamicemb import BatchedDynamicEmbeddingTables, DynamicEmbTableOptions
+
+    def build(budgets):
+        hyb = dict(global_hbm_for_values=100 * 8 * 4) if budgets else {}
+        cac = dict(caching=True, global_hbm_for_values=256 * 8 * 4) if budgets else {}
+        return BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=8, max_capacity=4096, **hyb),
+                                              DynamicEmbTableOptions(dim=8, max_capacity=4096, **cac)],
+                                             table_names=["hyb", "cached"], optimizer=EmbOptimType.EXACT_SGD,
+                                             learning_rate=0.05)
+    a, b = build(True), build(False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = (torch.rand(400, generator=g) * 1000).long()
+        ya, yb = a(ids, torch.arange(0, 401, 4)), b(ids, torch.arange(0, 401, 4))
+        assert torch.equal(ya, yb)
+        ya.pow(2).sum().backward()
+        yb.pow(2).sum().backward()
+    assert a.table_stats()["hyb"]["host_rows"] > 0 and a.table_stats()["cached"]["store_rows"] > 0
+    a.eval()
+    b.eval()
+    ids = torch.arange(1000)
+    assert torch.equal(a(ids, torch.arange(0, 1001, 5)), b(ids, torch.arange(0, 1001, 5)))

@@ -442,6 +442,24 @@ def test_a_store_reopened_by_another_score_strategy_is_refused(tmp_path):
     assert {s for b in m.storage.export_rows(0) for s in b.scores.tolist()} == {1}  # the counts, as stored
 
 
+def test_a_store_reopened_with_another_dim_of_the_same_row_width_is_refused(tmp_path):
+    """Dim 8 with SGD and dim 4 with Adagrad both store 8 columns: the store's
+    width check passes, and half of each value would be read as Adagrad's
+    accumulator."""
+    from dynamicemb import EmbOptimType
+    opts = dict(max_capacity=4096, bucket_capacity=BUCKET, caching=True, global_hbm_for_values=512 * 8 * 4,
+                storage_path=str(tmp_path))
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=8, **opts)], ["t"], optimizer=EmbOptimType.EXACT_SGD)
+    step(m, (torch.arange(100), torch.tensor([0, 100])))
+    m.flush()
+    m.storage.store.close()
+    with pytest.raises(ValueError, match=r"table 't': its backing store holds rows of dim 8 .* now has dim 4"):
+        BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=4, **opts)], ["t"],
+                                      optimizer=EmbOptimType.EXACT_ADAGRAD)
+    m = BatchedDynamicEmbeddingTables([DynamicEmbTableOptions(dim=8, **opts)], ["t"], optimizer=EmbOptimType.EXACT_SGD)
+    assert m.table_stats()["t"]["size"] == 100
+
+
 def test_a_refused_reopen_releases_the_store(tmp_path):
     """A module that fails to open over a storage_path closes the FileStore
     it made (its locks and maps), even while the error is still held."""
