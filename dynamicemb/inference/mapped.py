@@ -19,6 +19,7 @@ kernel in place (cuda_view); load(..., hbm_cache_bytes=N) copies up to N
 bytes of rows to the device, read there instead (hot_cache.py).
 """
 import json
+import math
 import os
 import struct
 from typing import Dict, List
@@ -90,19 +91,38 @@ def read_header(path: str) -> tuple:
         size = os.path.getsize(path)
         if not 0 <= n <= size - 8:
             raise ValueError(f"{path}: not a safetensors file (header length {n}, file {size} bytes)")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:  # (UnicodeDecodeError, JSONDecodeError)
+            raise ValueError(f"{path}: its header is not valid JSON ({type(e).__name__}: {e}): the file is "
+                             f"damaged") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its header is not a safetensors header: the file is damaged")
     meta = header.pop("__metadata__", {}) or {}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not an InferenceEmbeddingTable file (format {meta.get('format')!r}, "
                          f"expected {FORMAT!r}; write one with InferenceEmbeddingTable.save)")
     tensors = {}
-    for k, v in header.items():
-        b, e = v["data_offsets"]
-        if v["dtype"] not in _FROM_CODE or not 0 <= b <= e <= size - 8 - n:
-            raise ValueError(f"{path}: tensor {k!r} ({v['dtype']}, bytes {b}..{e}) is not readable: truncated or "
-                             f"an unknown dtype")
-        tensors[k] = (_FROM_CODE[v["dtype"]], v["shape"], 8 + n + b, 8 + n + e)
-    return tensors, json.loads(meta["config"])
+    try:
+        for k, v in header.items():
+            b, e = v["data_offsets"]
+            if v["dtype"] not in _FROM_CODE or not 0 <= b <= e <= size - 8 - n:
+                raise ValueError(f"{path}: tensor {k!r} ({v['dtype']}, bytes {b}..{e}) is not readable: truncated "
+                                 f"or an unknown dtype")
+            dtype, shape = _FROM_CODE[v["dtype"]], [int(d) for d in v["shape"]]
+            if math.prod(shape) * dtype.itemsize != e - b:
+                raise ValueError(f"{path}: tensor {k!r} of shape {shape} ({v['dtype']}) does not fill its {e - b} "
+                                 f"bytes: the file is damaged")
+            tensors[k] = (dtype, shape, 8 + n + b, 8 + n + e)
+        cfg = json.loads(meta["config"])
+        missing = [k for k in CONFIG + ("value_dtype", "output_dtype") if k not in cfg]
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(path):
+            raise
+        raise ValueError(f"{path}: its header or config is damaged ({type(e).__name__}: {e})") from None
+    if missing:
+        raise ValueError(f"{path}: its config lacks {missing}: the file is damaged or from another version")
+    return tensors, cfg
 
 
 def map_file(path: str, tensors: Dict[str, tuple], device: torch.device) -> Dict[str, torch.Tensor]:
@@ -176,6 +196,11 @@ def load(cls, path: str, mmap: bool = True, device=None, hbm_cache_bytes: int = 
     missing = [k for k in names if k not in bufs]
     if missing:
         raise ValueError(f"{path}: tables {cfg['table_names']}: the file lacks tensors {missing}")
+    tb, slots = bufs["table_buckets"], bufs["slot_keys"].numel()
+    if tb.dim() != 1 or tb.numel() != len(cfg["table_names"]) + 1 or int(tb[0]) != 0 or \
+            bool((tb.diff() <= 0).any()) or int(tb[-1]) * int(cfg["bucket_capacity"]) != slots:
+        raise ValueError(f"{path}: its table_buckets {tb.tolist()[:8]} do not lay out {len(cfg['table_names'])} "
+                         f"tables over its {slots} slots: the file is damaged")
     for k in names:
         # On CUDA the index (keys, digests: 9 bytes a slot) is copied to device
         # memory; the rows stay in the registered host mapping.

@@ -7,6 +7,7 @@ by less than a quarter of the table's bytes while its lookups touch every
 row. The reference is the in-memory table the file was saved from."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,57 @@ def test_not_a_table_file(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 100)
     with pytest.raises(ValueError, match="truncated"):
+        InferenceEmbeddingTable.load(path)
+
+
+def _rewrite_header(path, edit):
+    """The file at path with its safetensors header (JSON) replaced by edit(header)."""
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header, data = json.loads(f.read(n)), f.read()
+    raw = edit(header)
+    raw = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _config_edit(fn):
+    def edit(h):
+        cfg = json.loads(h["__metadata__"]["config"])
+        fn(cfg)
+        h["__metadata__"]["config"] = json.dumps(cfg)
+        return h
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: b"{\x8b" + json.dumps(h).encode()[1:], r"its header is not valid JSON"),
+    (_config_edit(lambda c: c.pop("table_names")), r"its config lacks \['table_names'\]"),
+    (lambda h: {**h, "weight_0": {**h["weight_0"], "shape": [h["weight_0"]["shape"][0] - 1,
+                                                             h["weight_0"]["shape"][1]]}},
+     r"tensor 'weight_0' of shape .* does not fill its \d+ bytes"),
+])
+def test_a_damaged_header_is_refused_naming_the_file(tmp_path, edit, message):
+    # They raised bare UnicodeDecodeError, KeyError or a reshape error naming no file.
+    path = InferenceEmbeddingTable(_tables()).save(str(tmp_path / "x.safetensors"))
+    _rewrite_header(path, edit)
+    for mmap in (True, False):
+        with pytest.raises(ValueError, match=re.escape(path) + ": " + message):
+            InferenceEmbeddingTable.load(path, mmap=mmap)
+
+
+def test_damaged_table_buckets_are_refused_naming_the_file(tmp_path):
+    # A garbage layout reached the kernel: "hash table 0 must hold -2314885530818453568 slots".
+    import struct
+    path = InferenceEmbeddingTable(_tables()).save(str(tmp_path / "x.safetensors"))
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        begin, _ = json.loads(f.read(n))["table_buckets"]["data_offsets"]
+        f.seek(8 + n + begin)
+        f.write(b"\x7f" * 16)
+    with pytest.raises(ValueError, match=re.escape(path) + r": its table_buckets .* do not lay out"):
         InferenceEmbeddingTable.load(path)
 
 
