@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -15,8 +17,12 @@ def test_the_replay_evicts_and_times_both_variants(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "replay.json"
-    mod.main(["--slots", "4096", "--tables", "2", "--stored", "300", "--new", "700", "--calls", "3",
-              "--out", str(out)])
+    threads = torch.get_num_threads()  # main sets its own: the later tests run with this process's
+    try:
+        mod.main(["--slots", "4096", "--tables", "2", "--stored", "300", "--new", "700", "--calls", "3",
+                  "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     res = json.loads(out.read_text())
     for v in ("hold_stored=0", "hold_stored=1"):
         assert len(res["ms_per_call"][v]) == 3 and min(res["ms_per_call"][v]) > 0
