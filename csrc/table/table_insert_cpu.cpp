@@ -248,7 +248,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> insert(
           }
         }
         R.commit(slot, result, key, r.digest, scoring, key_score, ecall);
-        if (result != kAssigned) placed[r.digest >> 6] |= uint64_t{1} << (r.digest & 63);
+        if (hold_stored && result != kAssigned) placed[r.digest >> 6] |= uint64_t{1} << (r.digest & 63);
         r.res = result;
         r.bucket = slot;
       }

@@ -83,6 +83,11 @@ def save(module, path: str) -> str:
     return path
 
 
+def _offsets(pair) -> tuple:
+    b, e = pair  # (a ValueError for another count)
+    return int(b), int(e)
+
+
 def read_header(path: str) -> tuple:
     """(tensors {name: (dtype, shape, begin, end) in file bytes}, config) of a saved table."""
     with open(path, "rb") as f:
@@ -102,26 +107,25 @@ def read_header(path: str) -> tuple:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not an InferenceEmbeddingTable file (format {meta.get('format')!r}, "
                          f"expected {FORMAT!r}; write one with InferenceEmbeddingTable.save)")
-    tensors = {}
-    try:
-        for k, v in header.items():
-            b, e = v["data_offsets"]
-            if v["dtype"] not in _FROM_CODE or not 0 <= b <= e <= size - 8 - n:
-                raise ValueError(f"{path}: tensor {k!r} ({v['dtype']}, bytes {b}..{e}) is not readable: truncated "
-                                 f"or an unknown dtype")
-            dtype, shape = _FROM_CODE[v["dtype"]], [int(d) for d in v["shape"]]
-            if math.prod(shape) * dtype.itemsize != e - b:
-                raise ValueError(f"{path}: tensor {k!r} of shape {shape} ({v['dtype']}) does not fill its {e - b} "
-                                 f"bytes: the file is damaged")
-            tensors[k] = (dtype, shape, 8 + n + b, 8 + n + e)
+    try:  # every field a reader takes, as its type: the checks below then raise only their own errors
+        entries = [(k, _offsets(v["data_offsets"]), v["dtype"], [int(d) for d in v["shape"]])
+                   for k, v in header.items()]
         cfg = json.loads(meta["config"])
         missing = [k for k in CONFIG + ("value_dtype", "output_dtype") if k not in cfg]
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and str(e).startswith(path):
-            raise
         raise ValueError(f"{path}: its header or config is damaged ({type(e).__name__}: {e})") from None
     if missing:
         raise ValueError(f"{path}: its config lacks {missing}: the file is damaged or from another version")
+    tensors = {}
+    for k, (b, e), code, shape in entries:
+        if code not in _FROM_CODE or not 0 <= b <= e <= size - 8 - n:
+            raise ValueError(f"{path}: tensor {k!r} ({code}, bytes {b}..{e}) is not readable: truncated or an "
+                             f"unknown dtype")
+        dtype = _FROM_CODE[code]
+        if math.prod(shape) * dtype.itemsize != e - b:
+            raise ValueError(f"{path}: tensor {k!r} of shape {shape} ({code}) does not fill its {e - b} bytes: "
+                             f"the file is damaged")
+        tensors[k] = (dtype, shape, 8 + n + b, 8 + n + e)
     return tensors, cfg
 
 
